@@ -1,0 +1,90 @@
+"""The attention function kvmemory registers with transformers: sdpa plus the per-slot bias β.
+
+Logits to a compacted slot get +β (Attention Matching's mass correction); padding slots carry β = −∞.
+New tokens attend causally to each other (bottom-right aligned: the cache's S slots end with the Q new
+ones). GQA is never expanded in memory (``enable_gqa``).
+
+Two code paths:
+
+* ``mask`` (default, CPU): β and the causal part become one additive float mask. With no compaction
+  yet and a single query this is plain sdpa with no mask at all.
+* ``folded`` (default on CUDA): a float mask pushes CUDA's sdpa off the flash kernel. β is folded into
+  one extra head dimension instead, q′ = [q, c], k′ = [k, β/(scale·c)], v′ = [v, 0] (padded to a
+  multiple of 8), so scale·q′·k′ = scale·q·k + β and decoding runs a mask-free fast kernel.
+  −∞ padding becomes a large negative finite number. Numerically equal to ``mask`` (tested on CPU).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "kvmemory"
+FOLD_PAD = 8  # extra head dims for the folded bias: keeps head_dim a multiple of 8 for fast kernels
+FOLD_CONSTANT = 1.0
+FOLD_NEG = -1e4  # stands in for −∞ in the folded path (exp underflows to 0 all the same)
+
+
+@lru_cache(maxsize=8)
+def causal_mask(q_len: int, kv_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(Q, S) additive mask: query i sees every past slot and new tokens up to itself."""
+    mask = torch.zeros(q_len, kv_len, dtype=dtype, device=device)
+    new = torch.full((q_len, q_len), float("-inf"), dtype=dtype, device=device).triu(1)
+    mask[:, kv_len - q_len :] = new
+    return mask
+
+
+def _attention_bias(module, kwargs) -> torch.Tensor | None:
+    cache = kwargs.get("compact_cache")
+    return None if cache is None else cache.layers[module.layer_idx].attention_bias()
+
+
+def mask_sdpa(query, key, value, bias, scaling):
+    """β and causality as one additive mask. query (B, Hq, Q, D); key/value (B, H, S, D); bias (1, H, S)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    mask = causal_mask(q_len, kv_len, query.dtype, query.device)[None, None] if q_len > 1 else None
+    if bias is not None:
+        head_bias = bias.to(query.dtype).repeat_interleave(groups, dim=1)[:, :, None, :]
+        mask = head_bias if mask is None else head_bias + mask
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+
+
+def folded_sdpa(query, key, value, bias, scaling):
+    """β folded into an extra head dimension so that a decode step needs no mask (flash-capable on CUDA)."""
+    q_len = query.shape[2]
+    if bias is None or q_len > 1:
+        # Without β there is nothing to fold; prefill needs the causal mask anyway.
+        return mask_sdpa(query, key, value, bias, scaling)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    b, hq, _, d = query.shape
+    h, s = key.shape[1], key.shape[2]
+    q_extra = query.new_zeros(b, hq, q_len, FOLD_PAD)
+    q_extra[..., 0] = FOLD_CONSTANT
+    k_extra = key.new_zeros(b, h, s, FOLD_PAD)
+    k_extra[..., 0] = (bias.clamp(min=FOLD_NEG) / (scale * FOLD_CONSTANT)).to(key.dtype)
+    q2 = torch.cat([query, q_extra], dim=-1)
+    k2 = torch.cat([key, k_extra], dim=-1)
+    v2 = torch.cat([value, value.new_zeros(b, h, s, FOLD_PAD)], dim=-1)
+    out = F.scaled_dot_product_attention(q2, k2, v2, scale=scale, enable_gqa=hq != h)
+    return out[..., : value.shape[-1]]
+
+
+def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Registered as ``attn_implementation="kvmemory"``; transformers calls it from every attention layer."""
+    bias = _attention_bias(module, kwargs)
+    path = kwargs.get("attention_path") or ("folded" if query.is_cuda else "mask")
+    fn = folded_sdpa if path == "folded" else mask_sdpa
+    out = fn(query, key, value, bias, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    AttentionInterface.register(ATTENTION_NAME, kvmemory_attention)
+    return ATTENTION_NAME
+
+
+register()

@@ -1,0 +1,306 @@
+"""CompactCache: a transformers ``Cache`` whose layers can be compacted in place mid-session.
+
+Per layer and KV head, every physical slot holds a key (RoPE-rotated at the token's original position),
+a value, an additive attention bias β (fp32: 0 for verbatim tokens, fitted for compacted slots, −∞ for
+padding), the token's original (logical) position and the id of the segment it came from.
+
+The logical length (what new positions count from) is separate from the physical slot count, so tokens
+appended after a compaction keep their true positions. Slots live in buffers with a little headroom so
+decoding does not reallocate every step; a compaction allocates fresh, exactly-sized buffers and drops
+the old ones, so the memory is really returned.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvmemory.cache.plan import CompactionPlan, LayerPlan
+from kvmemory.errors import InvalidPlanError
+
+PAD_POSITION = -1
+NEG_INF = float("-inf")
+
+
+def _headroom(slots: int) -> int:
+    """Spare slots allocated beyond what is needed: bounded, so allocated bytes track used bytes."""
+    return max(64, min(512, slots // 8))
+
+
+class CompactLayer(CacheLayerMixin):
+    """One layer's compactable KV storage (batch size 1: a session is one sequence)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self):
+        super().__init__()
+        self.bias: torch.Tensor | None = None  # (1, H, cap) fp32
+        self.positions: torch.Tensor | None = None  # (H, cap) int32
+        self.segments: torch.Tensor | None = None  # (H, cap) int32
+        self.length = 0
+        self.biased = False  # True once any slot has a non-zero β (then attention must add it)
+
+    # ---- transformers' layer interface ---------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        _, heads, _, head_dim = key_states.shape
+        self._allocate(heads, head_dim, value_states.shape[-1], 0)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, positions=None, segment_ids=None, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        self._ensure_capacity(self.length + q)
+        end = self.length + q
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.bias[:, :, self.length : end] = 0.0
+        self.positions[:, self.length : end] = positions.to(self.positions)
+        self.segments[:, self.length : end] = segment_ids.to(self.segments)
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("CompactCache holds one sequence; beam search is not supported")
+
+    # ---- kvmemory ------------------------------------------------------------------------------
+    @property
+    def num_heads(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def attention_bias(self) -> torch.Tensor | None:
+        """(1, H, S) fp32 β of the live slots, or None when every β is 0 (the fast path)."""
+        return self.bias[:, :, : self.length] if self.biased else None
+
+    def _allocate(self, heads: int, key_dim: int, value_dim: int, capacity: int) -> None:
+        kw = dict(dtype=self.dtype, device=self.device)
+        self.keys = torch.zeros(1, heads, capacity, key_dim, **kw)
+        self.values = torch.zeros(1, heads, capacity, value_dim, **kw)
+        self.bias = torch.zeros(1, heads, capacity, dtype=torch.float32, device=self.device)
+        self.positions = torch.full((heads, capacity), PAD_POSITION, dtype=torch.int32, device=self.device)
+        self.segments = torch.full((heads, capacity), -1, dtype=torch.int32, device=self.device)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        old = (self.keys, self.values, self.bias, self.positions, self.segments)
+        self._allocate(self.num_heads, self.keys.shape[-1], self.values.shape[-1], needed + _headroom(needed))
+        n = self.length
+        self.keys[:, :, :n] = old[0][:, :, :n]
+        self.values[:, :, :n] = old[1][:, :, :n]
+        for new, prev in zip((self.bias, self.positions, self.segments), old[2:]):
+            new[..., :n] = prev[..., :n]
+
+    def truncate(self, length: int) -> None:
+        """Forget the slots from ``length`` on (used to roll back a failed or speculative append)."""
+        self.length = min(self.length, length)
+        if self.keys is not None:
+            self.positions[:, self.length :] = PAD_POSITION
+            self.segments[:, self.length :] = -1
+            self.biased = bool((self.bias[..., : self.length] != 0).any())
+
+    def validate(self, plan: LayerPlan, layer_idx: int) -> list[torch.Tensor]:
+        keep = plan.keep_per_head()
+        where = f"layer {layer_idx}"
+        if len(keep) != self.num_heads:
+            raise InvalidPlanError(f"{where}: plan has {len(keep)} KV heads, the cache has {self.num_heads}")
+        t_max = max((k.numel() for k in keep), default=0)
+        if t_max == 0:
+            raise InvalidPlanError(f"{where}: every head would keep zero slots")
+        for h, idx in enumerate(keep):
+            if idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32):
+                raise InvalidPlanError(f"{where} head {h}: keep must be a 1-D integer tensor")
+            if idx.numel() == 0:
+                raise InvalidPlanError(f"{where} head {h}: keeps zero slots (a head needs at least one)")
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.length:
+                raise InvalidPlanError(f"{where} head {h}: slot index out of range [0, {self.length}): {lo}..{hi}")
+            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+                raise InvalidPlanError(f"{where} head {h}: kept slot indices must be strictly increasing")
+            if bool((self.positions[h, idx.to(self.positions.device)] == PAD_POSITION).any()):
+                raise InvalidPlanError(f"{where} head {h}: a kept slot is padding")
+        if plan.values is not None and tuple(plan.values.shape) != (self.num_heads, t_max, self.values.shape[-1]):
+            raise InvalidPlanError(
+                f"{where}: values must be {(self.num_heads, t_max, self.values.shape[-1])}, got {tuple(plan.values.shape)}"
+            )
+        if plan.bias is not None and tuple(plan.bias.shape) != (self.num_heads, t_max):
+            raise InvalidPlanError(f"{where}: bias must be {(self.num_heads, t_max)}, got {tuple(plan.bias.shape)}")
+        if plan.bias is not None and bool(torch.isnan(plan.bias).any()):
+            raise InvalidPlanError(f"{where}: bias contains NaN")
+        if plan.values is not None and not bool(torch.isfinite(plan.values).all()):
+            raise InvalidPlanError(f"{where}: values contain NaN or infinity")
+        return keep
+
+    def apply(self, plan: LayerPlan, keep: list[torch.Tensor]) -> None:
+        """Rebuild this layer from a validated plan into fresh, exactly-sized buffers."""
+        heads, t_max = self.num_heads, max(k.numel() for k in keep)
+        dev = self.device
+        index = torch.zeros(heads, t_max, dtype=torch.long, device=dev)
+        valid = torch.zeros(heads, t_max, dtype=torch.bool, device=dev)
+        for h, idx in enumerate(keep):
+            index[h, : idx.numel()] = idx.to(dev, torch.long)
+            valid[h, : idx.numel()] = True
+
+        def gather(t: torch.Tensor) -> torch.Tensor:  # (H, cap, ...) -> (H, t_max, ...)
+            ix = index.view(heads, t_max, *([1] * (t.dim() - 2))).expand(heads, t_max, *t.shape[2:])
+            return torch.gather(t, 1, ix)
+
+        keys = gather(self.keys[0])
+        values = plan.values.to(self.values) if plan.values is not None else gather(self.values[0])
+        bias = plan.bias.to(dev, torch.float32) if plan.bias is not None else gather(self.bias[0])
+        positions, segments = gather(self.positions), gather(self.segments)
+        values = torch.where(valid[..., None], values, torch.zeros((), dtype=values.dtype, device=dev))
+        bias = torch.where(valid, bias, torch.full((), NEG_INF, device=dev))
+        positions = torch.where(valid, positions, torch.full((), PAD_POSITION, dtype=positions.dtype, device=dev))
+        segments = torch.where(valid, segments, torch.full((), -1, dtype=segments.dtype, device=dev))
+
+        self._allocate(heads, keys.shape[-1], values.shape[-1], t_max + _headroom(t_max))
+        self.keys[0, :, :t_max] = keys
+        self.values[0, :, :t_max] = values
+        self.bias[0, :, :t_max] = bias
+        self.positions[:, :t_max] = positions
+        self.segments[:, :t_max] = segments
+        self.length = t_max
+        self.biased = bool((bias != 0).any())
+
+    def padding_slots(self) -> int:
+        return int((self.positions[:, : self.length] == PAD_POSITION).sum()) if self.keys is not None else 0
+
+    def bytes_per_slot(self) -> int:
+        """Bytes one physical slot costs across this layer's heads (keys, values, β, position, segment)."""
+        if self.keys is None:
+            return 0
+        kv = (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
+        return self.num_heads * (kv + 4 + 4 + 4)
+
+    def allocated_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.bias, self.positions, self.segments))
+
+
+class CompactCache(Cache):
+    """A cache of CompactLayers with a logical length that survives compaction.
+
+    Appends go through ``update`` (called by every attention layer); the positions and segment id of the
+    tokens being appended are set once per forward with ``begin_append``. Without that call, positions
+    continue from the logical length, so ``model.generate(cache=CompactCache(...))`` also works.
+    """
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[CompactLayer() for _ in range(num_layers)])
+        self.logical_length = 0
+        self.compactions = 0
+        self._pending_positions: torch.Tensor | None = None
+        self._pending_segment = 0
+        self.default_segment = 0
+
+    def begin_append(self, positions: torch.Tensor, segment_id: int) -> None:
+        self._pending_positions = positions
+        self._pending_segment = segment_id
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        q = key_states.shape[2]
+        positions = self._pending_positions
+        if positions is None or positions.numel() != q:
+            positions = torch.arange(self.logical_length, self.logical_length + q, device=key_states.device)
+            self._pending_positions = positions
+            self._pending_segment = self.default_segment
+        segment_ids = torch.full((q,), self._pending_segment, dtype=torch.int32)
+        keys, values = self.layers[layer_idx].update(
+            key_states, value_states, positions=positions, segment_ids=segment_ids
+        )
+        if layer_idx == len(self.layers) - 1:
+            self.logical_length = int(positions.max()) + 1
+            self._pending_positions = None
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.logical_length
+
+    @property
+    def physical_length(self) -> int:
+        return self.layers[0].length
+
+    def snapshot_lengths(self) -> tuple[int, int, int]:
+        """What ``rollback`` needs to undo appends: (physical slots, logical length, compactions)."""
+        return self.physical_length, self.logical_length, self.compactions
+
+    def rollback(self, snapshot: tuple[int, int, int]) -> None:
+        physical, logical, compactions = snapshot
+        if compactions != self.compactions:
+            raise RuntimeError("cannot roll back across a compaction")
+        for layer in self.layers:
+            layer.truncate(physical)
+        self.logical_length = logical
+        self._pending_positions = None
+
+    def truncate_positions(self, position: int) -> int:
+        """Drop every slot whose original position is ≥ ``position`` (a re-rendered prefix).
+
+        Returns the logical length left: ``position``, or 0 when some head would be left empty and the
+        cache had to be cleared (the caller re-prefills from there).
+        """
+        keeps = [
+            [torch.nonzero((p[: layer.length] >= 0) & (p[: layer.length] < position)).flatten() for p in layer.positions]
+            for layer in self.layers
+        ]
+        if any(k.numel() == 0 for keep in keeps for k in keep):
+            for layer in self.layers:
+                layer.reset()
+            position = 0
+        elif all(int(k[-1]) == k.numel() - 1 and k.numel() == keep[0].numel() for keep in keeps for k in keep):
+            for layer, keep in zip(self.layers, keeps):  # a plain suffix: cut it off in place
+                layer.truncate(keep[0].numel())
+        else:
+            self.apply_plan(CompactionPlan([LayerPlan(keep=k) for k in keeps], method="truncate"), count=False)
+        self.logical_length = position
+        self._pending_positions = None
+        return position
+
+    def apply_plan(self, plan: CompactionPlan, count: bool = True) -> None:
+        """Validate the whole plan, then apply it to every layer (all or nothing)."""
+        if len(plan.layers) != len(self.layers):
+            raise InvalidPlanError(f"plan has {len(plan.layers)} layers, the cache has {len(self.layers)}")
+        if any(not layer.is_initialized for layer in self.layers):
+            raise InvalidPlanError("the cache is empty: nothing to compact")
+        keeps = [layer.validate(lp, i) for i, (layer, lp) in enumerate(zip(self.layers, plan.layers))]
+        for layer, lp, keep in zip(self.layers, plan.layers, keeps):
+            layer.apply(lp, keep)
+        if count:
+            self.compactions += 1
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes of the live physical slots (what a memory cap constrains)."""
+        return sum(layer.length * layer.bytes_per_slot() for layer in self.layers)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the tensors actually allocated (live slots plus bounded headroom)."""
+        return sum(layer.allocated_bytes() for layer in self.layers)
+
+    def bytes_per_token(self) -> int:
+        return sum(layer.bytes_per_slot() for layer in self.layers)
+
+    def padding_overhead(self) -> float:
+        """Fraction of physical slots that are padding (heads with smaller budgets than their layer's longest)."""
+        total = sum(layer.length * layer.num_heads for layer in self.layers)
+        return sum(layer.padding_slots() for layer in self.layers) / total if total else 0.0

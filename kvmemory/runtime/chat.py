@@ -1,0 +1,103 @@
+"""Chat rendering and tool calls: messages (with tools) to token ids, model text back to tool calls.
+
+Templates that know tools (Qwen, Hermes, Mistral) get them natively. Templates that do not (the default
+SmolLM2 model's) get the tool schemas in the system message and the Hermes ``<tool_call>`` convention,
+which the parser below reads back (a JSON object or a list of them per tag).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from kvmemory.errors import ToolCallParseError
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+TOOLS_INSTRUCTION = (
+    "You can call tools. Available tools (JSON schemas):\n{schemas}\n"
+    "To call a tool, answer with <tool_call>{{\"name\": <tool name>, \"arguments\": <JSON object>}}</tool_call>."
+)
+
+
+def _function_schema(tool: dict) -> dict:
+    return tool.get("function", tool)
+
+
+def _tool_call_text(call: dict) -> str:
+    fn = call.get("function", call)
+    args = fn.get("arguments", fn.get("args", {}))
+    if isinstance(args, str):
+        args = json.loads(args) if args.strip() else {}
+    return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}) + "</tool_call>"
+
+
+class ChatRenderer:
+    """Renders message dicts ({role, content, tool_calls?, name?, tool_call_id?}) with the tokenizer's template."""
+
+    def __init__(self, tokenizer):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use append_text / append_tokens")
+        self.tokenizer = tokenizer
+        self.native_tools = "tools" in tokenizer.chat_template
+
+    def prepare(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
+        """Normalise messages so the template can render them (tools folded in when it cannot)."""
+        out = []
+        for msg in messages:
+            msg = dict(msg)
+            msg["content"] = msg.get("content") or ""
+            if not self.native_tools:
+                calls = msg.pop("tool_calls", None) or []
+                if calls:
+                    text = "\n".join(_tool_call_text(c) for c in calls)
+                    msg["content"] = (msg["content"] + "\n" + text).strip()
+                msg.pop("tool_call_id", None)
+                msg.pop("name", None)
+            out.append(msg)
+        if tools and not self.native_tools:
+            schemas = "\n".join(json.dumps(_function_schema(t)) for t in tools)
+            instruction = TOOLS_INSTRUCTION.format(schemas=schemas)
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + instruction}
+            else:
+                out.insert(0, {"role": "system", "content": instruction})
+        return out
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False) -> list[int]:
+        kwargs = {"tools": tools} if tools and self.native_tools else {}
+        ids = self.tokenizer.apply_chat_template(
+            self.prepare(messages, tools), add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+        )
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Split model output into (plain content, tool calls [{name, args, id}]).
+
+    Raises ToolCallParseError naming what is wrong, so a caller can show the model its mistake.
+    """
+    calls = []
+    for match in TOOL_CALL_RE.finditer(text):
+        body = match.group(1).strip()
+        try:
+            parsed = json.loads(body)
+        except json.JSONDecodeError as err:
+            raise ToolCallParseError(f"tool call is not valid JSON ({err.msg} at char {err.pos}): {body[:200]!r}") from err
+        for item in parsed if isinstance(parsed, list) else [parsed]:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                raise ToolCallParseError(f"tool call needs a string 'name': {json.dumps(item)[:200]}")
+            args = item.get("arguments", item.get("parameters", {}))
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError as err:
+                    raise ToolCallParseError(f"arguments of tool call {item['name']!r} are not JSON: {args[:200]!r}") from err
+            if not isinstance(args, dict):
+                raise ToolCallParseError(f"arguments of tool call {item['name']!r} must be a JSON object")
+            calls.append({"name": item["name"], "args": args, "id": f"call_{uuid.uuid4().hex[:12]}"})
+    content = TOOL_CALL_RE.sub("", text).strip() if calls else text
+    return content, calls

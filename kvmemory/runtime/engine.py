@@ -1,0 +1,87 @@
+"""Engine: owns the model and tokenizer; sessions borrow it one forward pass at a time."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kvmemory.attention import ATTENTION_NAME
+from kvmemory.runtime.loading import (
+    DEFAULT_MODEL,
+    check_architecture,
+    keep_every_token,
+    load_model_and_tokenizer,
+    pick_device_and_dtype,
+)
+from kvmemory.runtime.session import Session
+
+
+class Engine:
+    """A local causal LM ready to serve kvmemory sessions.
+
+    Use ``Engine.from_pretrained("default")`` for the embedded SmolLM2 model, any HF id or directory,
+    or a ``.gguf`` file; ``Engine(model, tokenizer)`` wraps a model already in memory.
+    """
+
+    def __init__(self, model, tokenizer=None):
+        check_architecture(model.config)
+        keep_every_token(model.config)
+        model.set_attn_implementation(ATTENTION_NAME)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.lock = threading.RLock()  # one forward at a time: sessions never see each other's state
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None) -> "Engine":
+        device, dtype = pick_device_and_dtype(device, dtype)
+        model, tokenizer = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
+        return cls(model, tokenizer)
+
+    # ---- model facts ---------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().num_embeddings
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set()
+        for source in (getattr(self.model, "generation_config", None), self.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            ids.update(value if isinstance(value, (list, tuple, set)) else [value] if value is not None else [])
+        return ids
+
+    # ---- sessions ------------------------------------------------------------------------------
+    def session(self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512) -> Session:
+        """A new session. ``with engine.session() as s`` is sync; ``async with engine.session() as s`` is async."""
+        return Session(self, session_id=session_id, memory=memory, prefill_chunk_size=prefill_chunk_size)
+
+    def async_session(self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512):
+        from kvmemory.runtime.async_session import AsyncSession
+
+        return AsyncSession(self.session(session_id, memory, prefill_chunk_size))

@@ -1,0 +1,528 @@
+"""Session: one conversation's resident, compactable KV cache plus its lossless transcript.
+
+Appends prefill only tokens the cache does not hold yet; generation continues from the cache; a
+compaction plan rewrites the cache in place. Every public call either completes or leaves the cache,
+the transcript and the segments exactly as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmemory.cache import CompactCache, CompactionPlan
+from kvmemory.errors import ContextLengthError, InvalidTokenError, SessionClosedError
+from kvmemory.memory.segments import Segment
+from kvmemory.runtime.chat import ChatRenderer
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (stop token or string), "length" (max tokens or context end)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the cache instead of prefilled
+
+
+@dataclass
+class SessionStats:
+    logical_tokens: int
+    physical_slots: list[int]
+    kv_bytes: int
+    allocated_bytes: int
+    uncompacted_kv_bytes: int
+    padding_overhead: float
+    compactions: int
+    segments: list[dict] = field(default_factory=list)
+
+    @property
+    def compression(self) -> float:
+        return self.uncompacted_kv_bytes / self.kv_bytes if self.kv_bytes else 1.0
+
+
+def _fingerprint(message: dict) -> str:
+    return hashlib.sha1(json.dumps(message, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    """A conversation on an Engine. Create with ``engine.session()``.
+
+    ``memory`` is an optional manager (see ``kvmemory.memory``) that decides when and how to compact;
+    without one the cache is only compacted by explicit ``compact(plan)`` calls.
+    """
+
+    def __init__(self, engine, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512):
+        self.engine = engine
+        self.id = session_id or f"session-{id(self):x}"
+        self.cache = CompactCache(engine.num_layers)
+        self.tokens: list[int] = []  # the logical transcript: tokens[i] sits at position i
+        self.segments: list[Segment] = []
+        self.messages: list[dict] = []
+        self.prefill_chunk_size = prefill_chunk_size
+        self.memory = memory
+        self.closed = False
+        self._pending: list[int] = []  # sampled tokens not yet run through the model
+        self._last_logits: torch.Tensor | None = None
+        self._message_spans: list[tuple[str, int, int]] = []  # (fingerprint, start, end) per message
+        self._tools_key: str | None = None
+        self._renderer: ChatRenderer | None = None
+        self._next_segment_id = 0
+        self.compaction_log: list[dict] = []
+        if memory is not None:
+            memory.attach(self)
+
+    # ---- context managers ------------------------------------------------------------------------
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self):
+        from kvmemory.runtime.async_session import AsyncSession
+
+        return AsyncSession(self)
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the cache. The transcript stays readable."""
+        self.closed = True
+        self.cache = CompactCache(self.engine.num_layers)
+        self._last_logits = None
+
+    # ---- properties ----------------------------------------------------------------------------
+    @property
+    def renderer(self) -> ChatRenderer:
+        if self._renderer is None:
+            self._renderer = ChatRenderer(self.engine.tokenizer)
+        return self._renderer
+
+    @property
+    def logical_length(self) -> int:
+        """Positions consumed: cached tokens plus sampled tokens still pending."""
+        return len(self.tokens)
+
+    def segment(self, segment_id: int) -> Segment:
+        for seg in self.segments:
+            if seg.id == segment_id:
+                return seg
+        raise KeyError(f"no segment {segment_id} in session {self.id}")
+
+    def transcript(self) -> list[dict]:
+        """The full text of every segment, compacted or not."""
+        self._refresh_open_segment_text()
+        return [seg.to_dict() for seg in self.segments]
+
+    # ---- appends ---------------------------------------------------------------------------------
+    def append_text(self, text: str, kind: str = "text", role: str | None = None, progress: ProgressCallback | None = None, **meta) -> Segment:
+        """Tokenize ``text`` (no special tokens added) and append it as one segment."""
+        self._check_open()
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        return self.append_tokens(ids, kind=kind, role=role, progress=progress, text=text, **meta)
+
+    def append_tokens(
+        self,
+        token_ids,
+        kind: str = "text",
+        role: str | None = None,
+        progress: ProgressCallback | None = None,
+        text: str | None = None,
+        tool_name: str | None = None,
+        tags: tuple[str, ...] = (),
+        **meta,
+    ) -> Segment:
+        """Append token ids as a new segment; they are prefilled in chunks."""
+        self._check_open()
+        ids = self._validate_tokens(token_ids)
+        self._check_room(len(ids))
+        segment = self._new_segment(kind, role=role, tool_name=tool_name, tags=tuple(tags), meta=meta)
+        self._extend_segment(segment, ids, progress)
+        segment.text = text if text is not None else self._decode(ids)
+        self._after_append()
+        return segment
+
+    def append_messages(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False, progress: ProgressCallback | None = None) -> list[Segment]:
+        """Append chat messages after the ones already in the session."""
+        return self.set_messages(self.messages + list(messages), tools, add_generation_prompt, progress)
+
+    def set_messages(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False, progress: ProgressCallback | None = None) -> list[Segment]:
+        """Make the session hold exactly this conversation, prefilling only what the cache lacks.
+
+        The rendered tokens are diffed against the cached ones; when a template re-renders an earlier
+        turn, the cache is cut back to the start of the first message that differs and re-prefilled
+        from there. Returns the segments created or extended.
+        """
+        self._check_open()
+        messages = [dict(m) for m in messages]
+        target, spans = self._render_with_spans(messages, tools, add_generation_prompt)
+        if len(target) > self.engine.max_positions:
+            raise ContextLengthError(
+                f"conversation renders to {len(target)} tokens; the model has {self.engine.max_positions} positions"
+            )
+        self._flush_pending()
+        keep = _common_prefix(self.tokens, target)
+        cut = self._cut_point(keep)
+        added = len(target) - cut
+        if cut == len(self.tokens):
+            self._check_room(added)
+        touched = []
+        state = self._save_state()
+        try:
+            if cut < len(self.tokens):
+                self._truncate(cut)
+            cut = len(self.tokens)  # truncation may have had to go further back
+            for index, (start, end) in enumerate(spans + ([(spans[-1][1] if spans else 0, len(target))] if add_generation_prompt else [])):
+                if end <= cut:
+                    continue
+                is_prompt = index == len(messages)
+                msg = None if is_prompt else messages[index]
+                seg = self._segment_starting_at(start)
+                if seg is None:
+                    seg = self._new_segment(
+                        "assistant" if is_prompt else self._message_kind(msg),
+                        role="assistant" if is_prompt else msg["role"],
+                        tool_name=None if is_prompt else msg.get("name"),
+                        message_index=None if is_prompt else index,
+                    )
+                elif not is_prompt:
+                    seg.message_index = index
+                self._extend_segment(seg, target[max(start, cut) : end], progress)
+                seg.text = self._decode(self.tokens[seg.start : seg.end])
+                touched.append(seg)
+                self._after_append()
+        except BaseException:
+            self._restore_state(state)
+            raise
+        self.messages = messages
+        self._message_spans = [(_fingerprint(m), s, e) for m, (s, e) in zip(messages, spans)]
+        return touched
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate(self, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop: list[str] | None = None, seed: int | None = None) -> GenerationResult:
+        """Generate a continuation of the session (greedy when temperature is 0)."""
+        pieces = list(self._generate(max_new_tokens, temperature, top_p, top_k, stop, seed))
+        return pieces[-1][1] if pieces else GenerationResult("", [], "length")
+
+    def stream(self, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop: list[str] | None = None, seed: int | None = None) -> Iterator[str]:
+        """Yield text pieces as tokens are generated. Stopping early leaves the session consistent."""
+        for piece, _ in self._generate(max_new_tokens, temperature, top_p, top_k, stop, seed):
+            if piece:
+                yield piece
+
+    def _generate(self, max_new_tokens, temperature, top_p, top_k, stop, seed):
+        """Yields (new text piece, result so far). Each step is atomic, so a consumer may stop anywhere."""
+        self._check_open()
+        if not self.tokens:
+            raise ValueError("the session is empty: append a prompt before generating")
+        self._ensure_logits()
+        generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+        segment = self.segments[-1] if self.segments and self.segments[-1].kind == "assistant" and self.segments[-1].end == len(self.tokens) else None
+        if segment is None:
+            segment = self._new_segment("assistant", role="assistant")
+        generated: list[int] = []
+        emitted = ""
+        finish = "length"
+        eos = self.engine.eos_token_ids
+        try:
+            for _ in range(max_new_tokens):
+                if len(self.tokens) >= self.engine.max_positions:
+                    break
+                if self._pending:
+                    self._flush_pending()
+                token = self._pick(self._last_logits, temperature, top_p, top_k, generator)
+                self.tokens.append(token)
+                self._pending.append(token)
+                segment.end = len(self.tokens)
+                if token in eos:
+                    finish = "stop"
+                    break
+                generated.append(token)
+                text = self._decode(generated)
+                hit = min((i for i in (text.find(s) for s in stop or []) if i >= 0), default=-1)
+                if hit >= 0:
+                    text, finish = text[:hit], "stop"
+                if not text.endswith("\ufffd") or finish == "stop":
+                    piece, emitted = text[len(emitted):], text
+                    yield piece, GenerationResult(emitted, list(generated), finish)
+                if finish == "stop":
+                    return
+        finally:
+            segment.text = self._decode(self.tokens[segment.start : segment.end])
+        yield "", GenerationResult(emitted if finish != "length" else self._decode(generated), list(generated), finish)
+
+    def _pick(self, logits, temperature, top_p, top_k, generator) -> int:
+        if temperature <= 0:
+            return int(torch.argmax(logits))
+        logits = logits.float() / temperature
+        if top_k > 0:
+            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            drop = sorted_probs.cumsum(0) - sorted_probs > top_p
+            sorted_probs[drop] = 0
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+    # ---- scoring ---------------------------------------------------------------------------------
+    def logprobs(self, token_ids) -> torch.Tensor:
+        """Teacher-forced log-probabilities of ``token_ids`` as the continuation; the session is unchanged.
+
+        The first token is scored from the logits of the session's last token, computed when that token
+        was appended.
+        """
+        self._check_open()
+        ids = self._validate_tokens(token_ids)
+        if len(self.tokens) + len(ids) - 1 > self.engine.max_positions:
+            raise ContextLengthError("continuation runs past the model's positions")
+        if not self.tokens:
+            raise ValueError("the session is empty: nothing to condition on")
+        self._ensure_logits()
+        snapshot = self.cache.snapshot_lengths()
+        try:
+            out = [torch.log_softmax(self._last_logits.float(), -1)[ids[0]]]
+            if len(ids) > 1:
+                logits = self._forward(ids[:-1], segment_id=-1, positions_from=len(self.tokens), all_logits=True)
+                lp = torch.log_softmax(logits.float(), -1)
+                out.append(lp.gather(1, torch.tensor(ids[1:], device=lp.device)[:, None]).squeeze(1))
+                out = [out[0][None], out[1]]
+            else:
+                out = [out[0][None]]
+            return torch.cat([o.cpu() for o in out])
+        finally:
+            self.cache.rollback(snapshot)
+
+    # ---- compaction ------------------------------------------------------------------------------
+    def compact(self, plan: CompactionPlan) -> None:
+        """Apply a compaction plan to the cache (validated first: a bad plan changes nothing)."""
+        self._check_open()
+        self._flush_pending()
+        with self.engine.lock:
+            self.cache.apply_plan(plan)
+
+    def stats(self) -> SessionStats:
+        per_segment = []
+        if self.cache.layers[0].is_initialized:
+            seg_ids = torch.cat([layer.segments[:, : layer.length].flatten() for layer in self.cache.layers])
+            counts = torch.bincount(seg_ids[seg_ids >= 0].long(), minlength=self._next_segment_id)
+            slots_per_head = self.cache.layers[0].num_heads * len(self.cache.layers)
+            for seg in self.segments:
+                slots = float(counts[seg.id]) / slots_per_head if seg.id < counts.numel() else 0.0
+                per_segment.append(
+                    {"id": seg.id, "kind": seg.kind, "role": seg.role, "tool_name": seg.tool_name, "tokens": seg.length,
+                     "slots": slots, "bytes": int(slots * self.cache.bytes_per_token()),
+                     "ratio": seg.length / slots if slots else float("inf"), "compactions": seg.compactions}
+                )
+        return SessionStats(
+            logical_tokens=len(self.tokens),
+            physical_slots=[layer.length for layer in self.cache.layers],
+            kv_bytes=self.cache.kv_bytes(),
+            allocated_bytes=self.cache.allocated_bytes(),
+            uncompacted_kv_bytes=self.cache.logical_length * self.cache.bytes_per_token(),
+            padding_overhead=self.cache.padding_overhead(),
+            compactions=self.cache.compactions,
+            segments=per_segment,
+        )
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosedError(f"session {self.id} is closed")
+
+    def _validate_tokens(self, token_ids) -> list[int]:
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.flatten().tolist()
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise InvalidTokenError("no tokens given")
+        bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise InvalidTokenError(f"token ids outside the vocabulary [0, {self.engine.vocab_size}): {bad[:5]}")
+        return ids
+
+    def _check_room(self, n_new: int) -> None:
+        if len(self.tokens) + n_new > self.engine.max_positions:
+            raise ContextLengthError(
+                f"appending {n_new} tokens to {len(self.tokens)} would exceed the model's "
+                f"{self.engine.max_positions} positions"
+            )
+        if self.memory is not None:
+            self.memory.check_fits(self, n_new)
+
+    def _new_segment(self, kind: str, role=None, tool_name=None, tags=(), message_index=None, meta=None) -> Segment:
+        seg = Segment(
+            id=self._next_segment_id, kind=kind, start=len(self.tokens), end=len(self.tokens), role=role,
+            tool_name=tool_name, tags=tuple(tags), message_index=message_index, meta=dict(meta or {}),
+        )
+        self._next_segment_id += 1
+        self.segments.append(seg)
+        return seg
+
+    def _extend_segment(self, segment: Segment, ids: list[int], progress: ProgressCallback | None) -> None:
+        """Prefill ``ids`` into ``segment`` chunk by chunk, giving the memory manager room before each chunk."""
+        state = self._save_state()
+        try:
+            self._flush_pending()
+            done, total = 0, len(ids)
+            while done < total:
+                chunk = ids[done : done + self.prefill_chunk_size]
+                if self.memory is not None:
+                    self.memory.make_room(self, len(chunk))
+                self._forward(chunk, segment.id, positions_from=len(self.tokens))
+                self.tokens.extend(chunk)
+                segment.end = len(self.tokens)
+                done += len(chunk)
+                if progress is not None:
+                    progress(done, total)
+        except BaseException:
+            self._restore_state(state)
+            raise
+
+    def _flush_pending(self) -> None:
+        """Run sampled-but-unprocessed tokens through the model (they belong to the last segment)."""
+        if not self._pending:
+            return
+        ids, seg_id = self._pending, self.segments[-1].id
+        self._forward(ids, seg_id, positions_from=len(self.tokens) - len(ids))
+        self._pending = []
+
+    def _forward(self, ids: list[int], segment_id: int, positions_from: int, all_logits: bool = False) -> torch.Tensor:
+        engine = self.engine
+        input_ids = torch.tensor([ids], device=engine.device)
+        positions = torch.arange(positions_from, positions_from + len(ids), device=engine.device)
+        snapshot = self.cache.snapshot_lengths()
+        with engine.lock, torch.inference_mode():
+            try:
+                self.cache.begin_append(positions, segment_id)
+                out = engine.model(
+                    input_ids=input_ids,
+                    position_ids=positions[None],
+                    cache=self.cache,
+                    use_cache=True,
+                    logits_to_keep=0 if all_logits else 1,
+                    compact_cache=self.cache,
+                )
+            except BaseException:
+                self.cache.rollback(snapshot)
+                raise
+        logits = out.logits[0]
+        if not all_logits:
+            self._last_logits = logits[-1]
+        return logits
+
+    def _save_state(self):
+        return (
+            len(self.tokens), list(self._pending), self._last_logits, self.cache.snapshot_lengths(),
+            [(s.id, s.end, s.text, s.message_index) for s in self.segments], self._next_segment_id,
+        )
+
+    def _restore_state(self, state) -> None:
+        n_tokens, pending, last_logits, snapshot, segs, next_id = state
+        if self.cache.compactions == snapshot[2]:
+            self.cache.rollback(snapshot)
+        del self.tokens[n_tokens:]
+        self._pending, self._last_logits = pending, last_logits
+        by_id = {s.id: s for s in self.segments}
+        self.segments = [by_id[i] for i, *_ in segs]
+        for (i, end, text, mi) in segs:
+            by_id[i].end, by_id[i].text, by_id[i].message_index = end, text, mi
+        self._next_segment_id = next_id
+
+    def _after_append(self) -> None:
+        if self.memory is not None:
+            self.memory.after_append(self)
+
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode(ids) if tok is not None else ""
+
+    def _refresh_open_segment_text(self) -> None:
+        if self.segments:
+            seg = self.segments[-1]
+            seg.text = self._decode(self.tokens[seg.start : seg.end])
+
+    # ---- chat internals --------------------------------------------------------------------------
+    def _render_with_spans(self, messages, tools, add_generation_prompt):
+        """Token ids of the conversation and each message's [start, end) span in them."""
+        renderer = self.renderer
+        tools_key = json.dumps(tools, sort_keys=True, default=str) if tools else ""
+        full = renderer.render(messages, tools, add_generation_prompt)
+        spans: list[tuple[int, int]] = []
+        reusable = self._tools_key == tools_key
+        for i, msg in enumerate(messages):
+            if reusable and i < len(self._message_spans) and self._message_spans[i][0] == _fingerprint(msg):
+                s, e = self._message_spans[i][1:]
+                if full[s:e] == self.tokens[s:e]:
+                    spans.append((s, e))
+                    continue
+            reusable = False
+            end = len(renderer.render(messages[: i + 1], tools, False))
+            spans.append((spans[-1][1] if spans else 0, min(end, len(full))))
+        self._tools_key = tools_key
+        return full, spans
+
+    def _cut_point(self, keep: int) -> int:
+        """Where to cut the cache so that whole segments are re-prefilled: the start of the segment holding ``keep``."""
+        if keep >= len(self.tokens):
+            return len(self.tokens)
+        for seg in self.segments:
+            if seg.start <= keep < seg.end:
+                return seg.start
+        return keep
+
+    def _segment_starting_at(self, start: int) -> Segment | None:
+        for seg in reversed(self.segments):
+            if seg.start == start and seg.end >= start:
+                return seg
+        return None
+
+    def _truncate(self, position: int) -> None:
+        """Cut the session back to ``position`` (cache, transcript and segments)."""
+        left = self.cache.truncate_positions(position)
+        del self.tokens[position:]
+        self._pending = []
+        self._last_logits = None
+        self.segments = [s for s in self.segments if s.start < position]
+        for seg in self.segments:
+            seg.end = min(seg.end, position)
+        if left < position:  # a compacted head lost every slot: rebuild the prefix from the transcript
+            for seg in self.segments:
+                for i in range(seg.start, seg.end, self.prefill_chunk_size):
+                    self._forward(self.tokens[i : min(i + self.prefill_chunk_size, seg.end)], seg.id, positions_from=i)
+
+    def _ensure_logits(self) -> None:
+        """Next-token logits for the session's end: run pending tokens, or re-run the last token."""
+        self._flush_pending()
+        if self._last_logits is None and self.tokens:
+            last = len(self.tokens) - 1
+            self.cache.truncate_positions(last)
+            seg = next(s for s in reversed(self.segments) if s.start <= last < s.end)
+            self._forward([self.tokens[last]], seg.id, positions_from=last)
+
+    @staticmethod
+    def _message_kind(msg: dict) -> str:
+        role = msg.get("role")
+        if role == "tool":
+            return "tool_output"
+        if role == "assistant" and msg.get("tool_calls"):
+            return "tool_call"
+        return {"system": "system", "user": "user", "assistant": "assistant"}.get(role, "text")
