@@ -410,7 +410,7 @@ class Session:
         input_ids = torch.tensor([ids], device=engine.device)
         positions = torch.arange(positions_from, positions_from + len(ids), device=engine.device)
         snapshot = self.cache.snapshot_lengths()
-        with engine.lock, torch.inference_mode():
+        with engine.lock, torch.no_grad():
             try:
                 self.cache.begin_append(positions, segment_id)
                 out = engine.model(

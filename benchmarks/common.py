@@ -1,0 +1,65 @@
+"""Helpers shared by the benchmarks: timing, tables, result files, real text to feed the model."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def median_time(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine() -> dict:
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(), "cuda": torch.cuda.is_available(),
+    }
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    cells = [[str(c) for c in columns]] + [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = [" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2, default=float))
+    return path
+
+
+def source_text(min_chars: int) -> str:
+    """Real Python source: the installed transformers package's files, concatenated."""
+    import transformers
+
+    root = Path(transformers.__file__).parent
+    parts, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(errors="ignore")
+        parts.append(f"# file: {path.name}\n{text}")
+        total += len(text)
+        if total >= min_chars:
+            break
+    return "\n".join(parts)

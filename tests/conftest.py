@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random-initialised models of every supported architecture, and the default model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from kvmemory import Engine
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=1024,
+)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
+}
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides):
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    config = config_cls(**{**TINY, **extra, **overrides})
+    return model_cls(config).eval()
+
+
+def reference_copy(model):
+    """An independent copy of ``model`` that runs stock transformers sdpa."""
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")
+    return ref.eval()
+
+
+@pytest.fixture(params=list(ARCHITECTURES))
+def arch(request):
+    return request.param
+
+
+@pytest.fixture
+def tiny_pair(arch):
+    """(Engine over a tiny model, a stock-transformers copy of the same weights)."""
+    model = tiny_model(arch)
+    ref = reference_copy(model)
+    return Engine(model), ref
+
+
+@pytest.fixture
+def tiny_engine():
+    return Engine(tiny_model("llama"))
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    return Engine.from_pretrained("default")
+
+
+def random_tokens(n: int, seed: int = 1, vocab: int = TINY["vocab_size"]) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()

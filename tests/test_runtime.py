@@ -1,0 +1,309 @@
+"""Runtime correctness: sessions equal plain transformers, compaction plans do exactly what they say."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+from kvmemory import (
+    CompactionPlan,
+    ContextLengthError,
+    Engine,
+    InvalidPlanError,
+    InvalidTokenError,
+    LayerPlan,
+    ModelLoadError,
+    SessionClosedError,
+    UnsupportedArchitectureError,
+)
+from kvmemory.attention import folded_sdpa, mask_sdpa
+from tests.conftest import random_tokens, reference_copy, tiny_model
+
+
+def reference_next_logits(ref, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def session_state(session):
+    layer = session.cache.layers[0]
+    return (
+        list(session.tokens), [s.to_dict() for s in session.segments], session.cache.logical_length,
+        layer.length, layer.keys[:, :, : layer.length].clone(), layer.bias[:, :, : layer.length].clone(),
+    )
+
+
+def assert_same_state(a, b):
+    assert a[:4] == b[:4]
+    assert torch.equal(a[4], b[4]) and torch.equal(a[5], b[5])
+
+
+def test_greedy_generation_matches_transformers(tiny_pair):
+    engine, ref = tiny_pair
+    prompt = random_tokens(48)
+    session = engine.session()
+    session.append_tokens(prompt)
+    assert torch.allclose(session._last_logits, reference_next_logits(ref, prompt), atol=1e-5)
+    ours = session.generate(max_new_tokens=12).token_ids
+    theirs = ref.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, past_key_values=DynamicCache(config=ref.config),
+        eos_token_id=None, pad_token_id=0,
+    )[0, len(prompt):].tolist()
+    assert ours == theirs
+
+
+def test_teacher_forced_logprobs_match_transformers(tiny_pair):
+    engine, ref = tiny_pair
+    prompt, continuation = random_tokens(30, seed=2), random_tokens(10, seed=3)
+    session = engine.session()
+    session.append_tokens(prompt)
+    before = session_state(session)
+    ours = session.logprobs(continuation)
+    with torch.no_grad():
+        logits = ref(input_ids=torch.tensor([prompt + continuation])).logits[0]
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+    theirs = lp.gather(1, torch.tensor(continuation)[:, None]).squeeze(1)
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    assert_same_state(before, session_state(session))
+
+
+def test_multi_turn_appends_equal_one_shot_prefill(arch):
+    engine = Engine(tiny_model(arch))
+    tokens = random_tokens(90, seed=4)
+    one = engine.session()
+    one.append_tokens(tokens)
+    many = engine.session(prefill_chunk_size=7)
+    for part in (tokens[:25], tokens[25:26], tokens[26:90]):
+        many.append_tokens(part)
+    assert torch.allclose(one._last_logits, many._last_logits, atol=1e-5)
+    assert one.generate(max_new_tokens=8).token_ids == many.generate(max_new_tokens=8).token_ids
+
+
+def test_keep_everything_plan_is_identity(tiny_engine):
+    prompt = random_tokens(40, seed=5)
+    plain, compacted = tiny_engine.session(), tiny_engine.session()
+    for s in (plain, compacted):
+        s.append_tokens(prompt)
+    compacted.compact(CompactionPlan.keep_all(compacted.cache))
+    assert compacted.stats().compactions == 1
+    cont = random_tokens(6, seed=6)
+    assert torch.equal(plain.logprobs(cont), compacted.logprobs(cont))
+    assert plain.generate(max_new_tokens=10).token_ids == compacted.generate(max_new_tokens=10).token_ids
+
+
+def test_bias_log2_equals_duplicated_slot(tiny_engine):
+    prompt, cont = random_tokens(20, seed=7), random_tokens(5, seed=8)
+    biased, duplicated = tiny_engine.session(), tiny_engine.session()
+    for s in (biased, duplicated):
+        s.append_tokens(prompt)
+    j = 6
+    plan_layers = []
+    for layer in biased.cache.layers:
+        n, h = layer.length, layer.num_heads
+        bias = torch.zeros(h, n)
+        bias[:, j] = math.log(2.0)
+        plan_layers.append(LayerPlan(keep=torch.arange(n).expand(h, n).clone(), bias=bias))
+    biased.compact(CompactionPlan(plan_layers))
+    for layer in duplicated.cache.layers:  # store slot j twice (bypassing validation, which forbids repeats)
+        n, h = layer.length, layer.num_heads
+        keep = torch.cat([torch.arange(j + 1), torch.arange(j, n)])
+        layer.apply(LayerPlan(keep=keep.expand(h, -1).clone()), list(keep.expand(h, -1)))
+    assert torch.allclose(biased.logprobs(cont), duplicated.logprobs(cont), atol=1e-5)
+
+
+def test_appends_after_compaction_keep_true_positions(tiny_pair):
+    """Dropping slots equals masking those tokens in plain transformers with the true position ids."""
+    engine, ref = tiny_pair
+    prompt, new = random_tokens(32, seed=9), random_tokens(3, seed=10)
+    session = engine.session()
+    session.append_tokens(prompt)
+    dropped = [3, 4, 5, 10, 20]
+    keep = torch.tensor([i for i in range(32) if i not in dropped])
+    session.compact(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    seg = session.append_tokens(new)
+    layer = session.cache.layers[0]
+    assert layer.length == 32 - len(dropped) + len(new)
+    assert layer.positions[0, layer.length - 3 : layer.length].tolist() == [32, 33, 34]
+    assert (seg.start, seg.end) == (32, 35)
+    with torch.no_grad():
+        cache = DynamicCache(config=ref.config)
+        ref(input_ids=torch.tensor([prompt]), past_key_values=cache)
+        mask = torch.ones(1, 35, dtype=torch.long)
+        mask[0, dropped] = 0
+        out = ref(input_ids=torch.tensor([new]), past_key_values=cache, attention_mask=mask,
+                  position_ids=torch.arange(32, 35)[None])
+    assert torch.allclose(session._last_logits, out.logits[0, -1], atol=1e-5)
+
+
+def test_per_head_budgets_pad_and_free_memory(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(300, seed=11))
+    before = session.stats()
+    plans = []
+    for layer in session.cache.layers:
+        plans.append(LayerPlan(keep=[torch.arange(0, 300, 3), torch.arange(0, 300, 10)]))  # 100 and 30 slots
+    session.compact(CompactionPlan(plans))
+    after = session.stats()
+    assert after.physical_slots == [100, 100]
+    assert after.padding_overhead == pytest.approx(70 / 200)
+    assert after.allocated_bytes < before.allocated_bytes / 2
+    assert after.kv_bytes == 100 * session.cache.bytes_per_token()
+    layer = session.cache.layers[0]
+    assert torch.isinf(layer.bias[0, 1, 30:100]).all() and (layer.positions[1, 30:100] == -1).all()
+    result = session.generate(max_new_tokens=5)  # padding never wins attention: generation still works
+    assert len(result.token_ids) == 5 and torch.isfinite(session._last_logits).all()
+
+
+def test_folded_bias_path_equals_mask_path():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 6, 1, 16), torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
+    bias = torch.randn(1, 2, 50) * 2
+    bias[0, 1, 40:] = float("-inf")
+    assert torch.allclose(folded_sdpa(q, k, v, bias, 0.25), mask_sdpa(q, k, v, bias, 0.25), atol=1e-5)
+    q4 = torch.randn(1, 6, 4, 16)  # several queries: the folded path defers to the masked one
+    assert torch.allclose(folded_sdpa(q4, k, v, bias, 0.25), mask_sdpa(q4, k, v, bias, 0.25))
+
+
+def test_folded_path_in_a_session_matches(tiny_engine):
+    prompt = random_tokens(30, seed=12)
+    session = tiny_engine.session()
+    session.append_tokens(prompt)
+    plans = []
+    for layer in session.cache.layers:
+        n, h = layer.length, layer.num_heads
+        plans.append(LayerPlan(keep=torch.arange(n).expand(h, n).clone(), bias=torch.randn(h, n)))
+    session.compact(CompactionPlan(plans))
+    ids = torch.tensor([[5]])
+    outs = []
+    for path in ("mask", "folded"):
+        snap = session.cache.snapshot_lengths()
+        session.cache.begin_append(torch.tensor([30]), 0)
+        with torch.no_grad():
+            outs.append(tiny_engine.model(input_ids=ids, position_ids=torch.tensor([[30]]), cache=session.cache,
+                                          compact_cache=session.cache, attention_path=path).logits)
+        session.cache.rollback(snap)
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def test_mistral_sliding_window_does_not_drop_tokens():
+    model = tiny_model("mistral", sliding_window=16)
+    ref = reference_copy(model)
+    ref.config.sliding_window = None
+    engine = Engine(model)
+    prompt = random_tokens(40, seed=13)
+    session = engine.session()
+    session.append_tokens(prompt)
+    assert session.cache.layers[0].length == 40
+    assert torch.allclose(session._last_logits, reference_next_logits(ref, prompt), atol=1e-5)
+
+
+async def test_async_matches_sync(tiny_engine):
+    prompt = random_tokens(25, seed=14)
+    sync = tiny_engine.session()
+    sync.append_tokens(prompt)
+    expected = sync.generate(max_new_tokens=8).token_ids
+    async with tiny_engine.session() as session:
+        await session.append_tokens(prompt)
+        result = await session.generate(max_new_tokens=8)
+    assert result.token_ids == expected
+
+
+async def test_concurrent_async_sessions_do_not_cross_talk(tiny_engine):
+    prompts = [random_tokens(20 + 5 * i, seed=20 + i) for i in range(3)]
+    expected = []
+    for p in prompts:
+        s = tiny_engine.session()
+        s.append_tokens(p)
+        expected.append(s.generate(max_new_tokens=6).token_ids)
+
+    async def run(p):
+        s = tiny_engine.async_session()
+        await s.append_tokens(p)
+        return (await s.generate(max_new_tokens=6)).token_ids
+
+    assert await asyncio.gather(*(run(p) for p in prompts)) == expected
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+def test_invalid_tokens_leave_session_unchanged(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(10))
+    before = session_state(session)
+    with pytest.raises(InvalidTokenError, match="outside the vocabulary"):
+        session.append_tokens([1, 2, 99999])
+    with pytest.raises(InvalidTokenError):
+        session.append_tokens([])
+    assert_same_state(before, session_state(session))
+
+
+def test_context_overflow_leaves_session_unchanged():
+    engine = Engine(tiny_model("llama", max_position_embeddings=64))
+    session = engine.session()
+    session.append_tokens(random_tokens(50))
+    before = session_state(session)
+    with pytest.raises(ContextLengthError, match="64 positions"):
+        session.append_tokens(random_tokens(20))
+    assert_same_state(before, session_state(session))
+    result = session.generate(max_new_tokens=100)
+    assert result.finish_reason == "length" and len(session.tokens) == 64
+
+
+@pytest.mark.parametrize(
+    "make_plan, message",
+    [
+        (lambda c: CompactionPlan([LayerPlan(keep=torch.arange(5).expand(2, 5).clone())]), "plan has 1 layers"),
+        (lambda c: CompactionPlan([LayerPlan(keep=torch.arange(5).expand(3, 5).clone())] * 2), "3 KV heads"),
+        (lambda c: CompactionPlan([LayerPlan(keep=torch.tensor([[0, 999], [0, 1]]))] * 2), "out of range"),
+        (lambda c: CompactionPlan([LayerPlan(keep=torch.tensor([[3, 1], [0, 1]]))] * 2), "strictly increasing"),
+        (lambda c: CompactionPlan([LayerPlan(keep=torch.tensor([[0, 1], [0, 1]]), values=torch.zeros(2, 3, 16))] * 2), "values must be"),
+        (lambda c: CompactionPlan([LayerPlan(keep=torch.tensor([[0, 1], [0, 1]]), bias=torch.zeros(2, 5))] * 2), "bias must be"),
+    ],
+)
+def test_bad_plans_raise_and_change_nothing(tiny_engine, make_plan, message):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(12))
+    before = session_state(session)
+    with pytest.raises(InvalidPlanError, match=message):
+        session.compact(make_plan(session.cache))
+    assert_same_state(before, session_state(session))
+    assert session.cache.compactions == 0
+
+
+def test_a_bad_layer_late_in_the_plan_changes_no_layer(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(12))
+    before = session_state(session)
+    good = LayerPlan(keep=torch.arange(6).expand(2, 6).clone())
+    with pytest.raises(InvalidPlanError):
+        session.compact(CompactionPlan([good, LayerPlan(keep=torch.tensor([[0, 50], [0, 1]]))]))
+    assert_same_state(before, session_state(session))
+
+
+def test_closed_session_refuses_work(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(5))
+    session.close()
+    with pytest.raises(SessionClosedError):
+        session.append_tokens([1, 2])
+    with pytest.raises(SessionClosedError):
+        session.generate(max_new_tokens=2)
+    assert session.tokens == random_tokens(5)  # the transcript survives
+
+
+def test_unknown_architecture_is_named():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
+        Engine(model)
+
+
+def test_unknown_model_path_is_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="no-such-model"):
+        Engine.from_pretrained(str(tmp_path / "no-such-model"))
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        Engine.from_pretrained(str(tmp_path / "missing.gguf"))
