@@ -76,6 +76,9 @@ def folded_sdpa(query, key, value, bias, scaling):
 def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Registered as ``attn_implementation="kvmemory"``; transformers calls it from every attention layer."""
     bias = _attention_bias(module, kwargs)
+    recorder = kwargs.get("query_recorder")
+    if recorder is not None:
+        recorder.record(module.layer_idx, query)
     path = kwargs.get("attention_path") or ("folded" if query.is_cuda else "mask")
     fn = folded_sdpa if path == "folded" else mask_sdpa
     out = fn(query, key, value, bias, scaling)

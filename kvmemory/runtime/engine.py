@@ -9,6 +9,7 @@ import torch
 from kvmemory.attention import ATTENTION_NAME
 from kvmemory.runtime.loading import (
     DEFAULT_MODEL,
+    DEFAULT_MODEL_NAME,
     check_architecture,
     keep_every_token,
     load_model_and_tokenizer,
@@ -24,20 +25,22 @@ class Engine:
     or a ``.gguf`` file; ``Engine(model, tokenizer)`` wraps a model already in memory.
     """
 
-    def __init__(self, model, tokenizer=None):
+    def __init__(self, model, tokenizer=None, name: str | None = None):
         check_architecture(model.config)
         keep_every_token(model.config)
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config
+        self.name = name or getattr(model.config, "name_or_path", None) or model.config.model_type
         self.lock = threading.RLock()  # one forward at a time: sessions never see each other's state
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None) -> "Engine":
         device, dtype = pick_device_and_dtype(device, dtype)
         model, tokenizer = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
-        return cls(model, tokenizer)
+        name = DEFAULT_MODEL_NAME if name_or_path == DEFAULT_MODEL else str(name_or_path)
+        return cls(model, tokenizer, name=name)
 
     # ---- model facts ---------------------------------------------------------------------------
     @property

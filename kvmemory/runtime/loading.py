@@ -14,6 +14,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 

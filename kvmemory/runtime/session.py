@@ -7,6 +7,7 @@ the transcript and the segments exactly as they were.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -19,6 +20,7 @@ from kvmemory.cache import CompactCache, CompactionPlan
 from kvmemory.errors import ContextLengthError, InvalidTokenError, SessionClosedError
 from kvmemory.memory.segments import Segment
 from kvmemory.runtime.chat import ChatRenderer
+from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -83,7 +85,10 @@ class Session:
         self._tools_key: str | None = None
         self._renderer: ChatRenderer | None = None
         self._next_segment_id = 0
+        self.query_recorder: QueryRecorder | None = None
+        self.hidden_recorder: HiddenRecorder | None = None
         self.compaction_log: list[dict] = []
+        self.prefilled_tokens = 0  # tokens run through the model by appends (cache reuse shows here)
         if memory is not None:
             memory.attach(self)
 
@@ -102,9 +107,28 @@ class Session:
     async def __aexit__(self, *exc) -> None:
         self.close()
 
+    def record_queries(self, window: int = 64, context: int = 0) -> QueryRecorder:
+        """Keep post-RoPE queries: of the last ``window`` tokens (the selector window for compaction) and,
+        with ``context`` > 0, about that many tokens' queries of each segment as it is prefilled."""
+        rec = self.query_recorder
+        if rec is None:
+            self.query_recorder = QueryRecorder(self.engine.num_layers, self.engine.num_kv_heads, window, context)
+        else:
+            rec.window, rec.context_tokens = max(rec.window, window), max(rec.context_tokens, context)
+        return self.query_recorder
+
+    def record_last_layer_inputs(self) -> HiddenRecorder:
+        """Keep each position's input to the last decoder layer (for the fast counter-causal score)."""
+        if self.hidden_recorder is None:
+            self.hidden_recorder = HiddenRecorder(self.engine.model)
+        return self.hidden_recorder
+
     def close(self) -> None:
         """Free the cache. The transcript stays readable."""
         self.closed = True
+        if self.hidden_recorder is not None:
+            self.hidden_recorder.close()
+            self.hidden_recorder = None
         self.cache = CompactCache(self.engine.num_layers)
         self._last_logits = None
 
@@ -297,19 +321,29 @@ class Session:
         if not self.tokens:
             raise ValueError("the session is empty: nothing to condition on")
         self._ensure_logits()
+        first = torch.log_softmax(self._last_logits.float(), -1)[ids[0]].reshape(1).cpu()
+        if len(ids) == 1:
+            return first
+        with self.scratch():
+            logits = self._forward(ids[:-1], segment_id=-1, positions_from=len(self.tokens), all_logits=True)
+        rest = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ids[1:], device=logits.device)[:, None])
+        return torch.cat([first, rest.squeeze(1).cpu()])
+
+    @contextlib.contextmanager
+    def scratch(self):
+        """Run forwards past the end of the session, then forget them (cache, logits, recorders)."""
         snapshot = self.cache.snapshot_lengths()
+        last_logits = self._last_logits
+        recorder_state = self.query_recorder.state() if self.query_recorder is not None else None
+        hidden, self.hidden_recorder = self.hidden_recorder, None
         try:
-            out = [torch.log_softmax(self._last_logits.float(), -1)[ids[0]]]
-            if len(ids) > 1:
-                logits = self._forward(ids[:-1], segment_id=-1, positions_from=len(self.tokens), all_logits=True)
-                lp = torch.log_softmax(logits.float(), -1)
-                out.append(lp.gather(1, torch.tensor(ids[1:], device=lp.device)[:, None]).squeeze(1))
-                out = [out[0][None], out[1]]
-            else:
-                out = [out[0][None]]
-            return torch.cat([o.cpu() for o in out])
+            yield
         finally:
             self.cache.rollback(snapshot)
+            self._last_logits = last_logits
+            self.hidden_recorder = hidden
+            if recorder_state is not None:
+                self.query_recorder.restore(recorder_state)
 
     # ---- compaction ------------------------------------------------------------------------------
     def compact(self, plan: CompactionPlan) -> None:
@@ -410,9 +444,14 @@ class Session:
         input_ids = torch.tensor([ids], device=engine.device)
         positions = torch.arange(positions_from, positions_from + len(ids), device=engine.device)
         snapshot = self.cache.snapshot_lengths()
+        extra = {"query_recorder": self.query_recorder} if self.query_recorder is not None else {}
         with engine.lock, torch.no_grad():
             try:
                 self.cache.begin_append(positions, segment_id)
+                if self.hidden_recorder is not None:
+                    self.hidden_recorder.expect(positions)
+                if self.query_recorder is not None:
+                    self.query_recorder.current_segment = segment_id
                 out = engine.model(
                     input_ids=input_ids,
                     position_ids=positions[None],
@@ -420,11 +459,14 @@ class Session:
                     use_cache=True,
                     logits_to_keep=0 if all_logits else 1,
                     compact_cache=self.cache,
+                    **extra,
                 )
             except BaseException:
                 self.cache.rollback(snapshot)
                 raise
         logits = out.logits[0]
+        if segment_id >= 0:
+            self.prefilled_tokens += len(ids)
         if not all_logits:
             self._last_logits = logits[-1]
         return logits
@@ -498,6 +540,8 @@ class Session:
     def _truncate(self, position: int) -> None:
         """Cut the session back to ``position`` (cache, transcript and segments)."""
         left = self.cache.truncate_positions(position)
+        if self.hidden_recorder is not None:
+            self.hidden_recorder.drop_from(position)
         del self.tokens[position:]
         self._pending = []
         self._last_logits = None

@@ -1,0 +1,130 @@
+"""The interface every compaction method implements: (a span of the cache, reference queries, budgets) → result.
+
+Methods are pure tensor code. They see a ``CacheSpan``: for each layer, the span's slots per KV head
+(padded to the longest head, with a validity mask), the reference queries grouped by KV head, and the
+span's token ids. They return, per layer, which span slots each head keeps and optionally new values
+and β for them. The runtime turns that into a ``CompactionPlan`` for the whole cache.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+NEG_INF = float("-inf")
+
+
+class MethodConfig(BaseModel):
+    """Base of every method's config (validated: unknown or out-of-range fields fail at construction)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass
+class LayerSpan:
+    """One layer's view of the span. H = KV heads, n = longest head's span slots, m = reference queries."""
+
+    layer: int
+    keys: torch.Tensor  # (H, n, D) post-RoPE
+    values: torch.Tensor  # (H, n, Dv)
+    bias: torch.Tensor  # (H, n) fp32, existing β (0 for verbatim slots, −∞ for padding)
+    positions: torch.Tensor  # (H, n) logical positions (−1 for padding)
+    valid: torch.Tensor  # (H, n) bool
+    scale: float
+    queries: torch.Tensor | None = None  # (H, m, D) post-RoPE, GQA group members stacked
+
+    @property
+    def num_heads(self) -> int:
+        return self.keys.shape[0]
+
+    def logits(self, queries: torch.Tensor | None = None) -> torch.Tensor:
+        """(H, m, n) fp32 attention logits of the queries to the span slots, β included, padding at −∞."""
+        q = self.queries if queries is None else queries
+        s = torch.einsum("hmd,hnd->hmn", q.float(), self.keys.float()) * self.scale + self.bias[:, None, :]
+        return s.masked_fill(~self.valid[:, None, :], NEG_INF)
+
+    def attention(self, queries: torch.Tensor | None = None) -> torch.Tensor:
+        """(H, m, n) attention of each query over the span alone."""
+        return torch.softmax(self.logits(queries), dim=-1).nan_to_num(0.0)
+
+
+@dataclass
+class ModelAccess:
+    """What model-running methods (counter-causal) may use: the model, the live cache, the transcript."""
+
+    model: object
+    cache: object
+    tokens: list[int]
+    last_layer_inputs: dict[int, torch.Tensor] | None = None
+    engine: object = None
+
+
+@dataclass
+class CacheSpan:
+    """The part of a session's cache to compact, across all layers."""
+
+    layers: list[LayerSpan]
+    token_of_position: dict[int, int] = field(default_factory=dict)  # logical position → token id
+    text_of_token: callable = None  # token id → its text (for text-aware methods like TAM)
+    model: ModelAccess | None = None  # for methods that run the model (counter-causal)
+    protected_positions: set[int] = field(default_factory=set)  # positions a method must keep verbatim
+    query_group_size: int = 1  # G: reference query rows per token and KV head
+
+
+@dataclass
+class LayerResult:
+    """Per head, the kept span-local slot indices (sorted), plus optional new values / β aligned with them."""
+
+    keep: list[torch.Tensor]
+    values: torch.Tensor | None = None  # (H, t_max, Dv)
+    bias: torch.Tensor | None = None  # (H, t_max)
+
+
+class CompactionMethod(ABC):
+    """A compaction method: turns a span and per-(layer, head) budgets into per-layer results."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[MethodConfig]]
+    uses_queries: ClassVar[bool] = True
+
+    def __init__(self, config: MethodConfig | None = None, **params):
+        self.config = config if config is not None else self.Config(**params)
+
+    @abstractmethod
+    def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
+        """``budgets``: (L, H) slots each head may keep of the span."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
+
+
+def topk_per_head(scores: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor, forced: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Sorted indices of the top-``budget[h]`` valid slots per head; ``forced`` slots are taken first."""
+    scores = scores.float().masked_fill(~valid, NEG_INF)
+    if forced is not None:
+        scores = torch.where(forced & valid, torch.full_like(scores, float("inf")), scores)
+    keep = []
+    for h in range(scores.shape[0]):
+        k = int(min(int(budget[h]), int(valid[h].sum())))
+        k = max(k, 1)
+        idx = torch.topk(scores[h], k).indices
+        keep.append(torch.sort(idx).values)
+    return keep
+
+
+def edge_mask(span: LayerSpan, first: int, last: int) -> torch.Tensor:
+    """(H, n) True for each head's first ``first`` and last ``last`` valid slots (sinks / recent window)."""
+    order = torch.cumsum(span.valid.long(), dim=1)
+    count = order[:, -1:]
+    return span.valid & ((order <= first) | (order > count - last))
+
+
+def protected_mask(span: CacheSpan, layer: LayerSpan) -> torch.Tensor | None:
+    if not span.protected_positions:
+        return None
+    prot = torch.tensor(sorted(span.protected_positions), device=layer.positions.device)
+    return torch.isin(layer.positions, prot) & layer.valid

@@ -1,0 +1,100 @@
+"""Compact part of a live session with a method: span → reference queries → method → plan → cache.
+
+This is the one place that connects the runtime (session, cache, model) to the pure methods.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvmemory.compaction.base import CompactionMethod, ModelAccess
+from kvmemory.compaction.head_budgets import uniform_budgets
+from kvmemory.compaction.planner import extract_span, span_slots, to_plan
+from kvmemory.compaction.queries import reference_queries
+from kvmemory.compaction.registry import get_method
+from kvmemory.compaction.solvers import attention_output_error
+
+
+@dataclass
+class CompactionRecord:
+    """What one compaction did (kept in ``session.compaction_log``)."""
+
+    method: str
+    trigger: str
+    segments: list[int]
+    tokens: int
+    slots_before: int  # physical slots of the span per head (mean over layers and heads)
+    slots_after: int
+    milliseconds: float
+    reconstruction_error: float | None  # relative error of span output·mass on the reference queries
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compact_span(
+    session,
+    positions: torch.Tensor,
+    method: CompactionMethod | str,
+    slots: int | torch.Tensor,
+    query_source: str | list[str] = "window",
+    protected_positions: set[int] | None = None,
+    trigger: str = "manual",
+    measure_error: bool = True,
+) -> CompactionRecord:
+    """Compact the slots holding ``positions`` to ``slots`` per head (int) or to an (L, H) budget tensor."""
+    session._check_open()
+    session._flush_pending()
+    method = get_method(method) if isinstance(method, str) else method
+    engine, cache = session.engine, session.cache
+    started = time.perf_counter()
+    positions = torch.as_tensor(positions, dtype=torch.long)
+    with engine.lock, torch.no_grad():
+        per_head = span_slots(cache, positions)
+        capacity = torch.tensor([[s.numel() for s in layer] for layer in per_head])
+        if isinstance(slots, int):
+            budgets = uniform_budgets(slots * capacity.numel(), capacity)
+        else:
+            budgets = torch.minimum(slots.long(), capacity)
+        queries = reference_queries(session, query_source, positions) if method.uses_queries or measure_error else None
+        scale = engine.head_dim ** -0.5
+        span = extract_span(cache, per_head, queries, scale)
+        span.token_of_position = {p: session.tokens[p] for p in positions.tolist()}
+        tokenizer = engine.tokenizer
+        span.text_of_token = (lambda t: tokenizer.decode([t]) if t >= 0 else "") if tokenizer is not None else (lambda t: "")
+        span.model = ModelAccess(engine.model, cache, session.tokens,
+                                 session.hidden_recorder.store if session.hidden_recorder is not None else None, engine)
+        span.protected_positions = set(protected_positions or ())
+        span.query_group_size = engine.config.num_attention_heads // engine.num_kv_heads
+        results = method.compact(span, budgets)
+        error = None
+        if measure_error and queries is not None:
+            errors = []
+            for layer, res in zip(span.layers, results):
+                logits = layer.logits()
+                shift = None
+                if res.bias is not None:
+                    index = torch.zeros(layer.num_heads, max(k.numel() for k in res.keep), dtype=torch.long)
+                    for h, k in enumerate(res.keep):
+                        index[h, : k.numel()] = k
+                    shift = res.bias - torch.gather(layer.bias, 1, index)
+                errors.append(attention_output_error(logits, layer.values, res.keep, shift, res.values))
+            error = float(sum(errors) / len(errors))
+        plan = to_plan(cache, per_head, results, method.name)
+        before = float(capacity.float().mean())
+        after = float(torch.tensor([[k.numel() for k in r.keep] for r in results]).float().mean())
+    session.compact(plan)
+    seg_ids = sorted({s.id for s in session.segments if s.start <= int(positions.max()) and s.end > int(positions.min())})
+    for seg in session.segments:
+        if seg.id in seg_ids:
+            seg.compactions += 1
+    if session.query_recorder is not None:
+        for i in seg_ids:
+            session.query_recorder.context.pop(i, None)
+    record = CompactionRecord(method.name, trigger, seg_ids, int(positions.numel()), round(before), round(after),
+                              (time.perf_counter() - started) * 1e3, error)
+    session.compaction_log.append(record.to_dict())
+    return record

@@ -1,0 +1,46 @@
+"""Per-(layer, KV head) budgets: uniform, or REAL/HeadKV-style from a head-score profile.
+
+Any method takes a (L, H) budget tensor, so head-aware budgets work with every selector. Budgets always
+sum exactly to the requested total and never exceed what a head holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def uniform_budgets(total: int, capacity: torch.Tensor) -> torch.Tensor:
+    """Spread ``total`` evenly over (L, H) heads, capped by each head's ``capacity`` (slots it holds)."""
+    return fill_to_total(torch.full(capacity.shape, float(total) / capacity.numel()), total, capacity)
+
+
+def fill_to_total(share: torch.Tensor, total: int, capacity: torch.Tensor) -> torch.Tensor:
+    """Round real-valued shares to integers in [1, capacity] that sum exactly to min(total, Σ capacity)."""
+    capacity = capacity.long()
+    total = int(min(total, int(capacity.sum())))
+    out = torch.minimum(share.floor().long().clamp_min(1), capacity)
+    flat_share, flat_out, flat_cap = share.flatten(), out.flatten(), capacity.flatten()
+    while int(flat_out.sum()) != total:
+        left = total - int(flat_out.sum())
+        if left > 0:
+            room = flat_cap - flat_out
+            frac = (flat_share - flat_out.float()).masked_fill(room <= 0, float("-inf"))
+            k = min(left, int((room > 0).sum()))
+            flat_out[torch.topk(frac, k).indices] += 1
+        else:
+            over = (flat_out.float() - flat_share).masked_fill(flat_out <= 1, float("-inf"))
+            k = min(-left, int((flat_out > 1).sum()))
+            flat_out[torch.topk(over, k).indices] -= 1
+    return flat_out.view(capacity.shape)
+
+
+def headkv_budgets(total: int, scores: torch.Tensor, capacity: torch.Tensor, beta: float = 1.4, temperature: float = 1.0) -> torch.Tensor:
+    """HeadKV/REAL allocation: each head keeps a floor b − ⌊b/β⌋; a shared pool of ⌊b/β⌋·L·H slots
+    is split by normalised head score ŝ (raised to ``temperature``). b = total / (L·H)."""
+    heads = scores.numel()
+    b = total / heads
+    pool = float(int(b / beta) * heads)
+    floor = b - int(b / beta)
+    s = scores.float().clamp_min(0).pow(temperature)
+    s = s / s.sum() if float(s.sum()) > 0 else torch.full_like(s, 1.0 / heads)
+    return fill_to_total(floor + s * pool, total, capacity)

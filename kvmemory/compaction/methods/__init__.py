@@ -1,0 +1,18 @@
+"""One file per compaction method. Importing this package registers them all."""
+
+from kvmemory.compaction.methods.attention_matching import AttentionMatching, AttentionMatchingConfig
+from kvmemory.compaction.methods.counter_causal import CounterCausal, CounterCausalConfig
+from kvmemory.compaction.methods.h2o import H2O, H2OConfig
+from kvmemory.compaction.methods.key_norm import KeyNorm, KeyNormConfig
+from kvmemory.compaction.methods.random_eviction import RandomEviction, RandomEvictionConfig
+from kvmemory.compaction.methods.real import REAL, REALConfig
+from kvmemory.compaction.methods.snapkv import SnapKV, SnapKVConfig
+from kvmemory.compaction.methods.streaming_llm import StreamingLLM, StreamingLLMConfig
+from kvmemory.compaction.methods.tam import TAM, TAMConfig
+from kvmemory.compaction.methods.tova import TOVA, TOVAConfig
+
+__all__ = [
+    "AttentionMatching", "AttentionMatchingConfig", "CounterCausal", "CounterCausalConfig", "H2O", "H2OConfig",
+    "KeyNorm", "KeyNormConfig", "REAL", "REALConfig", "RandomEviction", "RandomEvictionConfig", "SnapKV",
+    "SnapKVConfig", "StreamingLLM", "StreamingLLMConfig", "TAM", "TAMConfig", "TOVA", "TOVAConfig",
+]

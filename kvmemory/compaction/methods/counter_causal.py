@@ -1,0 +1,133 @@
+"""Counter-causal surprise: keep the tokens the future cannot predict.
+
+Gould & van den Hengel, "Back from the Future: Key-Value Cache Management by Counter-Causal Surprise",
+arXiv 2607.27600 (2026). Each cached token is re-read with the opposite mask — it may attend only to
+strictly later slots, whose keys and values are the cached ones — and the LM head's logit of its own
+id, z_i[x_i], says how predictable it is from the future. Low logit = surprising = kept. One keep-set
+for all layers and heads.
+
+* full score: every layer, starting from the token's embedding;
+* fast score: only the last layer, from the stored input of that layer (``Session.record_last_layer_inputs``).
+Both skip the last layer's MLP (as the fast score does), so on a one-layer model they are identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig, ModelAccess
+from kvmemory.compaction.eviction import ScoreEviction
+
+ROW_CHUNK = 256
+
+
+class CounterCausalConfig(MethodConfig):
+    fast: bool = Field(True, description="single-layer score from stored last-layer inputs (7-9x faster)")
+
+
+@dataclass
+class PositionScores:
+    """A score per logical position, mapped onto any layer's slots."""
+
+    positions: torch.Tensor  # (N,) sorted
+    scores: torch.Tensor  # (N,)
+
+    def score_slots(self, slot_positions: torch.Tensor) -> torch.Tensor:
+        idx = torch.searchsorted(self.positions, slot_positions.clamp_min(0)).clamp_max(len(self.positions) - 1)
+        hit = self.positions[idx] == slot_positions
+        return torch.where(hit, self.scores[idx], torch.full_like(self.scores[idx], float("-inf")))
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _counter_causal_attention(attn_module, hidden, cos, sin, cache_layer, positions):
+    """Attention of each token to strictly-later cached slots only (β included)."""
+    t = hidden.shape[0]
+    head_dim = attn_module.head_dim
+    q = attn_module.q_proj(hidden).view(t, -1, head_dim)
+    if hasattr(attn_module, "q_norm"):
+        q = attn_module.q_norm(q)
+    q = q.transpose(0, 1)  # (Hq, T, D)
+    q = q * cos[None] + _rotate_half(q) * sin[None]
+    n = cache_layer.length
+    keys, values = cache_layer.keys[0, :, :n], cache_layer.values[0, :, :n]
+    slot_pos, bias = cache_layer.positions[:, :n].long(), cache_layer.bias[0, :, :n]
+    groups = q.shape[0] // keys.shape[0]
+    out = torch.zeros_like(q)
+    for a in range(0, t, ROW_CHUNK):
+        rows = positions[a : a + ROW_CHUNK]
+        allowed = (slot_pos[:, None, :] > rows[None, :, None]) & (slot_pos[:, None, :] >= 0)  # (H, t, n)
+        mask = torch.where(allowed, bias[:, None, :], torch.full((), float("-inf"), device=bias.device))
+        mask = mask.repeat_interleave(groups, dim=0).to(q.dtype)
+        o = F.scaled_dot_product_attention(q[:, a : a + ROW_CHUNK], keys, values, attn_mask=mask,
+                                           scale=attn_module.scaling, enable_gqa=groups > 1)
+        out[:, a : a + ROW_CHUNK] = o.nan_to_num(0.0)
+    return attn_module.o_proj(out.transpose(0, 1).reshape(t, -1))
+
+
+def _decoder_layer(layer, hidden, cos, sin, cache_layer, positions, with_mlp: bool):
+    residual = hidden
+    h = _counter_causal_attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, cache_layer, positions)
+    hidden = residual + h
+    if with_mlp:
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return hidden
+
+
+@torch.no_grad()
+def own_token_logits(access: ModelAccess, positions: torch.Tensor, fast: bool) -> torch.Tensor:
+    """z_i[x_i] for each position: the LM-head logit of the token's own id under the counter-causal mask."""
+    model = access.model
+    base = model.model
+    device = next(model.parameters()).device
+    positions = positions.to(device)
+    token_ids = torch.tensor([access.tokens[p] for p in positions.tolist()], device=device)
+    layers = base.layers
+    if fast:
+        if not access.last_layer_inputs or any(p not in access.last_layer_inputs for p in positions.tolist()):
+            raise ValueError("the fast counter-causal score needs session.record_last_layer_inputs() before the tokens are appended")
+        hidden = torch.stack([access.last_layer_inputs[p] for p in positions.tolist()]).to(device, next(model.parameters()).dtype)
+        start = len(layers) - 1
+    else:
+        hidden = base.embed_tokens(token_ids)
+        start = 0
+    cos, sin = base.rotary_emb(hidden[None], positions[None])
+    cos, sin = cos[0], sin[0]
+    for li in range(start, len(layers)):
+        last = li == len(layers) - 1
+        hidden = _decoder_layer(layers[li], hidden, cos, sin, access.cache.layers[li], positions, with_mlp=not last)
+    hidden = base.norm(hidden)
+    weight = model.lm_head.weight[token_ids]
+    logits = (hidden * weight).sum(-1)
+    if getattr(model.lm_head, "bias", None) is not None:
+        logits = logits + model.lm_head.bias[token_ids]
+    return logits.float()
+
+
+def surprise_scores(span: CacheSpan, fast: bool) -> PositionScores:
+    """Surprise (−z) per span position; the cache's last token, which has no future, scores +∞."""
+    positions = torch.unique(torch.cat([layer.positions[layer.valid] for layer in span.layers]))
+    scores = -own_token_logits(span.model, positions, fast).cpu()
+    last = span.model.cache.logical_length - 1
+    scores = torch.where(positions.cpu() == last, torch.full_like(scores, float("inf")), scores)
+    return PositionScores(positions.cpu(), scores)
+
+
+class CounterCausal(ScoreEviction):
+    name = "counter_causal"
+    Config = CounterCausalConfig
+    uses_queries = False
+
+    def compact(self, span: CacheSpan, budgets: torch.Tensor):
+        self._scores = surprise_scores(span, self.config.fast)
+        return super().compact(span, budgets)
+
+    def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:
+        return self._scores.score_slots(layer.positions.cpu()).to(layer.keys.device)

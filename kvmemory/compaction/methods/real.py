@@ -1,0 +1,54 @@
+"""REAL: per-head budgets from attention-behaviour profiling, then per-head selection.
+
+Li, Feng, Xie, Song, "REAL", ACL 2026; allocation follows HeadKV (Fu et al., ICLR 2025). Heads are
+profiled offline on needle tasks (``kvmemory.compaction.head_profiling``); the budget the scheduler asks
+for is redistributed from a shared pool by head score, and an inner method (SnapKV by default, as in the
+paper; Attention Matching works too) selects within each head's budget.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, MethodConfig
+from kvmemory.compaction.head_budgets import headkv_budgets
+
+
+class REALConfig(MethodConfig):
+    profile: str | None = Field(None, description="path of a head profile JSON (None: the model's saved default)")
+    score: Literal["infsc", "rasc", "lcsc", "r2"] = Field("infsc", description="which profiled head score to use")
+    beta: float = Field(1.4, gt=1.0, description="pool divisor: each head keeps b − ⌊b/β⌋, the rest is pooled")
+    temperature: float = Field(1.0, gt=0, description="exponent on normalised head scores")
+    inner: str = Field("snapkv", description="selection method run with the REAL budgets")
+    inner_params: dict = Field(default_factory=dict)
+    scores: list[list[float]] | None = Field(None, description="(L, H) head scores given directly")
+
+
+class REAL(CompactionMethod):
+    name = "real"
+    Config = REALConfig
+
+    def __init__(self, config: REALConfig | None = None, **params):
+        super().__init__(config, **params)
+        from kvmemory.compaction.registry import get_method
+
+        self.inner = get_method(self.config.inner, **self.config.inner_params)
+        self._scores = torch.tensor(self.config.scores) if self.config.scores is not None else None
+
+    def head_scores(self, span: CacheSpan) -> torch.Tensor:
+        if self._scores is None:
+            from kvmemory.compaction.head_profiling import profile_for
+
+            self._scores = profile_for(span.model.engine, self.config.profile).scores(self.config.score)
+        return self._scores
+
+    def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
+        capacity = torch.stack([layer.valid.sum(1) for layer in span.layers])
+        scores = self.head_scores(span)
+        if tuple(scores.shape) != tuple(capacity.shape):
+            raise ValueError(f"head profile has shape {tuple(scores.shape)}, the model has {tuple(capacity.shape)} (layers, KV heads)")
+        budgets = headkv_budgets(int(budgets.sum()), scores, capacity, self.config.beta, self.config.temperature)
+        return self.inner.compact(span, budgets)

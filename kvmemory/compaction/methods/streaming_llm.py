@@ -1,0 +1,26 @@
+"""StreamingLLM: attention sinks plus the most recent tokens.
+
+Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024 (arXiv 2309.17453).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig
+from kvmemory.compaction.eviction import ScoreEviction
+
+
+class StreamingLLMConfig(MethodConfig):
+    sink_tokens: int = Field(4, ge=0, description="first slots of the span always kept")
+
+
+class StreamingLLM(ScoreEviction):
+    name = "streaming_llm"
+    Config = StreamingLLMConfig
+    uses_queries = False
+
+    def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:
+        order = torch.cumsum(layer.valid.long(), dim=1).float()  # later slots score higher
+        return torch.where(order <= self.config.sink_tokens, torch.full_like(order, float("inf")), order)

@@ -1,0 +1,73 @@
+"""Between the cache and the methods: cut a span out of a CompactCache, and turn results into a plan.
+
+A span is a set of logical positions (one or more segments). Per layer and head it is the slots whose
+position falls in the set; every other slot is kept exactly as it is, so compacting one segment never
+touches another segment's slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmemory.cache import CompactCache, CompactionPlan, LayerPlan
+from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan
+
+
+def span_slots(cache: CompactCache, positions: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Per layer, per head: physical slot indices whose position is in ``positions`` (sorted)."""
+    out = []
+    for layer in cache.layers:
+        pos = layer.positions[:, : layer.length]
+        member = torch.isin(pos, positions.to(pos.device)) & (pos >= 0)
+        out.append([torch.nonzero(m).flatten() for m in member])
+    return out
+
+
+def extract_span(cache: CompactCache, slots: list[list[torch.Tensor]], queries: list[torch.Tensor | None], scale: float) -> CacheSpan:
+    """Gather the span's keys, values, β and positions per layer into padded (H, n, ·) tensors."""
+    layers = []
+    for li, (layer, per_head) in enumerate(zip(cache.layers, slots)):
+        heads = layer.num_heads
+        n = max(1, max(s.numel() for s in per_head))
+        index = torch.zeros(heads, n, dtype=torch.long, device=layer.device)
+        valid = torch.zeros(heads, n, dtype=torch.bool, device=layer.device)
+        for h, s in enumerate(per_head):
+            index[h, : s.numel()] = s
+            valid[h, : s.numel()] = True
+        k = torch.gather(layer.keys[0], 1, index[..., None].expand(-1, -1, layer.keys.shape[-1]))
+        v = torch.gather(layer.values[0], 1, index[..., None].expand(-1, -1, layer.values.shape[-1]))
+        b = torch.gather(layer.bias[0], 1, index).masked_fill(~valid, float("-inf"))
+        p = torch.gather(layer.positions, 1, index).masked_fill(~valid, -1)
+        layers.append(LayerSpan(li, k, v, b, p.long(), valid, scale, queries[li] if queries else None))
+    return CacheSpan(layers=layers)
+
+
+def to_plan(cache: CompactCache, slots: list[list[torch.Tensor]], results: list[LayerResult], method: str) -> CompactionPlan:
+    """Keep every slot outside the span; inside it, keep the method's choice with its new values and β."""
+    plans = []
+    for layer, per_head, result in zip(cache.layers, slots, results):
+        keeps, chosen_rows = [], []
+        for h, span_idx in enumerate(per_head):
+            chosen = span_idx[result.keep[h].to(span_idx.device)] if span_idx.numel() else span_idx
+            outside = torch.ones(layer.length, dtype=torch.bool, device=layer.device)
+            outside[span_idx] = False
+            outside &= layer.positions[h, : layer.length] >= 0  # padding never survives a compaction
+            keep = torch.sort(torch.cat([torch.nonzero(outside).flatten(), chosen])).values
+            keeps.append(keep)
+            chosen_rows.append(torch.searchsorted(keep, chosen))
+        t_max = max(k.numel() for k in keeps)
+        values = bias = None
+        if result.values is not None or result.bias is not None:
+            heads = layer.num_heads
+            values = torch.zeros(heads, t_max, layer.values.shape[-1], dtype=layer.values.dtype, device=layer.device)
+            bias = torch.zeros(heads, t_max, dtype=torch.float32, device=layer.device)
+            for h, keep in enumerate(keeps):
+                values[h, : keep.numel()] = layer.values[0, h, keep]
+                bias[h, : keep.numel()] = layer.bias[0, h, keep]
+                rows, n_chosen = chosen_rows[h], chosen_rows[h].numel()
+                if result.values is not None:
+                    values[h, rows] = result.values[h, :n_chosen].to(values.dtype)
+                if result.bias is not None:
+                    bias[h, rows] = result.bias[h, :n_chosen].float()
+        plans.append(LayerPlan(keep=keeps, values=values, bias=bias))
+    return CompactionPlan(plans, method=method)

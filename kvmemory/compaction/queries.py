@@ -1,0 +1,109 @@
+"""Reference queries: what the model will ask of a span, as post-RoPE queries grouped by KV head.
+
+Sources (selectable per call, combinable):
+* ``window``: the last R tokens' queries, recorded as the session runs (free; what online compaction has);
+* ``context``: queries recorded while the span itself was prefilled (free, subsampled per segment);
+* ``repeat``: the model is told to repeat the context and the span is teacher-forced as its answer;
+* ``self_study``: the model writes a summary of the span and the questions it raises; its queries count.
+The scratch sources run past the end of the session and are rolled back: the session is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from kvmemory.errors import KVMemoryError
+
+QuerySource = Literal["window", "context", "repeat", "self_study"]
+QUERY_SOURCES = ("window", "context", "repeat", "self_study")
+REPEAT_INSTRUCTION = "\n\nRepeat the previous context verbatim.\n\n"
+SELF_STUDY_INSTRUCTION = (
+    "\n\nSummarize the text above: list every name, number, file, error and fact it contains, "
+    "then write three questions it answers.\n\n"
+)
+
+
+def reference_queries(session, sources: str | list[str], positions: torch.Tensor, self_study_tokens: int = 64) -> list[torch.Tensor]:
+    """Per layer (H, m, D) reference queries for the span at ``positions`` from the given sources."""
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    per_source = []
+    for source in sources:
+        if source == "window":
+            per_source.append(_window(session))
+        elif source == "context":
+            per_source.append(_context(session, positions))
+        elif source == "repeat":
+            per_source.append(_repeat(session, positions))
+        elif source == "self_study":
+            per_source.append(_self_study(session, self_study_tokens))
+        else:
+            raise ValueError(f"unknown reference-query source {source!r}; use one of {QUERY_SOURCES}")
+    return [torch.cat([qs[layer] for qs in per_source], dim=1) for layer in range(session.engine.num_layers)]
+
+
+def _window(session) -> list[torch.Tensor]:
+    recorder = session.query_recorder
+    if recorder is None or recorder.recent[0] is None:
+        raise KVMemoryError("no selector-window queries: call session.record_queries(R) before appending")
+    return [recorder.window_queries(layer) for layer in range(session.engine.num_layers)]
+
+
+def _context(session, positions: torch.Tensor) -> list[torch.Tensor]:
+    recorder = session.query_recorder
+    seg_ids = {s.id for s in session.segments if s.start < int(positions.max()) + 1 and s.end > int(positions.min())}
+    found = [recorder.context.get(i) for i in seg_ids] if recorder is not None else []
+    found = [f for f in found if f is not None]
+    if not found:
+        raise KVMemoryError("no context-prefill queries for this span: enable session.record_queries(context=N) before appending it")
+    return [torch.cat([f[layer] for f in found], dim=1) for layer in range(session.engine.num_layers)]
+
+
+def _capture(session, token_batches: list[list[int]]) -> list[torch.Tensor]:
+    recorder = session.record_queries(session.query_recorder.window if session.query_recorder else 0)
+    with session.scratch():
+        recorder.frozen = True
+        recorder.start_capture()
+        try:
+            position = len(session.tokens)
+            for ids in token_batches:
+                for a in range(0, len(ids), session.prefill_chunk_size):
+                    chunk = ids[a : a + session.prefill_chunk_size]
+                    session._forward(chunk, segment_id=-1, positions_from=position)
+                    position += len(chunk)
+        finally:
+            captured = recorder.stop_capture()
+            recorder.frozen = False
+    return captured
+
+
+def _repeat(session, positions: torch.Tensor) -> list[torch.Tensor]:
+    tokenizer = session.engine.tokenizer
+    instruction = tokenizer.encode(REPEAT_INSTRUCTION, add_special_tokens=False)
+    span_tokens = [session.tokens[p] for p in positions.tolist()]
+    return _capture(session, [instruction + span_tokens])
+
+
+def _self_study(session, max_tokens: int) -> list[torch.Tensor]:
+    tokenizer = session.engine.tokenizer
+    instruction = tokenizer.encode(SELF_STUDY_INSTRUCTION, add_special_tokens=False)
+    recorder = session.record_queries(session.query_recorder.window if session.query_recorder else 0)
+    eos = session.engine.eos_token_ids
+    with session.scratch():
+        recorder.frozen = True
+        recorder.start_capture()
+        try:
+            position = len(session.tokens)
+            logits = session._forward(instruction, segment_id=-1, positions_from=position)[-1]
+            position += len(instruction)
+            for _ in range(max_tokens):
+                token = int(torch.argmax(logits))
+                if token in eos or position >= session.engine.max_positions:
+                    break
+                logits = session._forward([token], segment_id=-1, positions_from=position)[-1]
+                position += 1
+        finally:
+            captured = recorder.stop_capture()
+            recorder.frozen = False
+    return captured

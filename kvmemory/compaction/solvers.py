@@ -1,0 +1,161 @@
+"""Per-head solvers for Attention Matching, batched over KV heads (no Python loop per head, no scipy).
+
+Notation (per head): span logits S (m×n, β included), Φ = exp(S − rowmax), selected slots 𝒮 (t of them).
+* mass fit:   min_{B ≥ 0} ‖Φ_𝒮 B − Φ·1‖²   →  β_new = β_old + log B
+* output fit: min_{C_v} ‖X C_v − softmax(S) V‖² + λ‖C_v‖²,  X = softmax(S_𝒮 + log B)
+Heads keep different numbers of slots: selections are padded, and padded columns are masked out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+def pad_selection(keep: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H, t_max) indices (padding → 0) and (H, t_max) validity mask from per-head index lists."""
+    t_max = max(k.numel() for k in keep)
+    index = torch.zeros(len(keep), t_max, dtype=torch.long, device=device)
+    valid = torch.zeros(len(keep), t_max, dtype=torch.bool, device=device)
+    for h, k in enumerate(keep):
+        index[h, : k.numel()] = k
+        valid[h, : k.numel()] = True
+    return index, valid
+
+
+def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (H, m, n), index (H, t) → (H, m, t)."""
+    return torch.gather(x, 2, index[:, None, :].expand(-1, x.shape[1], -1))
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (H, n, d), index (H, t) → (H, t, d)."""
+    return torch.gather(x, 1, index[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
+def reduce_attention(attn: torch.Tensor, how: str = "rms") -> torch.Tensor:
+    """(H, m, n) attention → (H, n) per-slot importance over the reference queries."""
+    if how == "rms":
+        return attn.pow(2).mean(dim=1).sqrt()
+    if how == "max":
+        return attn.amax(dim=1)
+    if how == "mean":
+        return attn.mean(dim=1)
+    raise ValueError(f"unknown reduction {how!r}: use rms, max or mean")
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, how: str = "max") -> torch.Tensor:
+    """Smooth (H, n) scores over neighbouring slots (SnapKV-style), keeping the length."""
+    if kernel <= 1:
+        return scores
+    x = scores[:, None, :].float().nan_to_num(0.0, neginf=0.0)
+    pad = kernel // 2
+    pooled = F.max_pool1d(x, kernel, 1, pad) if how == "max" else F.avg_pool1d(x, kernel, 1, pad, count_include_pad=False)
+    return pooled[:, 0, : scores.shape[1]]
+
+
+def _spectral_norm_sq(gram: torch.Tensor, iters: int = 20) -> torch.Tensor:
+    """Largest eigenvalue of each PSD (H, t, t) matrix by power iteration."""
+    v = torch.ones(gram.shape[0], gram.shape[1], 1, dtype=gram.dtype, device=gram.device)
+    for _ in range(iters):
+        v = gram @ v
+        v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return (v.transpose(1, 2) @ gram @ v).squeeze(-1).squeeze(-1).clamp_min(1e-30)
+
+
+def nnls_box(a: torch.Tensor, y: torch.Tensor, col_valid: torch.Tensor, lo: float, hi: float, steps: int = 30, ridge: float = 1e-6) -> torch.Tensor:
+    """Batched box-constrained least squares  min_{lo ≤ B ≤ hi} ‖a B − y‖².
+
+    a (H, m, t), y (H, m), col_valid (H, t). A ridge solve, clamped to the box, refined by projected
+    gradient steps of size 1/‖a‖₂². Padded columns come back as 0.
+    """
+    a = a * col_valid[:, None, :]
+    gram = a.transpose(1, 2) @ a  # (H, t, t)
+    rhs = (a.transpose(1, 2) @ y[..., None]).squeeze(-1)  # (H, t)
+    t = gram.shape[-1]
+    scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
+    eye = torch.eye(t, dtype=gram.dtype, device=gram.device)
+    b = torch.linalg.solve(gram + (ridge * scale)[:, None, None] * eye + (~col_valid)[:, None, :] * eye, rhs)
+    b = b.clamp(lo, hi)
+    step = 1.0 / _spectral_norm_sq(gram)
+    for _ in range(steps):
+        grad = (gram @ b[..., None]).squeeze(-1) - rhs
+        b = (b - step[:, None] * grad).clamp(lo, hi)
+    return b * col_valid
+
+
+def ridge_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
+    """Batched min ‖x c − y‖² + λ‖c‖² for x (H, m, t), y (H, m, d); dual form when m < t."""
+    m, t = x.shape[1], x.shape[2]
+    if m >= t:
+        gram = x.transpose(1, 2) @ x
+        lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
+        eye = torch.eye(t, dtype=x.dtype, device=x.device)
+        return torch.linalg.solve(gram + lam[:, None, None] * eye, x.transpose(1, 2) @ y)
+    gram = x @ x.transpose(1, 2)
+    lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
+    eye = torch.eye(m, dtype=x.dtype, device=x.device)
+    return x.transpose(1, 2) @ torch.linalg.solve(gram + lam[:, None, None] * eye, y)
+
+
+def fit_bias_and_values(
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    keep: list[torch.Tensor],
+    fixed: torch.Tensor | None = None,
+    beta_box: tuple[float, float] = (-3.0, 3.0),
+    ridge: float = 1e-3,
+    nnls_steps: int = 30,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention Matching's fit for the selected slots of every head.
+
+    logits (H, m, n) fp32 span logits (existing β included, padding −∞); values (H, n, Dv).
+    fixed (H, t_max) marks selected slots that stay verbatim (pivotal tokens): their B is 1 and their
+    value is the original. Returns (log B: the shift to add to each selected slot's existing β, (H, t_max),
+−∞ for padding; new values (H, t_max, Dv)).
+    """
+    index, sel_valid = pad_selection(keep, logits.device)
+    fixed = torch.zeros_like(sel_valid) if fixed is None else fixed & sel_valid
+    free = sel_valid & ~fixed
+
+    row_max = logits.amax(dim=-1, keepdim=True).clamp_min(-1e30)
+    phi = torch.exp(logits - row_max)  # (H, m, n)
+    phi_sel = gather_columns(phi, index) * sel_valid[:, None, :]
+    target_mass = phi.sum(-1) - (phi_sel * fixed[:, None, :]).sum(-1)
+    lo, hi = (torch.exp(torch.tensor(b)).item() for b in beta_box)
+    b = nnls_box(phi_sel, target_mass, free, lo, hi, steps=nnls_steps)
+    b = torch.where(fixed, torch.ones_like(b), b)
+    log_b = torch.log(b.clamp_min(1e-30))
+
+    sel_logits = gather_columns(logits, index) + log_b[:, None, :]
+    sel_logits = sel_logits.masked_fill(~sel_valid[:, None, :], NEG_INF)
+    x = torch.softmax(sel_logits, dim=-1).nan_to_num(0.0)  # (H, m, t)
+    y = torch.softmax(logits, dim=-1).nan_to_num(0.0) @ values.float()  # (H, m, Dv) block-local outputs
+    v_sel = gather_rows(values.float(), index)
+    y_free = y - (x * fixed[:, None, :]) @ v_sel
+    x_free = x * free[:, None, :]
+    fitted = ridge_lstsq(x_free, y_free, ridge)
+    new_values = torch.where(free[..., None], fitted, v_sel) * sel_valid[..., None]
+    return log_b.masked_fill(~sel_valid, NEG_INF), new_values
+
+
+def attention_output_error(logits: torch.Tensor, values: torch.Tensor, keep: list[torch.Tensor], new_logit_shift: torch.Tensor | None, new_values: torch.Tensor | None) -> float:
+    """Relative error of the span's attention output *and* mass on the reference queries after compaction.
+
+    Output of the whole cache mixes blocks by mass, so both matter; this returns
+    ‖M′O′ − M O‖ / ‖M O‖ averaged over heads (M = span mass relative to the row max).
+    """
+    index, sel_valid = pad_selection(keep, logits.device)
+    row_max = logits.amax(-1, keepdim=True).clamp_min(-1e30)
+    phi = torch.exp(logits - row_max)
+    full = phi @ values.float()  # M·O (unnormalised)
+    sel = gather_columns(logits, index)
+    if new_logit_shift is not None:
+        sel = sel + new_logit_shift[:, None, :].nan_to_num(0.0, neginf=0.0)
+    phi_c = torch.exp(sel - row_max).masked_fill(~sel_valid[:, None, :], 0.0)
+    v_c = new_values.float() if new_values is not None else gather_rows(values.float(), index)
+    approx = phi_c @ v_c
+    err = (approx - full).norm(dim=(-2, -1)) / full.norm(dim=(-2, -1)).clamp_min(1e-30)
+    return float(err.mean())

@@ -1,0 +1,103 @@
+"""Recorders the attention function and the model feed while a session runs.
+
+* ``QueryRecorder`` keeps post-RoPE queries: a rolling window of the last R tokens (the selector window
+  that online compaction uses) and, while capturing, every query of the forward passes (context-prefill,
+  repeat-prefill and self-study reference queries).
+* ``HiddenRecorder`` keeps the input of the last decoder layer per position, which the fast
+  counter-causal score needs.
+Queries come back grouped by KV head: (H, tokens·G, D), rows token-major.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(1, Hq, T, D) → (H, T·G, D) with the G query heads of each KV head stacked per token."""
+    _, hq, t, d = query.shape
+    g = hq // num_kv_heads
+    return query[0].view(num_kv_heads, g, t, d).permute(0, 2, 1, 3).reshape(num_kv_heads, t * g, d)
+
+
+class QueryRecorder:
+    def __init__(self, num_layers: int, num_kv_heads: int, window: int = 64, context: int = 0, dtype=torch.float32):
+        self.num_layers, self.num_kv_heads, self.window, self.dtype = num_layers, num_kv_heads, window, dtype
+        self.recent: list[torch.Tensor | None] = [None] * num_layers  # (H, ≤R·G, D)
+        self.captured: list[list[torch.Tensor]] | None = None
+        self.frozen = False  # while True, the rolling window is left alone (scratch forwards)
+        self.context_tokens = context  # per segment, keep about this many tokens' queries (0: off)
+        self.context: dict[int, list[torch.Tensor | None]] = {}
+        self.current_segment = -1
+
+    def record(self, layer: int, query: torch.Tensor) -> None:
+        grouped = group_queries(query.detach(), self.num_kv_heads).to(self.dtype)
+        if self.captured is not None:
+            self.captured[layer].append(grouped)
+        if self.frozen:
+            return
+        if self.context_tokens and self.current_segment >= 0:
+            self._keep_context(layer, grouped, query.shape[1] // self.num_kv_heads)
+        if self.window <= 0:
+            return
+        keep_rows = self.window * (query.shape[1] // self.num_kv_heads)
+        prev = self.recent[layer]
+        merged = grouped if prev is None else torch.cat([prev, grouped], dim=1)
+        self.recent[layer] = merged[:, -keep_rows:].clone() if merged.shape[1] > keep_rows else merged
+
+    def _keep_context(self, layer: int, grouped: torch.Tensor, groups: int) -> None:
+        """Append to the segment's context queries; past 2N tokens, thin out to every other token."""
+        store = self.context.setdefault(self.current_segment, [None] * self.num_layers)
+        merged = grouped if store[layer] is None else torch.cat([store[layer], grouped], dim=1)
+        tokens = merged.shape[1] // groups
+        if tokens > 2 * self.context_tokens:
+            h, _, d = merged.shape
+            merged = merged.view(h, tokens, groups, d)[:, ::2].reshape(h, -1, d)
+        store[layer] = merged
+
+    def window_queries(self, layer: int) -> torch.Tensor | None:
+        return self.recent[layer]
+
+    def start_capture(self) -> None:
+        self.captured = [[] for _ in range(self.num_layers)]
+
+    def stop_capture(self) -> list[torch.Tensor]:
+        captured, self.captured = self.captured, None
+        return [torch.cat(c, dim=1) if c else None for c in captured]
+
+    def state(self):
+        return list(self.recent)
+
+    def restore(self, state) -> None:
+        self.recent = list(state)
+
+
+class HiddenRecorder:
+    """Input hidden state of the last decoder layer for every position (fast counter-causal score)."""
+
+    def __init__(self, model, dtype=torch.float32):
+        self.store: dict[int, torch.Tensor] = {}
+        self.dtype = dtype
+        self._positions: torch.Tensor | None = None
+        self._handle = model.model.layers[-1].register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.active = False
+
+    def expect(self, positions: torch.Tensor) -> None:
+        self._positions = positions
+        self.active = True
+
+    def _hook(self, module, args, kwargs):
+        if not self.active:
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        for pos, h in zip(self._positions.tolist(), hidden[0].detach().to(self.dtype)):
+            self.store[pos] = h.clone()
+        self.active = False
+        return None
+
+    def drop_from(self, position: int) -> None:
+        for pos in [p for p in self.store if p >= position]:
+            del self.store[pos]
+
+    def close(self) -> None:
+        self._handle.remove()
