@@ -71,7 +71,8 @@ def nnls_box(a: torch.Tensor, y: torch.Tensor, col_valid: torch.Tensor, lo: floa
     a (H, m, t), y (H, m), col_valid (H, t). A ridge solve, clamped to the box, refined by projected
     gradient steps of size 1/‖a‖₂². Padded columns come back as 0.
     """
-    a = a * col_valid[:, None, :]
+    out_dtype = a.dtype
+    a, y = a.double() * col_valid[:, None, :], y.double()  # normal equations square the condition number
     gram = a.transpose(1, 2) @ a  # (H, t, t)
     rhs = (a.transpose(1, 2) @ y[..., None]).squeeze(-1)  # (H, t)
     t = gram.shape[-1]
@@ -83,11 +84,15 @@ def nnls_box(a: torch.Tensor, y: torch.Tensor, col_valid: torch.Tensor, lo: floa
     for _ in range(steps):
         grad = (gram @ b[..., None]).squeeze(-1) - rhs
         b = (b - step[:, None] * grad).clamp(lo, hi)
-    return b * col_valid
+    return (b * col_valid).to(out_dtype)
 
 
 def ridge_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
     """Batched min ‖x c − y‖² + λ‖c‖² for x (H, m, t), y (H, m, d); dual form when m < t."""
+    return _ridge_lstsq(x.double(), y.double(), ridge).to(x.dtype)
+
+
+def _ridge_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
     m, t = x.shape[1], x.shape[2]
     if m >= t:
         gram = x.transpose(1, 2) @ x

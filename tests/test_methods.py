@@ -1,0 +1,196 @@
+"""Compaction methods: exactness of Attention Matching, budget arithmetic, every method on every architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmemory import Engine
+from kvmemory.compaction.base import LayerSpan, ModelAccess
+from kvmemory.compaction.compactor import compact_span
+from kvmemory.compaction.head_budgets import headkv_budgets, uniform_budgets
+from kvmemory.compaction.methods import TAM, AttentionMatching
+from kvmemory.compaction.methods.attention_matching import proportional_split
+from kvmemory.compaction.methods.counter_causal import own_token_logits
+from kvmemory.compaction.methods.tam import allocate
+from kvmemory.compaction.registry import available_methods, get_method
+from kvmemory.compaction.solvers import attention_output_error, fit_bias_and_values
+from tests.conftest import ARCHITECTURES, random_tokens, tiny_model
+
+
+def synthetic_span(heads=2, n=96, m=256, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(heads, n, d, generator=g)
+    values = torch.randn(heads, n, d, generator=g)
+    queries = torch.randn(heads, m, d, generator=g) * 1.5
+    positions = torch.arange(n).expand(heads, n).clone()
+    valid = torch.ones(heads, n, dtype=torch.bool)
+    return LayerSpan(0, keys, values, torch.zeros(heads, n), positions, valid, d**-0.5, queries)
+
+
+def outputs_and_mass(span: LayerSpan, keep, bias, values, queries):
+    """Block output O and mass M for ``queries`` over the kept slots with their (new) β and values."""
+    k = torch.stack([span.keys[h, keep[h]] for h in range(span.num_heads)])
+    logits = torch.einsum("hmd,hnd->hmn", queries, k) * span.scale + bias[:, None, :]
+    mass = torch.logsumexp(logits, -1)
+    return torch.softmax(logits, -1) @ values, mass
+
+
+def test_am_with_every_slot_kept_reproduces_output_and_mass_exactly():
+    span = synthetic_span()
+    keep = [torch.arange(96), torch.arange(96)]
+    shift, values = fit_bias_and_values(span.logits(), span.values, keep, ridge=1e-9)
+    out, mass = outputs_and_mass(span, keep, shift, values, span.queries)
+    ref_out, ref_mass = outputs_and_mass(span, keep, torch.zeros(2, 96), span.values, span.queries)
+    assert torch.allclose(mass, ref_mass, atol=1e-4)
+    assert torch.allclose(out, ref_out, atol=1e-4)
+    assert attention_output_error(span.logits(), span.values, keep, shift, values) < 1e-4
+
+
+def test_am_beats_eviction_of_the_same_keys_on_held_out_queries():
+    span = synthetic_span(n=128, m=512)
+    held_out = synthetic_span(n=128, m=256, seed=1).queries
+    method = AttentionMatching(ridge=1e-3)
+    keep = method.select(span, torch.tensor([24, 24]), None, None)
+    fitted = method.fit(span, keep, None)
+    full_out, full_mass = outputs_and_mass(span, [torch.arange(128)] * 2, torch.zeros(2, 128), span.values, held_out)
+
+    def errors(bias, values):
+        out, mass = outputs_and_mass(span, keep, bias, values, held_out)
+        return float((out - full_out).norm() / full_out.norm()), float((mass - full_mass).abs().mean())
+
+    evicted_values = torch.stack([span.values[h, keep[h]] for h in range(2)])
+    am_out, am_mass = errors(fitted.bias, fitted.values)
+    ev_out, ev_mass = errors(torch.zeros(2, 24), evicted_values)
+    assert am_out < 0.6 * ev_out and am_mass < 0.5 * ev_mass
+
+
+def test_am_reuses_existing_beta_when_recompacting():
+    span = synthetic_span()
+    span.bias = torch.rand(2, 96) * 2  # slots that were compacted before carry a β
+    keep = [torch.arange(96)] * 2
+    shift, values = fit_bias_and_values(span.logits(), span.values, keep, ridge=1e-9)
+    assert torch.allclose(shift, torch.zeros_like(shift), atol=1e-3)  # the existing β already matches
+
+
+@pytest.mark.parametrize("selector", ["highest_attention", "omp"])
+def test_am_selectors_keep_exact_budgets(selector):
+    span = synthetic_span(n=80)
+    result = AttentionMatching(selector=selector).compact_layer(span, torch.tensor([10, 17]), None)
+    assert [k.numel() for k in result.keep] == [10, 17]
+    assert all(bool((k[1:] > k[:-1]).all()) for k in result.keep)
+    assert torch.isinf(result.bias[0, 10:]).all() and torch.isfinite(result.bias[1]).all()
+
+
+def test_am_chunked_compaction_keeps_the_budget():
+    span = synthetic_span(n=300)
+    result = AttentionMatching(chunk_size=64).compact_layer(span, torch.tensor([30, 45]), None)
+    assert [k.numel() for k in result.keep] == [30, 45]
+    assert result.values.shape == (2, 45, 16)
+
+
+def test_budgets_sum_exactly():
+    capacity = torch.tensor([[50, 10, 40], [5, 60, 60]])
+    for total in (6, 31, 100, 225, 10_000):
+        b = uniform_budgets(total, capacity)
+        assert int(b.sum()) == min(total, 225) and bool((b <= capacity).all()) and bool((b >= 1).all())
+        scores = torch.rand(2, 3)
+        r = headkv_budgets(total, scores, capacity)
+        assert int(r.sum()) == min(total, 225) and bool((r <= capacity).all())
+    split = proportional_split(torch.tensor([17, 3]), torch.tensor([[10, 20, 5], [1, 1, 9]]))
+    assert split.sum(1).tolist() == [17, 3]
+    for a, b in ((0.5, 1.0), (0.5, 0.5)):
+        t = allocate(40, torch.tensor([0.5, 0.3, 0.1, 0.1]), torch.tensor([30, 20, 10, 40]), a, b)
+        assert int(t.sum()) == 40 and bool((t >= 1).all()) and bool((t <= torch.tensor([30, 20, 10, 40])).all())
+
+
+def test_headkv_budgets_follow_head_scores():
+    capacity = torch.full((1, 4), 1000)
+    budgets = headkv_budgets(400, torch.tensor([[0.7, 0.1, 0.1, 0.1]]), capacity, beta=1.5)
+    assert budgets[0, 0] > budgets[0, 1] and int(budgets.sum()) == 400
+
+
+def test_tam_keeps_pivotal_tokens_verbatim():
+    span = synthetic_span(n=120)
+    span.keys[:, 7] *= 6  # make slot 7 draw far more attention than the mean
+    span.queries = span.queries.abs()
+    span.keys[:, 7] = span.keys[:, 7].abs()
+    from kvmemory.compaction.base import CacheSpan
+
+    result = TAM(pivotal_factor=3.0, min_segment_tokens=16).compact(
+        CacheSpan([span], token_of_position={}, text_of_token=lambda t: ""), torch.tensor([[20, 20]])
+    )[0]
+    for h in range(2):
+        row = int(torch.nonzero(result.keep[h] == 7))
+        assert torch.allclose(result.values[h, row], span.values[h, 7])
+        assert float(result.bias[h, row]) == 0.0
+
+
+def test_fast_counter_causal_equals_full_on_one_layer_model():
+    engine = Engine(tiny_model("llama", num_hidden_layers=1))
+    session = engine.session()
+    hidden = session.record_last_layer_inputs()
+    session.append_tokens(random_tokens(40))
+    access = ModelAccess(engine.model, session.cache, session.tokens, hidden.store)
+    positions = torch.arange(40)
+    full = own_token_logits(access, positions, fast=False)
+    fast = own_token_logits(access, positions, fast=True)
+    assert torch.allclose(full, fast, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch_name", list(ARCHITECTURES))
+@pytest.mark.parametrize("method_name", available_methods() + ["am_counter_causal", "am_omp"])
+def test_every_method_runs_on_every_architecture(arch_name, method_name):
+    engine = Engine(tiny_model(arch_name))
+    session = engine.session()
+    session.record_queries(16, context=32)
+    session.record_last_layer_inputs()
+    session.append_tokens(random_tokens(150))
+    params = {"am_counter_causal": ("attention_matching", {"selector": "counter_causal"}),
+              "am_omp": ("attention_matching", {"selector": "omp"}),
+              "real": ("real", {"scores": [[1.0, 2.0], [3.0, 0.5]]})}
+    name, kwargs = params.get(method_name, (method_name, {}))
+    record = compact_span(session, torch.arange(4, 130), get_method(name, **kwargs), 24)
+    assert record.slots_before == 126 and record.slots_after == 24
+    kept = sum(int((layer.positions[:, : layer.length] >= 0).sum()) for layer in session.cache.layers)
+    assert kept == 2 * 2 * (24 + 150 - 126)  # the budget holds exactly (REAL moves it between layers)
+    result = session.generate(max_new_tokens=5)
+    assert len(result.token_ids) == 5 and torch.isfinite(session._last_logits).all()
+    seg = session.append_tokens(random_tokens(4, seed=9))
+    assert session.cache.layers[0].positions[0, session.cache.physical_length - 1] == seg.end - 1
+
+
+def test_reference_query_sources(tiny_engine):
+    session = tiny_engine.session()
+    session.record_queries(8, context=16)
+    session.append_tokens(random_tokens(60))
+    before = (list(session.tokens), session.cache.physical_length, session._last_logits.clone())
+    from kvmemory.compaction.queries import reference_queries
+
+    g = tiny_engine.config.num_attention_heads // tiny_engine.num_kv_heads
+    positions = torch.arange(10, 50)
+    window = reference_queries(session, "window", positions)
+    assert window[0].shape == (2, 8 * g, 16)
+    context = reference_queries(session, "context", positions)
+    assert 16 * g <= context[0].shape[1] <= 32 * g
+    both = reference_queries(session, ["window", "context"], positions)
+    assert both[0].shape[1] == window[0].shape[1] + context[0].shape[1]
+    assert (list(session.tokens), session.cache.physical_length) == before[:2]
+    assert torch.equal(session._last_logits, before[2])
+
+
+def test_scratch_query_sources_leave_the_session_unchanged(default_engine):
+    from kvmemory.compaction.queries import reference_queries
+
+    session = default_engine.session()
+    session.record_queries(8)
+    session.append_text("The build failed: ImportError: cannot import name 'parse' from 'configlib'.\n" * 3)
+    before = (list(session.tokens), session.cache.physical_length, session._last_logits.clone(),
+              [q.clone() for q in session.query_recorder.recent])
+    positions = torch.arange(0, len(session.tokens))
+    repeat = reference_queries(session, "repeat", positions)
+    study = reference_queries(session, "self_study", positions, self_study_tokens=8)
+    assert repeat[0].shape[1] >= len(session.tokens) * 3 and study[0].shape[1] > 0
+    assert (list(session.tokens), session.cache.physical_length) == before[:2]
+    assert torch.equal(session._last_logits, before[2])
+    assert all(torch.equal(a, b) for a, b in zip(session.query_recorder.recent, before[3]))
