@@ -56,7 +56,7 @@ def source_text(min_chars: int) -> str:
 
     root = Path(transformers.__file__).parent
     parts, total = [], 0
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(p for p in root.glob("*.py") if not p.name.startswith("_")):
         text = path.read_text(errors="ignore")
         parts.append(f"# file: {path.name}\n{text}")
         total += len(text)

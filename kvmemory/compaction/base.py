@@ -36,20 +36,41 @@ class LayerSpan:
     valid: torch.Tensor  # (H, n) bool
     scale: float
     queries: torch.Tensor | None = None  # (H, m, D) post-RoPE, GQA group members stacked
+    _cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_heads(self) -> int:
         return self.keys.shape[0]
 
     def logits(self, queries: torch.Tensor | None = None) -> torch.Tensor:
-        """(H, m, n) fp32 attention logits of the queries to the span slots, β included, padding at −∞."""
+        """(H, m, n) fp32 attention logits of the queries to the span slots, β included, padding at −∞.
+
+        For the span's own reference queries the result is computed once and reused."""
+        if queries is None and "logits" in self._cache:
+            return self._cache["logits"]
         q = self.queries if queries is None else queries
-        s = torch.einsum("hmd,hnd->hmn", q.float(), self.keys.float()) * self.scale + self.bias[:, None, :]
-        return s.masked_fill(~self.valid[:, None, :], NEG_INF)
+        s = torch.einsum("hmd,hnd->hmn", q.float(), self.keys.float()).mul_(self.scale)
+        if bool(self.bias.ne(0).any()):  # β of compacted slots, −∞ of padding
+            s.add_(self.bias[:, None, :])
+        if queries is None:
+            self._cache["logits"] = s
+        return s
+
+    def mass_terms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(Φ = exp(S − rowmax), rowmax, Σ_j Φ) for the reference queries, computed once."""
+        if "phi" not in self._cache:
+            logits = self.logits()
+            row_max = logits.amax(dim=-1, keepdim=True).clamp_min(-1e30)
+            phi = torch.exp(logits - row_max)
+            self._cache.update(phi=phi, row_max=row_max, row_mass=phi.sum(-1))
+        return self._cache["phi"], self._cache["row_max"], self._cache["row_mass"]
 
     def attention(self, queries: torch.Tensor | None = None) -> torch.Tensor:
         """(H, m, n) attention of each query over the span alone."""
-        return torch.softmax(self.logits(queries), dim=-1).nan_to_num(0.0)
+        if queries is not None:
+            return torch.softmax(self.logits(queries), dim=-1).nan_to_num(0.0)
+        phi, _, row_mass = self.mass_terms()
+        return phi / row_mass.clamp_min(1e-30)[..., None]
 
 
 @dataclass

@@ -38,7 +38,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def reduce_attention(attn: torch.Tensor, how: str = "rms") -> torch.Tensor:
     """(H, m, n) attention → (H, n) per-slot importance over the reference queries."""
     if how == "rms":
-        return attn.pow(2).mean(dim=1).sqrt()
+        return torch.linalg.vector_norm(attn, dim=1) / attn.shape[1] ** 0.5
     if how == "max":
         return attn.amax(dim=1)
     if how == "mean":
@@ -113,10 +113,12 @@ def fit_bias_and_values(
     beta_box: tuple[float, float] = (-3.0, 3.0),
     ridge: float = 1e-3,
     nnls_steps: int = 30,
+    mass_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention Matching's fit for the selected slots of every head.
 
     logits (H, m, n) fp32 span logits (existing β included, padding −∞); values (H, n, Dv).
+    mass_terms: (Φ, rowmax, ΣΦ) if the caller has them already.
     fixed (H, t_max) marks selected slots that stay verbatim (pivotal tokens): their B is 1 and their
     value is the original. Returns (log B: the shift to add to each selected slot's existing β, (H, t_max),
 −∞ for padding; new values (H, t_max, Dv)).
@@ -125,10 +127,14 @@ def fit_bias_and_values(
     fixed = torch.zeros_like(sel_valid) if fixed is None else fixed & sel_valid
     free = sel_valid & ~fixed
 
-    row_max = logits.amax(dim=-1, keepdim=True).clamp_min(-1e30)
-    phi = torch.exp(logits - row_max)  # (H, m, n)
+    if mass_terms is None:
+        row_max = logits.amax(dim=-1, keepdim=True).clamp_min(-1e30)
+        phi = torch.exp(logits - row_max)  # (H, m, n)
+        row_mass = phi.sum(-1)
+    else:
+        phi, row_max, row_mass = mass_terms
     phi_sel = gather_columns(phi, index) * sel_valid[:, None, :]
-    target_mass = phi.sum(-1) - (phi_sel * fixed[:, None, :]).sum(-1)
+    target_mass = row_mass - (phi_sel * fixed[:, None, :]).sum(-1)
     lo, hi = (torch.exp(torch.tensor(b)).item() for b in beta_box)
     b = nnls_box(phi_sel, target_mass, free, lo, hi, steps=nnls_steps)
     b = torch.where(fixed, torch.ones_like(b), b)
@@ -137,7 +143,7 @@ def fit_bias_and_values(
     sel_logits = gather_columns(logits, index) + log_b[:, None, :]
     sel_logits = sel_logits.masked_fill(~sel_valid[:, None, :], NEG_INF)
     x = torch.softmax(sel_logits, dim=-1).nan_to_num(0.0)  # (H, m, t)
-    y = torch.softmax(logits, dim=-1).nan_to_num(0.0) @ values.float()  # (H, m, Dv) block-local outputs
+    y = (phi @ values.float()) / row_mass.clamp_min(1e-30)[..., None]  # (H, m, Dv) block-local outputs
     v_sel = gather_rows(values.float(), index)
     y_free = y - (x * fixed[:, None, :]) @ v_sel
     x_free = x * free[:, None, :]

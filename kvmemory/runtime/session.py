@@ -8,6 +8,8 @@ the transcript and the segments exactly as they were.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import hashlib
 import json
 import time
@@ -122,6 +124,23 @@ class Session:
         if self.hidden_recorder is None:
             self.hidden_recorder = HiddenRecorder(self.engine.model)
         return self.hidden_recorder
+
+    def fork(self, session_id: str | None = None) -> "Session":
+        """An independent copy of this session (cache, transcript, recorders), e.g. to try a compaction."""
+        self._check_open()
+        child = Session(self.engine, session_id, memory=None, prefill_chunk_size=self.prefill_chunk_size)
+        child.cache = copy.deepcopy(self.cache)
+        child.tokens, child.messages = list(self.tokens), copy.deepcopy(self.messages)
+        child.segments = [dataclasses.replace(s, meta=dict(s.meta)) for s in self.segments]
+        child._pending, child._last_logits = list(self._pending), self._last_logits
+        child._message_spans, child._tools_key = list(self._message_spans), self._tools_key
+        child._next_segment_id = self._next_segment_id
+        child.compaction_log = list(self.compaction_log)
+        if self.query_recorder is not None:
+            child.query_recorder = copy.deepcopy(self.query_recorder)
+        if self.hidden_recorder is not None:
+            child.record_last_layer_inputs().store = dict(self.hidden_recorder.store)
+        return child
 
     def close(self) -> None:
         """Free the cache. The transcript stays readable."""

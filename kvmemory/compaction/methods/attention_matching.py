@@ -32,6 +32,11 @@ class AttentionMatchingConfig(MethodConfig):
     fit_bias: bool = Field(True, description="fit β by NNLS on attention mass (else β unchanged)")
     chunk_size: int = Field(2048, ge=0, description="compact spans longer than this chunk by chunk (0: never)")
     counter_causal_fast: bool = Field(True, description="with the counter_causal selector: single-layer score")
+    adaptive_heads: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="AdaKV-style: share a layer's budget across its heads by joint top-k of the selection "
+        "scores, each head keeping at least this fraction of its uniform budget (0: uniform per head)",
+    )
 
 
 class AttentionMatching(CompactionMethod):
@@ -69,6 +74,8 @@ class AttentionMatching(CompactionMethod):
             return self._omp(layer, budget, forced)
         scores = reduce_attention(layer.attention(), self.config.reduction)
         scores = pool_scores(scores, self.config.pool_kernel)
+        if self.config.adaptive_heads > 0:
+            budget = adaptive_head_budgets(scores, layer.valid, budget, self.config.adaptive_heads)
         return topk_per_head(scores, layer.valid, budget, forced)
 
     def fit(self, layer: LayerSpan, keep: list[torch.Tensor], forced: torch.Tensor | None) -> LayerResult:
@@ -81,7 +88,8 @@ class AttentionMatching(CompactionMethod):
         old_bias = torch.gather(layer.bias, 1, index)
         logits = layer.logits()
         shift, values = fit_bias_and_values(
-            logits, layer.values, keep, fixed, self.config.beta_box, self.config.ridge, self.config.nnls_steps
+            logits, layer.values, keep, fixed, self.config.beta_box, self.config.ridge, self.config.nnls_steps,
+            mass_terms=layer.mass_terms(),
         )
         bias = (old_bias + shift).masked_fill(~sel_valid, float("-inf")) if self.config.fit_bias else None
         if not self.config.fit_values:
@@ -147,6 +155,19 @@ class AttentionMatching(CompactionMethod):
             v_out[h, : keep[h].numel()] = torch.cat(values[h])
             b_out[h, : keep[h].numel()] = torch.cat(biases[h])
         return LayerResult(keep=keep, values=v_out, bias=b_out.to(layer.bias.device))
+
+
+def adaptive_head_budgets(scores: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor, floor_fraction: float) -> torch.Tensor:
+    """Per-head budgets summing to ``budget.sum()``: a floor per head, the rest by joint top-k of the scores."""
+    floor = (budget.float() * floor_fraction).floor().long()
+    floor = torch.minimum(floor, valid.sum(1))
+    extra = int(budget.sum() - floor.sum())
+    flat = scores.float().masked_fill(~valid, float("-inf"))
+    ranked = torch.sort(flat, dim=1, descending=True).values
+    rank = torch.arange(flat.shape[1], device=flat.device).expand_as(flat)
+    beyond_floor = ranked.masked_fill(rank < floor[:, None], float("-inf"))  # the floor slots are taken already
+    winners = torch.topk(beyond_floor.flatten(), min(extra, int(torch.isfinite(beyond_floor).sum()))).indices
+    return floor + torch.bincount(winners // flat.shape[1], minlength=flat.shape[0])
 
 
 def proportional_split(total: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Reference agents built on kvmemory."""

@@ -1,0 +1,28 @@
+"""Profile the default model's KV heads for REAL and ship the profile with the package.
+
+    python -m benchmarks.profile_heads [--cases 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from kvmemory import Engine
+from kvmemory.compaction.head_profiling import SHIPPED_DIR, profile_heads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cases", type=int, default=8)
+    args = parser.parse_args()
+    engine = Engine.from_pretrained("default")
+    start = time.perf_counter()
+    profile = profile_heads(engine, cases=args.cases, model_name=engine.name)
+    path = profile.save(SHIPPED_DIR / f"{engine.name}.json")
+    print(f"{profile.correct}/{profile.cases} needle cases answered correctly; profiled in {time.perf_counter() - start:.1f} s")
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Compaction quality on the default model: continuation NLL after compacting N-token contexts, retrieval
+probes on planted facts, and milliseconds per compaction.
+
+For every text kind and method, an N-token context is compacted to exactly N/ratio slots per head (the
+first 4 tokens and the last 32 are kept verbatim by every method), then the next 256 tokens are scored
+teacher-forced. Retrieval: facts planted in long pytest logs; after compaction the question is appended
+and the answer's log-probability and greedy exact match are measured.
+
+    python -m benchmarks.quality [--context 2048] [--ratios 4 10 20 50] [--kinds source logs prose reasoning]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from benchmarks.common import RESULTS, save, table
+from benchmarks.texts import TEXT_KINDS, log_text, plant_facts
+from kvmemory import Engine
+from kvmemory.compaction.compactor import compact_span
+from kvmemory.compaction.registry import get_method
+
+SINKS, RECENT, WINDOW, CONTINUATION = 4, 32, 128, 256
+METHODS = {  # label: (registry name, params, reference-query sources)
+    "streaming_llm": ("streaming_llm", {}, "window"),
+    "h2o": ("h2o", {}, "window"),
+    "tova": ("tova", {}, "window"),
+    "snapkv": ("snapkv", {}, "window"),
+    "key_norm": ("key_norm", {}, "window"),
+    "random": ("random", {}, "window"),
+    "counter_causal": ("counter_causal", {"fast": True}, "window"),
+    "real": ("real", {}, "window"),
+    "am": ("attention_matching", {}, "window"),
+    "am_repeat": ("attention_matching", {}, ["window", "repeat"]),
+    "am_counter_causal": ("attention_matching", {"selector": "counter_causal"}, "window"),
+    "am_real": ("real", {"inner": "attention_matching"}, "window"),
+    "tam": ("tam", {"length_exponent": 1.0}, "window"),
+    "tam_sqrt_wn": ("tam", {"length_exponent": 0.5}, "window"),
+}
+EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "key_norm", "random", "counter_causal", "real")
+PROBES = [
+    ("NOTICE deploy: the rollback token for cluster east is 8841.", "What is the rollback token for cluster east?", " 8841"),
+    ("NOTICE config: the staging database password is tulip-42.", "What is the staging database password?", " tulip-42"),
+    ("NOTICE owner: the flaky test is owned by Ravi Okafor.", "Who owns the flaky test?", " Ravi Okafor"),
+    ("NOTICE limits: the upload size limit is 37 megabytes.", "What is the upload size limit in megabytes?", " 37"),
+]
+
+
+def prepared_session(engine, ids: list[int]):
+    session = engine.session()
+    session.record_queries(WINDOW)
+    session.record_last_layer_inputs()
+    session.append_tokens(ids)
+    return session
+
+
+def compact_context(base, n_context: int, label: str, ratio: float):
+    """Fork ``base`` and compact its context (sinks and recent kept) to n_context/ratio slots per head."""
+    name, params, source = METHODS[label]
+    session = base.fork()
+    slots = max(1, round(n_context / ratio) - SINKS - RECENT)
+    record = compact_span(session, torch.arange(SINKS, n_context - RECENT), get_method(name, **params), slots,
+                          query_source=source, measure_error=False)
+    return session, record
+
+
+def quality(engine, kinds, n_context, ratios, labels):
+    rows = []
+    for kind in kinds:
+        ids = engine.tokenizer.encode(TEXT_KINDS[kind](n_context * 8), add_special_tokens=False)
+        context, continuation = ids[:n_context], ids[n_context : n_context + CONTINUATION]
+        base = prepared_session(engine, context)
+        full_nll = float(-base.logprobs(continuation).mean())
+        rows.append({"kind": kind, "method": "full", "ratio": 1.0, "nll": full_nll, "delta": 0.0, "ms": 0.0})
+        print(f"{kind}: full-cache NLL {full_nll:.4f}", flush=True)
+        for ratio in ratios:
+            for label in labels:
+                session, record = compact_context(base, n_context, label, ratio)
+                nll = float(-session.logprobs(continuation).mean())
+                rows.append({"kind": kind, "method": label, "ratio": ratio, "nll": nll, "delta": nll - full_nll,
+                             "ms": record.milliseconds})
+                print(f"  {ratio:>4}x {label:<18} NLL {nll:.4f} (+{nll - full_nll:.4f})  {record.milliseconds:7.0f} ms", flush=True)
+                session.close()
+        base.close()
+    return rows
+
+
+def retrieval(engine, n_context, ratios, labels):
+    tok = engine.tokenizer
+    text = plant_facts(log_text(n_context * 6), [p[0] for p in PROBES], seed=1)
+    ids = tok.encode(text, add_special_tokens=False)[:n_context]
+    base = prepared_session(engine, ids)
+    rows = []
+    for ratio in [1.0] + list(ratios):
+        for label in (["full"] if ratio == 1.0 else labels):
+            session = base.fork() if ratio == 1.0 else compact_context(base, n_context, label, ratio)[0]
+            logp, hits = [], 0
+            for _, question, answer in PROBES:
+                probe = session.fork()
+                probe.append_text(f"\nQuestion: {question}\nAnswer:")
+                logp.append(float(probe.logprobs(tok.encode(answer, add_special_tokens=False)).sum()))
+                hits += answer.strip() in probe.generate(max_new_tokens=8).text
+                probe.close()
+            rows.append({"method": label, "ratio": ratio, "answer_logprob": sum(logp) / len(logp),
+                         "exact_match": hits / len(PROBES)})
+            print(f"  retrieval {ratio:>4}x {label:<18} logp {rows[-1]['answer_logprob']:.3f}  EM {rows[-1]['exact_match']:.2f}", flush=True)
+            session.close()
+    return rows
+
+
+def latency(engine, sizes, labels, ratio=10):
+    ids = engine.tokenizer.encode(TEXT_KINDS["source"](max(sizes) * 8), add_special_tokens=False)
+    rows = []
+    for n in sizes:
+        base = prepared_session(engine, ids[:n])
+        for label in labels:
+            times = []
+            for _ in range(3):
+                session, record = compact_context(base, n, label, ratio)
+                times.append(record.milliseconds)
+                session.close()
+            rows.append({"slots": n, "method": label, "ms": sorted(times)[1]})
+            print(f"  latency {n} slots {label:<18} {rows[-1]['ms']:.0f} ms", flush=True)
+        base.close()
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted({r["kind"] for r in rows})
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4.2), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        full = next(r["nll"] for r in rows if r["kind"] == kind and r["method"] == "full")
+        for label in METHODS:
+            pts = sorted((r["ratio"], r["nll"]) for r in rows if r["kind"] == kind and r["method"] == label)
+            if pts:
+                style = "-o" if label not in EVICTION else "--x"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, markersize=4)
+        ax.axhline(full, color="black", linewidth=1, label="full cache")
+        ax.set_xscale("log")
+        ax.set_xlabel("compression (context tokens / slots)")
+        ax.set_ylabel("continuation NLL")
+        ax.set_title(kind)
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[4, 10, 20, 50])
+    parser.add_argument("--kinds", nargs="+", default=list(TEXT_KINDS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--latency-sizes", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["quality", "retrieval", "latency"])
+    args = parser.parse_args()
+    engine = Engine.from_pretrained("default")
+    torch.manual_seed(0)
+    out = {"context": args.context, "continuation": CONTINUATION, "sinks": SINKS, "recent": RECENT, "window": WINDOW,
+           "methods": {k: [v[0], v[1], v[2]] for k, v in METHODS.items()}}
+    started = time.perf_counter()
+    if "quality" not in args.skip:
+        out["quality"] = quality(engine, args.kinds, args.context, args.ratios, args.methods)
+        plot(out["quality"], RESULTS / "quality.png")
+        print(table(out["quality"], ["kind", "method", "ratio", "nll", "delta", "ms"]))
+    if "retrieval" not in args.skip:
+        out["retrieval"] = retrieval(engine, args.context, [10, 20], args.methods)
+        print(table(out["retrieval"], ["method", "ratio", "answer_logprob", "exact_match"]))
+    if "latency" not in args.skip:
+        out["latency"] = latency(engine, args.latency_sizes, ["counter_causal", "am", "tam", "snapkv", "h2o"])
+        print(table(out["latency"], ["slots", "method", "ms"]))
+    out["seconds"] = time.perf_counter() - started
+    previous = RESULTS / "quality.json"
+    if args.skip and previous.is_file():  # a partial run updates its sections of the last full run
+        out = {**json.loads(previous.read_text()), **out}
+    print(f"saved {save('quality', out)}")
+
+
+if __name__ == "__main__":
+    main()
