@@ -47,7 +47,6 @@ def compact_span(
 ) -> CompactionRecord:
     """Compact the slots holding ``positions`` to ``slots`` per head (int) or to an (L, H) budget tensor."""
     session._check_open()
-    session._flush_pending()
     method = get_method(method) if isinstance(method, str) else method
     engine, cache = session.engine, session.cache
     started = time.perf_counter()

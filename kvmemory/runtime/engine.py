@@ -64,6 +64,12 @@ class Engine:
         return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes one token costs across all layers and KV heads (keys, values, β, position, segment)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.num_kv_heads * (2 * self.head_dim * element + 12)
+
+    @property
     def vocab_size(self) -> int:
         return self.model.get_input_embeddings().num_embeddings
 

@@ -195,7 +195,9 @@ class Session:
         """Append token ids as a new segment; they are prefilled in chunks."""
         self._check_open()
         ids = self._validate_tokens(token_ids)
-        self._check_room(len(ids))
+        probe = Segment(-1, kind, len(self.tokens), len(self.tokens) + len(ids), role, tool_name, tuple(tags),
+                        text=text if text is not None else self._decode(ids))
+        self._check_room(len(ids), probe)
         segment = self._new_segment(kind, role=role, tool_name=tool_name, tags=tuple(tags), meta=meta)
         self._extend_segment(segment, ids, progress)
         segment.text = text if text is not None else self._decode(ids)
@@ -224,8 +226,11 @@ class Session:
         keep = _common_prefix(self.tokens, target)
         cut = self._cut_point(keep)
         added = len(target) - cut
-        if cut == len(self.tokens):
-            self._check_room(added)
+        if cut == len(self.tokens) and messages:
+            last = messages[-1]
+            probe = Segment(-1, self._message_kind(last), cut, len(target), last.get("role"), last.get("name"),
+                            tuple(last.get("tags", ())), text=str(last.get("content") or ""))
+            self._check_room(added, probe)
         touched = []
         state = self._save_state()
         try:
@@ -243,6 +248,7 @@ class Session:
                         "assistant" if is_prompt else self._message_kind(msg),
                         role="assistant" if is_prompt else msg["role"],
                         tool_name=None if is_prompt else msg.get("name"),
+                        tags=() if is_prompt else tuple(msg.get("tags", ())),
                         message_index=None if is_prompt else index,
                     )
                 elif not is_prompt:
@@ -368,33 +374,60 @@ class Session:
     def compact(self, plan: CompactionPlan) -> None:
         """Apply a compaction plan to the cache (validated first: a bad plan changes nothing)."""
         self._check_open()
-        self._flush_pending()
         with self.engine.lock:
             self.cache.apply_plan(plan)
 
+    def segment_slots(self) -> dict[int, float]:
+        """Physical slots each segment holds, per KV head (mean over layers and heads)."""
+        if not self.cache.layers[0].is_initialized:
+            return {}
+        seg_ids = torch.cat([layer.segments[:, : layer.length].flatten() for layer in self.cache.layers])
+        counts = torch.bincount(seg_ids[seg_ids >= 0].long(), minlength=self._next_segment_id)
+        per_head = self.cache.layers[0].num_heads * len(self.cache.layers)
+        return {seg.id: float(counts[seg.id]) / per_head if seg.id < counts.numel() else 0.0 for seg in self.segments}
+
     def stats(self) -> SessionStats:
-        per_segment = []
-        if self.cache.layers[0].is_initialized:
-            seg_ids = torch.cat([layer.segments[:, : layer.length].flatten() for layer in self.cache.layers])
-            counts = torch.bincount(seg_ids[seg_ids >= 0].long(), minlength=self._next_segment_id)
-            slots_per_head = self.cache.layers[0].num_heads * len(self.cache.layers)
-            for seg in self.segments:
-                slots = float(counts[seg.id]) / slots_per_head if seg.id < counts.numel() else 0.0
-                per_segment.append(
-                    {"id": seg.id, "kind": seg.kind, "role": seg.role, "tool_name": seg.tool_name, "tokens": seg.length,
-                     "slots": slots, "bytes": int(slots * self.cache.bytes_per_token()),
-                     "ratio": seg.length / slots if slots else float("inf"), "compactions": seg.compactions}
-                )
+        slots = self.segment_slots()
+        per_token = self.cache.bytes_per_token()
+        per_segment = [
+            {"id": seg.id, "kind": seg.kind, "role": seg.role, "tool_name": seg.tool_name, "tokens": seg.length,
+             "slots": slots.get(seg.id, 0.0), "bytes": int(slots.get(seg.id, 0.0) * per_token),
+             "ratio": seg.length / slots[seg.id] if slots.get(seg.id) else float("inf"), "compactions": seg.compactions}
+            for seg in self.segments
+        ]
         return SessionStats(
             logical_tokens=len(self.tokens),
             physical_slots=[layer.length for layer in self.cache.layers],
             kv_bytes=self.cache.kv_bytes(),
             allocated_bytes=self.cache.allocated_bytes(),
-            uncompacted_kv_bytes=self.cache.logical_length * self.cache.bytes_per_token(),
+            uncompacted_kv_bytes=self.cache.logical_length * per_token,
             padding_overhead=self.cache.padding_overhead(),
             compactions=self.cache.compactions,
             segments=per_segment,
         )
+
+    # ---- transcript and recall -------------------------------------------------------------------
+    def export_transcript(self, path=None) -> list[dict]:
+        """Every segment with its full text (compacted or not); written as JSON when ``path`` is given."""
+        data = self.transcript()
+        if path is not None:
+            from pathlib import Path
+
+            Path(path).write_text(json.dumps({"session": self.id, "segments": data}, indent=1))
+        return data
+
+    def recall(self, segment_id: int) -> Segment:
+        """Re-insert a segment's full text verbatim at the end of the context, saying what it is.
+
+        In a chat session it arrives as a user message (so later ``set_messages`` calls stay in sync);
+        otherwise as a text segment of kind ``recall``.
+        """
+        seg = self.segment(segment_id)
+        label = seg.kind + (f" from tool {seg.tool_name}" if seg.tool_name else "")
+        text = f"[recalled segment {seg.id}: {label}, verbatim]\n{seg.text}\n[end of recalled segment {seg.id}]"
+        if self.messages:
+            return self.append_messages([{"role": "user", "content": text, "recall_of": seg.id}])[-1]
+        return self.append_text(text, kind="recall", role="user", recall_of=seg.id)
 
     # ---- internals -------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -412,14 +445,14 @@ class Session:
             raise InvalidTokenError(f"token ids outside the vocabulary [0, {self.engine.vocab_size}): {bad[:5]}")
         return ids
 
-    def _check_room(self, n_new: int) -> None:
+    def _check_room(self, n_new: int, new_segment: Segment | None = None) -> None:
         if len(self.tokens) + n_new > self.engine.max_positions:
             raise ContextLengthError(
                 f"appending {n_new} tokens to {len(self.tokens)} would exceed the model's "
                 f"{self.engine.max_positions} positions"
             )
         if self.memory is not None:
-            self.memory.check_fits(self, n_new)
+            self.memory.check_fits(self, n_new, new_segment)
 
     def _new_segment(self, kind: str, role=None, tool_name=None, tags=(), message_index=None, meta=None) -> Segment:
         seg = Segment(
@@ -455,6 +488,8 @@ class Session:
         if not self._pending:
             return
         ids, seg_id = self._pending, self.segments[-1].id
+        if self.memory is not None:
+            self.memory.make_room(self, len(ids))
         self._forward(ids, seg_id, positions_from=len(self.tokens) - len(ids))
         self._pending = []
 

@@ -1,0 +1,205 @@
+"""MemoryManager: the scheduler that keeps a session under its memory budget, segment by segment.
+
+Triggers: every P new tokens (periodic), whenever an append or a generated token would push the cache past
+its cap, and on demand (``manager.compact(session)``). When a trigger fires, each compactable segment gets
+the budget its rule asks for; under cap pressure the remaining room is then shared across segments by
+importance (the attention mass the selector window gives them, TAM-style: t_i ∝ √w_i · n_i × rule weight).
+Each segment is compacted with its own rule's method. Protected segments, the session's first tokens and
+the last τ tokens are never touched.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from kvmemory.compaction.compactor import compact_span
+from kvmemory.compaction.registry import get_method
+from kvmemory.errors import MemoryCapError
+from kvmemory.memory.policy import CompactionRule, MemoryPolicy, _as_list, default_policy
+from kvmemory.memory.segments import Segment
+
+
+class MemoryManager:
+    """Attach to a session with ``engine.session(memory=MemoryManager(policy))``."""
+
+    def __init__(self, policy: MemoryPolicy | dict | str | None = None, show_progress: bool = False):
+        if isinstance(policy, dict):
+            policy = MemoryPolicy.from_dict(policy)
+        elif isinstance(policy, str):
+            policy = MemoryPolicy.from_file(policy)
+        self.policy = policy or default_policy()
+        self.show_progress = show_progress
+        self.timeline: list[dict] = []
+        self.peak_slots = 0
+        self.peak_kv_bytes = 0
+        self._last_compaction_at = 0
+        self._busy = False
+        self._methods: dict[str, object] = {}
+
+    # ---- session hooks ---------------------------------------------------------------------------
+    def attach(self, session) -> None:
+        rules = self.policy.rules + [self.policy.default]
+        sources = {s for r in rules if not r.protected for s in _as_list(r.query_source)}
+        session.record_queries(self.policy.budget.window, context=256 if "context" in sources else 0)
+        if any(r.method == "counter_causal" or r.params.get("selector") == "counter_causal" for r in rules if not r.protected):
+            session.record_last_layer_inputs()
+
+    def slot_cap(self, session) -> int | None:
+        budget = self.policy.budget
+        caps = [budget.max_slots] if budget.max_slots else []
+        if budget.max_bytes:
+            caps.append(budget.max_bytes // session.engine.kv_bytes_per_token)
+        return min(caps) if caps else None
+
+    def check_fits(self, session, n_new: int, new_segment: Segment | None) -> None:
+        """Raise MemoryCapError, before anything changes, if the append cannot fit even after compaction."""
+        cap = self.slot_cap(session)
+        if cap is None:
+            return
+        floor = self._incompressible_slots(session)
+        new_protected = new_segment is not None and self.rule_for(new_segment, session).protected
+        need = n_new if new_protected else min(n_new, session.prefill_chunk_size + self.policy.budget.recent_tokens)
+        if floor + need > cap:
+            what = "protected content" if new_protected else "the protected content and recent window"
+            raise MemoryCapError(
+                f"cannot fit {n_new} new tokens under the cap of {cap} slots: {what} alone needs "
+                f"{floor + need} slots (already protected or verbatim: {floor}); raise the cap or protect less"
+            )
+
+    def make_room(self, session, n_new: int) -> None:
+        """Before ``n_new`` tokens enter the cache: compact if they would exceed the cap."""
+        cap = self.slot_cap(session)
+        if cap is None or self._busy:
+            return
+        self.peak_slots = max(self.peak_slots, min(session.cache.physical_length + n_new, cap))
+        if session.cache.physical_length + n_new > cap:
+            goal = min(cap - n_new, int(cap * self.policy.budget.target_fraction))
+            for _ in range(3):  # budgets are per-head means; a second pass absorbs rounding
+                self.compact(session, trigger="cap", goal_slots=max(goal, 1))
+                over = session.cache.physical_length + n_new - cap
+                if over <= 0:
+                    break
+                goal -= over
+            self.peak_slots = max(self.peak_slots, session.cache.physical_length + n_new)
+            if session.cache.physical_length + n_new > cap:
+                raise MemoryCapError(
+                    f"compaction left {session.cache.physical_length} slots; {n_new} more would exceed the cap of {cap}"
+                )
+
+    def after_append(self, session) -> None:
+        interval = self.policy.budget.interval
+        if interval and len(session.tokens) - self._last_compaction_at >= interval and not self._busy:
+            self.compact(session, trigger="periodic")
+        self._record(session, "append")
+
+    # ---- compaction ------------------------------------------------------------------------------
+    def rule_for(self, segment: Segment, session) -> CompactionRule:
+        return self.policy.rule_for(segment, session.segments)
+
+    def compact(self, session, trigger: str = "manual", goal_slots: int | None = None) -> list:
+        """Compact every segment above its rule's budget; with ``goal_slots``, also share the room left."""
+        if self._busy:
+            return []
+        self._busy = True
+        try:
+            plan = self._budgets(session, goal_slots)
+            records = []
+            items = plan
+            if self.show_progress and len(plan) > 1:
+                from tqdm.auto import tqdm
+
+                items = tqdm(plan, desc=f"compacting ({trigger})", leave=False)
+            for positions, rule, slots in items:
+                method = self._method(rule)
+                sources = rule.query_source if method.uses_queries else "window"
+                records.append(compact_span(session, positions, method, slots, sources, trigger=trigger))
+            self._last_compaction_at = len(session.tokens)
+            if records:
+                self._record(session, trigger)
+            return records
+        finally:
+            self._busy = False
+
+    def _method(self, rule: CompactionRule):
+        key = rule.model_dump_json(include={"method", "params"})
+        if key not in self._methods:
+            self._methods[key] = get_method(rule.method, **rule.params)
+        return self._methods[key]
+
+    def _compactable_ranges(self, session):
+        """(segment, rule, positions) for the part of each unprotected segment outside sinks and recent window."""
+        budget = self.policy.budget
+        limit = len(session.tokens) - budget.recent_tokens
+        out = []
+        for seg in session.segments:
+            rule = self.rule_for(seg, session)
+            start, end = max(seg.start, budget.sink_tokens), min(seg.end, limit)
+            if rule.protected or end - start < 2:
+                continue
+            out.append((seg, rule, torch.arange(start, end)))
+        return out
+
+    def _slots_in(self, session, positions: torch.Tensor) -> float:
+        """Slots per head (mean over layers and heads) whose position is in ``positions``."""
+        total = 0
+        lo, hi = int(positions[0]), int(positions[-1])
+        for layer in session.cache.layers:
+            pos = layer.positions[:, : layer.length]
+            total += int(((pos >= lo) & (pos <= hi)).sum())
+        return total / (len(session.cache.layers) * session.cache.layers[0].num_heads)
+
+    def _incompressible_slots(self, session) -> int:
+        if not session.cache.layers[0].is_initialized:
+            return 0
+        compactable = self._compactable_ranges(session)
+        reducible = sum(max(0.0, self._slots_in(session, p) - min(r.min_slots, len(p))) for _, r, p in compactable)
+        return math.ceil(session.cache.physical_length - reducible)
+
+    def _importance(self, session, ranges) -> list[float]:
+        """Attention mass the selector-window queries give each range (mean over layers and heads)."""
+        recorder = session.query_recorder
+        if recorder is None or recorder.recent[0] is None:
+            return [1.0] * len(ranges)
+        scale = session.engine.head_dim ** -0.5
+        mass = torch.zeros(len(ranges))
+        with torch.no_grad():
+            for li, layer in enumerate(session.cache.layers):
+                q = recorder.window_queries(li).float()
+                keys = layer.keys[0, :, : layer.length].float()
+                logits = torch.einsum("hmd,hsd->hms", q, keys) * scale + layer.bias[0, :, None, : layer.length]
+                attn = torch.softmax(logits, -1).mean(1)  # (H, S)
+                pos = layer.positions[:, : layer.length]
+                for i, (_, _, p) in enumerate(ranges):
+                    mass[i] += float(attn[(pos >= int(p[0])) & (pos <= int(p[-1]))].sum())
+        return (mass / mass.sum().clamp_min(1e-12)).tolist()
+
+    def _budgets(self, session, goal_slots: int | None):
+        """[(positions, rule, slots per head)] for the ranges that must shrink."""
+        ranges = self._compactable_ranges(session)
+        current = [self._slots_in(session, p) for _, _, p in ranges]
+        targets = [min(c, r.target_slots(len(p))) for (_, r, p), c in zip(ranges, current)]
+        if goal_slots is not None and ranges:
+            excess = session.cache.physical_length - sum(c - t for c, t in zip(current, targets)) - goal_slots
+            if excess > 0:  # the rules' budgets are not enough: share what is left by importance
+                room = max(sum(targets) - excess, 0)
+                weights = self._importance(session, ranges)
+                raw = [r.weight * math.sqrt(max(w, 1e-9)) * len(p) for (_, r, p), w in zip(ranges, weights)]
+                scale = room / max(sum(raw), 1e-12)
+                targets = [
+                    max(min(r.min_slots, len(p)), min(t, math.floor(x * scale)))
+                    for (_, r, p), t, x in zip(ranges, targets, raw)
+                ]
+        return [(p, r, int(t)) for (_, r, p), c, t in zip(ranges, current, targets) if t < c - 0.5]
+
+    # ---- telemetry -------------------------------------------------------------------------------
+    def _record(self, session, event: str) -> None:
+        kv = session.cache.kv_bytes()
+        self.peak_slots = max(self.peak_slots, session.cache.physical_length)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, kv)
+        self.timeline.append({
+            "time": time.time(), "event": event, "logical": len(session.tokens),
+            "physical": session.cache.physical_length, "kv_bytes": kv, "segments": session.segment_slots(),
+        })

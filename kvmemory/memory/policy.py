@@ -1,0 +1,214 @@
+"""Memory policies: which segments are compacted, how, and under what memory budget.
+
+A policy is a list of rules tried in order; the first rule whose ``match`` fits a segment decides how
+that segment is compacted (or that it is protected). Policies load from Python, dicts, YAML, TOML or
+JSON, and every mistake fails at load time with the field and the reason.
+
+    rules:
+      - {name: task, match: {role: user, first: true}, protected: true}
+      - {name: test-logs, match: {tool: run_tests}, method: attention_matching, ratio: 20}
+    budget: {max_slots: 2048, interval: 1024, recent_tokens: 256}
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvmemory.compaction.queries import QUERY_SOURCES
+from kvmemory.errors import PolicyError
+from kvmemory.memory.segments import SEGMENT_KINDS, Segment
+
+StrOrList = str | list[str] | None
+
+
+def _as_list(value: StrOrList) -> list[str] | None:
+    return None if value is None else [value] if isinstance(value, str) else list(value)
+
+
+class SegmentMatch(BaseModel):
+    """Which segments a rule applies to. Every given field must match; lists mean any of."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: StrOrList = None
+    kind: StrOrList = None
+    tool: StrOrList = Field(None, description="tool name, shell-style patterns allowed (run_*)")
+    tag: StrOrList = None
+    content: str | None = Field(None, description="regular expression searched in the segment's text")
+    first: bool = Field(False, description="only the first segment that matches the other fields")
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value):
+        for kind in _as_list(value) or []:
+            if kind not in SEGMENT_KINDS:
+                raise ValueError(f"unknown segment kind {kind!r}; kinds are {', '.join(SEGMENT_KINDS)}")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _valid_regex(cls, value):
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ValueError(f"invalid regular expression {value!r}: {err}") from err
+        return value
+
+    def matches(self, segment: Segment, earlier: list[Segment] | None = None) -> bool:
+        if not self._fields_match(segment):
+            return False
+        if self.first and earlier is not None:
+            return not any(self._fields_match(s) for s in earlier if s.start < segment.start)
+        return True
+
+    def _fields_match(self, segment: Segment) -> bool:
+        if (roles := _as_list(self.role)) is not None and segment.role not in roles:
+            return False
+        if (kinds := _as_list(self.kind)) is not None and segment.kind not in kinds:
+            return False
+        if (tools := _as_list(self.tool)) is not None and not any(fnmatch.fnmatch(segment.tool_name or "", t) for t in tools):
+            return False
+        if (tags := _as_list(self.tag)) is not None and not set(tags) & set(segment.tags):
+            return False
+        if self.content is not None and not re.search(self.content, segment.text or ""):
+            return False
+        return True
+
+
+class CompactionRule(BaseModel):
+    """How matching segments are compacted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "rule"
+    match: SegmentMatch = Field(default_factory=SegmentMatch)
+    protected: bool = Field(False, description="never compacted")
+    method: str = Field("attention_matching", description="a registered compaction method")
+    params: dict[str, Any] = Field(default_factory=dict, description="the method's config fields")
+    ratio: float | None = Field(None, ge=1.0, description="target tokens per slot when the rule fires")
+    max_slots: int | None = Field(None, ge=1, description="never more slots than this per head")
+    min_slots: int = Field(1, ge=1, description="never compact below this many slots per head")
+    query_source: str | list[str] = Field("window", description=f"reference queries: {', '.join(QUERY_SOURCES)}")
+    weight: float = Field(1.0, gt=0, description="multiplies the segment's importance under cap pressure")
+
+    @field_validator("query_source")
+    @classmethod
+    def _known_source(cls, value):
+        for source in _as_list(value):
+            if source not in QUERY_SOURCES:
+                raise ValueError(f"unknown query source {source!r}; use {', '.join(QUERY_SOURCES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _valid_method(self):
+        if self.protected:
+            return self
+        from kvmemory.compaction.registry import available_methods, get_method
+
+        if self.method not in available_methods():
+            raise ValueError(f"unknown method {self.method!r}; methods are {', '.join(available_methods())}")
+        try:
+            get_method(self.method, **self.params)
+        except (ValidationError, TypeError) as err:
+            raise ValueError(f"invalid params for {self.method}: {err}") from err
+        if self.max_slots is not None and self.max_slots < self.min_slots:
+            raise ValueError(f"max_slots ({self.max_slots}) is below min_slots ({self.min_slots})")
+        return self
+
+    def target_slots(self, tokens: int) -> int:
+        """Slots per head this rule wants for a segment of ``tokens`` tokens (when its trigger fires)."""
+        target = max(1, round(tokens / self.ratio)) if self.ratio is not None else tokens
+        if self.max_slots is not None:
+            target = min(target, self.max_slots)
+        return max(min(target, tokens), min(self.min_slots, tokens))
+
+
+class MemoryBudget(BaseModel):
+    """When to compact: a cap on physical slots or bytes, a period, and what stays verbatim."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_slots: int | None = Field(None, ge=1, description="cap on physical KV slots per layer")
+    max_bytes: int | None = Field(None, ge=1, description="cap on KV bytes of the whole cache")
+    interval: int | None = Field(None, ge=1, description="P: compact every P new tokens")
+    recent_tokens: int = Field(256, ge=0, description="τ: the last τ tokens are never compacted")
+    sink_tokens: int = Field(4, ge=0, description="the session's first tokens are never compacted")
+    target_fraction: float = Field(0.75, gt=0, le=1, description="a cap-triggered compaction aims this far below the cap")
+    window: int = Field(64, ge=1, description="R: selector-window queries recorded for compaction")
+
+
+class MemoryPolicy(BaseModel):
+    """Rules in order (first match wins; the default rule catches the rest) plus a budget."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rules: list[CompactionRule] = Field(default_factory=list)
+    default: CompactionRule = Field(default_factory=lambda: CompactionRule(name="default", ratio=4.0))
+    budget: MemoryBudget = Field(default_factory=MemoryBudget)
+
+    def rule_for(self, segment: Segment, segments: list[Segment]) -> CompactionRule:
+        for rule in self.rules:
+            if rule.match.matches(segment, segments):
+                return rule
+        return self.default
+
+    # ---- loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> "MemoryPolicy":
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'policy'}: {e['msg']}" for e in err.errors())
+            raise PolicyError(f"invalid memory policy: {problems}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "MemoryPolicy":
+        path = Path(path)
+        if not path.is_file():
+            raise PolicyError(f"policy file not found: {path}")
+        text = path.read_text()
+        try:
+            if path.suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            elif path.suffix == ".toml":
+                import tomllib
+
+                data = tomllib.loads(text)
+            elif path.suffix == ".json":
+                data = json.loads(text)
+            else:
+                raise PolicyError(f"policy file {path} must be .yaml, .yml, .toml or .json")
+        except PolicyError:
+            raise
+        except Exception as err:  # the parsers' own errors say where the syntax breaks
+            raise PolicyError(f"cannot parse policy file {path}: {err}") from err
+        if not isinstance(data, dict):
+            raise PolicyError(f"policy file {path} must hold a mapping at the top level")
+        return cls.from_dict(data)
+
+
+def default_policy(max_slots: int | None = None, interval: int | None = 1024, recent_tokens: int = 256) -> MemoryPolicy:
+    """Good out of the box for agents: protect the system prompt, the task and tool schemas; squeeze tool
+    output hard (test logs hardest); compact reasoning with TAM and everything else with Attention Matching."""
+    return MemoryPolicy(
+        rules=[
+            CompactionRule(name="system", match=SegmentMatch(kind=["system", "tool_schema"]), protected=True),
+            CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
+            CompactionRule(name="test-logs", match=SegmentMatch(kind="tool_output", content=r"(?i)(passed|failed|error|traceback)"),
+                           method="attention_matching", ratio=12.0, weight=0.7),
+            CompactionRule(name="tool-output", match=SegmentMatch(kind="tool_output"), method="attention_matching", ratio=6.0),
+            CompactionRule(name="reasoning", match=SegmentMatch(kind="reasoning"), method="tam", ratio=8.0),
+            CompactionRule(name="tool-calls", match=SegmentMatch(kind="tool_call"), method="attention_matching", ratio=2.0, weight=1.5),
+        ],
+        default=CompactionRule(name="default", method="attention_matching", ratio=3.0),
+        budget=MemoryBudget(max_slots=max_slots, interval=interval, recent_tokens=recent_tokens),
+    )
