@@ -178,6 +178,8 @@ class Session:
     def append_text(self, text: str, kind: str = "text", role: str | None = None, progress: ProgressCallback | None = None, **meta) -> Segment:
         """Tokenize ``text`` (no special tokens added) and append it as one segment."""
         self._check_open()
+        if self.engine.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: use append_tokens")
         ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
         return self.append_tokens(ids, kind=kind, role=role, progress=progress, text=text, **meta)
 
@@ -424,10 +426,18 @@ class Session:
         """
         seg = self.segment(segment_id)
         label = seg.kind + (f" from tool {seg.tool_name}" if seg.tool_name else "")
-        text = f"[recalled segment {seg.id}: {label}, verbatim]\n{seg.text}\n[end of recalled segment {seg.id}]"
+        header, footer = f"[recalled segment {seg.id}: {label}, verbatim]\n", f"\n[end of recalled segment {seg.id}]"
         if self.messages:
-            return self.append_messages([{"role": "user", "content": text, "recall_of": seg.id}])[-1]
-        return self.append_text(text, kind="recall", role="user", recall_of=seg.id)
+            message = {"role": "user", "content": header + seg.text + footer, "recall_of": seg.id}
+            return self.append_messages([message])[-1]
+        ids = self.tokens[seg.start : seg.end]  # the exact tokens, whatever the cache kept of them
+        if self.engine.tokenizer is not None:
+            encode = self.engine.tokenizer.encode
+            ids = encode(header, add_special_tokens=False) + ids + encode(footer, add_special_tokens=False)
+            text = header + seg.text + footer
+        else:
+            text = seg.text
+        return self.append_tokens(ids, kind="recall", role="user", text=text, recall_of=seg.id)
 
     # ---- internals -------------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -1,0 +1,192 @@
+"""Memory manager: policy matching and validation, the cap invariant, protection, recall, telemetry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvmemory import Engine, MemoryCapError, PolicyError
+from kvmemory.memory import MemoryManager, MemoryPolicy, Segment, SegmentMatch, default_policy, plot_memory_map
+from kvmemory.memory.policy import CompactionRule
+from tests.conftest import random_tokens, tiny_model
+
+
+def seg(kind, role=None, tool=None, tags=(), text="", start=0):
+    return Segment(id=start, kind=kind, start=start, end=start + 1, role=role, tool_name=tool, tags=tags, text=text)
+
+
+def small_policy(max_slots=160, interval=None, recent=16, **default):
+    return MemoryPolicy.from_dict({
+        "rules": [
+            {"name": "system", "match": {"kind": "system"}, "protected": True},
+            {"name": "logs", "match": {"tool": "run_*"}, "method": "attention_matching", "ratio": 8},
+        ],
+        "default": {"method": "attention_matching", "ratio": 3, **default},
+        "budget": {"max_slots": max_slots, "interval": interval, "recent_tokens": recent, "window": 8, "sink_tokens": 2},
+    })
+
+
+def test_rules_match_by_role_kind_tool_tag_content_and_first():
+    m = SegmentMatch(kind="tool_output", tool="run_*", content=r"FAILED")
+    assert m.matches(seg("tool_output", tool="run_tests", text="1 FAILED"))
+    assert not m.matches(seg("tool_output", tool="read_file", text="FAILED"))
+    assert not m.matches(seg("tool_output", tool="run_tests", text="all passed"))
+    assert SegmentMatch(tag=["keep", "x"]).matches(seg("text", tags=("keep",)))
+    assert SegmentMatch(role=["user", "system"]).matches(seg("user", role="user"))
+    first = SegmentMatch(role="user", first=True)
+    a, b = seg("user", role="user", start=0), seg("user", role="user", start=5)
+    assert first.matches(a, [a, b]) and not first.matches(b, [a, b])
+
+
+def test_default_policy_protects_system_and_task_and_squeezes_logs():
+    policy = default_policy()
+    system, task, later = seg("system", role="system", start=0), seg("user", role="user", start=10), seg("user", role="user", start=50)
+    log = seg("tool_output", role="tool", tool="run_tests", text="2 failed, 7 passed", start=80)
+    segments = [system, task, later, log]
+    assert policy.rule_for(system, segments).protected
+    assert policy.rule_for(task, segments).protected
+    assert not policy.rule_for(later, segments).protected
+    assert policy.rule_for(log, segments).name == "test-logs"
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"default": {"method": "no_such_method"}}, "unknown method"),
+        ({"default": {"method": "snapkv", "params": {"window": 0}}}, "invalid params for snapkv"),
+        ({"default": {"ratio": 0.5}}, "default.ratio"),
+        ({"rules": [{"match": {"kind": "banana"}}]}, "unknown segment kind"),
+        ({"rules": [{"match": {"content": "(unclosed"}}]}, "invalid regular expression"),
+        ({"default": {"query_source": "telepathy"}}, "unknown query source"),
+        ({"default": {"max_slots": 2, "min_slots": 5}}, "below min_slots"),
+        ({"budget": {"max_slots": -3}}, "budget.max_slots"),
+        ({"budget": {"colour": "blue"}}, "budget.colour"),
+    ],
+)
+def test_invalid_policies_fail_at_load_with_field_and_reason(data, field):
+    with pytest.raises(PolicyError, match=field):
+        MemoryPolicy.from_dict(data)
+
+
+def test_policy_files_yaml_toml_json(tmp_path):
+    yaml_file = tmp_path / "p.yaml"
+    yaml_file.write_text("rules:\n  - name: task\n    match: {role: user, first: true}\n    protected: true\nbudget:\n  max_slots: 512\n")
+    toml_file = tmp_path / "p.toml"
+    toml_file.write_text('[budget]\nmax_slots = 512\n[[rules]]\nname = "logs"\nratio = 10\n[rules.match]\ntool = "pytest"\n')
+    json_file = tmp_path / "p.json"
+    json_file.write_text(json.dumps({"budget": {"max_slots": 512}}))
+    for f in (yaml_file, toml_file, json_file):
+        assert MemoryPolicy.from_file(f).budget.max_slots == 512
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules: [unclosed")
+    with pytest.raises(PolicyError, match="cannot parse"):
+        MemoryPolicy.from_file(bad)
+    with pytest.raises(PolicyError, match="not found"):
+        MemoryPolicy.from_file(tmp_path / "missing.yaml")
+
+
+def protected_slots(session, segment_id):
+    out = []
+    for layer in session.cache.layers:
+        mask = layer.segments[0, : layer.length] == segment_id
+        out.append((layer.keys[0, :, : layer.length][:, mask].clone(), layer.values[0, :, : layer.length][:, mask].clone(),
+                    layer.bias[0, :, : layer.length][:, mask].clone(), layer.positions[:, : layer.length][:, mask].clone()))
+    return out
+
+
+def test_cap_protection_and_recall_in_a_long_session():
+    engine = Engine(tiny_model("llama"))
+    manager = MemoryManager(small_policy(max_slots=160))
+    session = engine.session(memory=manager, prefill_chunk_size=32)
+    system = session.append_tokens(random_tokens(20), kind="system", role="system")
+    before = protected_slots(session, system.id)
+    outputs = []
+    for i in range(10):
+        outputs.append(session.append_tokens(random_tokens(40 + 9 * i, seed=i), kind="tool_output", tool_name="run_tests"))
+        assert session.cache.physical_length <= 160
+        session.generate(max_new_tokens=4)
+        assert session.cache.physical_length <= 160
+    assert manager.peak_slots <= 160 and session.cache.compactions > 0
+    after = protected_slots(session, system.id)
+    assert all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
+    assert outputs[0].compactions > 0
+    assert sum(1 for e in session.compaction_log if e["trigger"] == "cap") > 0
+    # other segments' slots are never moved by a segment's compaction: positions stay sorted per head
+    for layer in session.cache.layers:
+        pos = layer.positions[:, : layer.length]
+        real = pos >= 0
+        for h in range(pos.shape[0]):
+            p = pos[h][real[h]]
+            assert bool((p[1:] > p[:-1]).all())
+
+
+def test_recall_restores_the_exact_text(tiny_engine):
+    session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=400)))
+    session.append_tokens(random_tokens(10), kind="system")
+    out = session.append_tokens(random_tokens(200, seed=3), kind="tool_output", tool_name="run_tests", text="ORIGINAL LOG TEXT 42")
+    session.append_tokens(random_tokens(30, seed=4))
+    session.memory.compact(session)
+    assert out.compactions == 1 and session.segment_slots()[out.id] < 200
+    recalled = session.recall(out.id)
+    assert recalled.kind == "recall" and "ORIGINAL LOG TEXT 42" in recalled.text
+    assert session.export_transcript()[out.id]["text"] == "ORIGINAL LOG TEXT 42"
+
+
+def test_a_cap_below_the_protected_content_raises_before_any_change(tiny_engine):
+    session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=60)))
+    session.append_tokens(random_tokens(30), kind="system")
+    state = (list(session.tokens), len(session.segments), session.cache.physical_length)
+    with pytest.raises(MemoryCapError, match="cap of 60"):
+        session.append_tokens(random_tokens(40, seed=2), kind="system")
+    assert state == (list(session.tokens), len(session.segments), session.cache.physical_length)
+
+
+def test_periodic_trigger_compacts_every_interval(tiny_engine):
+    manager = MemoryManager(small_policy(max_slots=None, interval=100))
+    session = tiny_engine.session(memory=manager)
+    for i in range(5):
+        session.append_tokens(random_tokens(60, seed=i), kind="tool_output", tool_name="run_x")
+    periodic = [e for e in session.compaction_log if e["trigger"] == "periodic"]
+    assert periodic and session.cache.physical_length < len(session.tokens)
+
+
+def test_memory_map_plot(tmp_path, tiny_engine):
+    manager = MemoryManager(small_policy(max_slots=120))
+    session = tiny_engine.session(memory=manager)
+    for i in range(4):
+        session.append_tokens(random_tokens(50, seed=i), kind="tool_output", tool_name="run_x")
+    path = plot_memory_map(manager.timeline, session.segments, tmp_path / "map.png", cap=120)
+    assert path.stat().st_size > 5000
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["tool", "user", "gen", "recall"]), st.integers(5, 90)), min_size=4, max_size=12),
+       cap=st.integers(120, 260))
+def test_cap_is_never_exceeded_in_random_sessions(ops, cap):
+    engine = _ENGINE
+    manager = MemoryManager(small_policy(max_slots=cap))
+    session = engine.session(memory=manager, prefill_chunk_size=24)
+    session.append_tokens(random_tokens(12), kind="system")
+    for i, (op, n) in enumerate(ops):
+        if op == "tool":
+            session.append_tokens(random_tokens(n, seed=i), kind="tool_output", tool_name="run_tests")
+        elif op == "user":
+            session.append_tokens(random_tokens(n, seed=100 + i), kind="user", role="user")
+        elif op == "gen":
+            session.generate(max_new_tokens=min(n, 12))
+        elif len(session.segments) > 1:
+            session.recall(session.segments[1].id)
+        assert session.cache.physical_length <= cap
+    assert manager.peak_slots <= cap
+
+
+_ENGINE = Engine(tiny_model("llama", max_position_embeddings=4096))
+
+
+def test_rule_target_slots():
+    rule = CompactionRule(ratio=8, max_slots=50, min_slots=3)
+    assert rule.target_slots(80) == 10 and rule.target_slots(1000) == 50 and rule.target_slots(8) == 3
