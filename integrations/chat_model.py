@@ -1,0 +1,261 @@
+"""ChatKVMemory: a LangChain chat model over kvmemory sessions, one resident KV cache per LangGraph thread.
+
+Each call re-renders the thread's messages and prefills only the tokens the thread's cache lacks, so an
+agent turn costs the new tool output and the new answer, not the whole history. Tools are rendered by
+the model's chat template (or, for templates without tools, in the system message); tool calls come back
+parsed from ``<tool_call>`` JSON. Usage metadata reports reused prefix tokens as cache reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.exceptions import ContextOverflowError
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables.config import ensure_config
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from kvmemory import ContextLengthError, Engine, MemoryCapError, ToolCallParseError
+from kvmemory.memory import MemoryManager, MemoryPolicy
+from kvmemory.runtime.chat import TOOL_CALL_RE, parse_tool_calls
+
+DEFAULT_THREAD = "default"
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") if isinstance(part, dict) else str(part) for part in content)
+
+
+def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict]:
+    """LangChain messages → the role/content dicts chat templates render."""
+    out = []
+    for msg in messages:
+        if msg.type == "system":
+            out.append({"role": "system", "content": _text(msg.content)})
+        elif msg.type == "human":
+            out.append({"role": "user", "content": _text(msg.content)})
+        elif msg.type == "ai":
+            item = {"role": "assistant", "content": _text(msg.content)}
+            calls = getattr(msg, "tool_calls", None) or []
+            if calls:
+                item["tool_calls"] = [
+                    {"type": "function", "id": c.get("id"), "function": {"name": c["name"], "arguments": c.get("args", {})}}
+                    for c in calls
+                ]
+            out.append(item)
+        elif msg.type == "tool":
+            out.append({"role": "tool", "content": _text(msg.content), "name": getattr(msg, "name", None),
+                        "tool_call_id": getattr(msg, "tool_call_id", None)})
+        else:
+            raise ValueError(f"unsupported message type {msg.type!r}")
+    return out
+
+
+class ChatKVMemory(BaseChatModel):
+    """A local chat model whose threads keep (and compact) their KV cache between calls.
+
+    ``ChatKVMemory.from_pretrained("default", policy=default_policy(max_slots=2048))``
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    engine: Any = Field(exclude=True)
+    policy: MemoryPolicy | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    _sessions: dict = PrivateAttr(default_factory=dict)
+    _locks: dict = PrivateAttr(default_factory=dict)
+    _guard: Any = PrivateAttr(default_factory=threading.Lock)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str = "default", **kwargs) -> "ChatKVMemory":
+        return cls(engine=Engine.from_pretrained(name_or_path), **kwargs)
+
+    @property
+    def _llm_type(self) -> str:
+        return "kvmemory"
+
+    @property
+    def _identifying_params(self) -> dict:
+        return {"model": self.engine.name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+
+    # ---- threads -------------------------------------------------------------------------------
+    def session_for(self, thread_id: str | None = None):
+        """The thread's session (created on first use; after a restart it is rebuilt from the messages)."""
+        thread_id = thread_id or DEFAULT_THREAD
+        with self._guard:
+            if thread_id not in self._sessions:
+                memory = MemoryManager(self.policy) if self.policy is not None else None
+                self._sessions[thread_id] = self.engine.session(session_id=thread_id, memory=memory)
+                self._locks[thread_id] = threading.Lock()
+            return self._sessions[thread_id], self._locks[thread_id]
+
+    @staticmethod
+    def current_thread_id(kwargs: dict, config: RunnableConfig | None = None) -> str:
+        """The LangGraph thread of this call: an explicit ``thread_id``, else the (inherited) run config's."""
+        if kwargs.get("thread_id"):
+            return str(kwargs["thread_id"])
+        config = ensure_config(config)
+        thread = config.get("configurable", {}).get("thread_id") or config.get("metadata", {}).get("thread_id")
+        return str(thread) if thread else DEFAULT_THREAD
+
+    # The run config does not reach _generate/_stream; pass its thread id along as a keyword.
+    def invoke(self, input, config: RunnableConfig | None = None, **kwargs):
+        return super().invoke(input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs))
+
+    async def ainvoke(self, input, config: RunnableConfig | None = None, **kwargs):
+        return await super().ainvoke(input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs))
+
+    def stream(self, input, config: RunnableConfig | None = None, **kwargs):
+        return super().stream(input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs))
+
+    def astream(self, input, config: RunnableConfig | None = None, **kwargs):
+        return super().astream(input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs))
+
+    def drop_thread(self, thread_id: str) -> None:
+        with self._guard:
+            session = self._sessions.pop(thread_id, None)
+            self._locks.pop(thread_id, None)
+        if session is not None:
+            session.close()
+
+    # ---- tools -------------------------------------------------------------------------------
+    def bind_tools(self, tools: Sequence, *, tool_choice: str | None = None, **kwargs) -> Runnable:
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        return self.bind(tools=formatted, **kwargs)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
+        tools = [convert_to_openai_tool(t) for t in tools] if tools else None
+        renderer = self.engine.session().renderer
+        return len(renderer.render(to_chat_dicts(messages), tools, add_generation_prompt=True))
+
+    # ---- generation ----------------------------------------------------------------------------
+    def _prepare(self, messages, kwargs):
+        session, lock = self.session_for(self.current_thread_id(kwargs))
+        return session, lock, to_chat_dicts(messages), kwargs.get("tools")
+
+    def _prefill(self, session, dicts, tools) -> tuple[int, int]:
+        """Sync the thread's cache with the conversation; returns (prompt tokens, tokens reused from cache)."""
+        before = session.prefilled_tokens
+        try:
+            session.set_messages(dicts, tools=tools, add_generation_prompt=True)
+        except (ContextLengthError, MemoryCapError) as err:
+            raise ContextOverflowError(str(err)) from err
+        prompt = len(session.tokens)
+        return prompt, prompt - (session.prefilled_tokens - before)
+
+    def _steps(self, session, stop, kwargs):
+        return session._generate(
+            kwargs.get("max_new_tokens", self.max_new_tokens), kwargs.get("temperature", self.temperature),
+            kwargs.get("top_p", self.top_p), 0, stop, kwargs.get("seed", self.seed),
+        )
+
+    def _final_message(self, text: str, generated: int, prompt: int, cached: int, finish: str, chunk: bool):
+        usage = {"input_tokens": prompt, "output_tokens": generated, "total_tokens": prompt + generated,
+                 "input_token_details": {"cache_read": cached}}
+        meta = {"finish_reason": "tool_calls" if "<tool_call>" in text else finish, "model_name": self.engine.name}
+        try:
+            content, calls = parse_tool_calls(text)
+            invalid = []
+        except ToolCallParseError as err:
+            body = TOOL_CALL_RE.search(text)
+            content, calls = text, []
+            invalid = [{"type": "invalid_tool_call", "name": None, "args": body.group(1) if body else text,
+                        "id": None, "error": f"{err}. Answer again with <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>"}]
+        if chunk:
+            chunks = [{"type": "tool_call_chunk", "name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i}
+                      for i, c in enumerate(calls)]
+            return AIMessageChunk(content="", tool_call_chunks=chunks, usage_metadata=usage, response_metadata=meta,
+                                  invalid_tool_calls=invalid, chunk_position="last")
+        return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid, usage_metadata=usage, response_metadata=meta)
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        session, lock, dicts, tools = self._prepare(messages, kwargs)
+        with lock:
+            prompt, cached = self._prefill(session, dicts, tools)
+            result = None
+            for piece, result in self._steps(session, stop, kwargs):
+                if piece and run_manager is not None:
+                    run_manager.on_llm_new_token(piece)
+        message = self._final_message(result.text, len(result.token_ids), prompt, cached, result.finish_reason, chunk=False)
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        session, lock, dicts, tools = self._prepare(messages, kwargs)
+        with lock:
+            prompt, cached = self._prefill(session, dicts, tools)
+            result, shown = None, 0
+            for piece, result in self._steps(session, stop, kwargs):
+                visible = _visible_content(result.text)
+                if len(visible) > shown:
+                    chunk = ChatGenerationChunk(message=AIMessageChunk(content=visible[shown:]))
+                    shown = len(visible)
+                    if run_manager is not None:
+                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                    yield chunk
+        final = self._final_message(result.text, len(result.token_ids), prompt, cached, result.finish_reason, chunk=True)
+        if not final.tool_call_chunks and not final.invalid_tool_calls:
+            content = parse_tool_calls(result.text)[0]
+            if content.startswith(_visible_content(result.text)) and len(content) > shown:
+                final.content = content[shown:]
+        yield ChatGenerationChunk(message=final)
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        chunks = [c async for c in self._astream(messages, stop, run_manager, **kwargs)]
+        text = "".join(c.message.content for c in chunks if isinstance(c.message.content, str))
+        last = chunks[-1].message
+        calls = [{"name": c["name"], "args": json.loads(c["args"]), "id": c["id"]} for c in last.tool_call_chunks]
+        message = AIMessage(content=text, tool_calls=calls, invalid_tool_calls=last.invalid_tool_calls,
+                            usage_metadata=last.usage_metadata, response_metadata=last.response_metadata)
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        kwargs.setdefault("thread_id", self.current_thread_id(kwargs))
+        iterator = self._stream(messages, stop, None, **kwargs)
+        done = object()
+        try:
+            while True:  # one token per worker-thread step: other coroutines and sessions interleave
+                chunk = await asyncio.to_thread(next, iterator, done)
+                if chunk is done:
+                    return
+                if run_manager is not None and chunk.text:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+        finally:
+            await asyncio.to_thread(iterator.close)
+
+
+def _without_thread(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k != "thread_id"}
+
+
+def _visible_content(text: str) -> str:
+    """Text before any tool call (a partial '<tool_call' prefix at the end is held back)."""
+    cut = text.find("<tool_call>")
+    if cut >= 0:
+        return text[:cut]
+    for k in range(len("<tool_call>") - 1, 0, -1):
+        if text.endswith("<tool_call>"[:k]):
+            return text[:-k]
+    return text
+
+
+__all__ = ["ChatKVMemory", "ToolMessage", "to_chat_dicts"]

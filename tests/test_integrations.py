@@ -1,0 +1,160 @@
+"""LangChain / LangGraph integration on the default model (few tokens per call) and with a fake model."""
+
+from __future__ import annotations
+
+import pytest
+from langchain.agents import create_agent
+from langchain_core.exceptions import ContextOverflowError
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
+
+from integrations import ChatKVMemory, CompactionNode, KVMemoryMiddleware, KVMemoryState, kv_policy
+from kvmemory.memory import default_policy
+
+
+@tool
+def lookup_port(service: str) -> str:
+    """Look up the network port of a service."""
+    return f"{service} listens on port 5433"
+
+
+@kv_policy(ratio=10)
+@tool
+def run_tests() -> str:
+    """Run the test suite."""
+    return "FAILED tests/test_ledger.py::test_restock - assert 10 == 18\n1 failed, 8 passed"
+
+
+@pytest.fixture
+def chat(default_engine):
+    return ChatKVMemory(engine=default_engine, max_new_tokens=6, policy=default_policy(max_slots=4096))
+
+
+def config(thread):
+    return {"configurable": {"thread_id": thread}}
+
+
+def test_invoke_reports_usage_and_reuses_the_cache(chat):
+    msgs = [SystemMessage("You are terse."), HumanMessage("Name a colour.")]
+    first = chat.invoke(msgs, config=config("a"))
+    assert isinstance(first, AIMessage) and first.usage_metadata["output_tokens"] > 0
+    assert first.usage_metadata["input_token_details"]["cache_read"] == 0
+    second = chat.invoke(msgs + [first, HumanMessage("Another one.")], config=config("a"))
+    reused = second.usage_metadata["input_token_details"]["cache_read"]
+    assert reused >= first.usage_metadata["input_tokens"]  # the whole first turn came from the cache
+
+
+def test_threads_are_isolated(chat):
+    chat.invoke([HumanMessage("Say one word about cats.")], config=config("cats"))
+    chat.invoke([HumanMessage("Say one word about the sea.")], config=config("sea"))
+    cats, _ = chat.session_for("cats")
+    sea, _ = chat.session_for("sea")
+    assert cats is not sea
+    assert "cats" in cats.messages[0]["content"] and "sea" in sea.messages[0]["content"]
+
+
+def test_stream_yields_several_chunks(chat):
+    chunks = list(chat.stream([HumanMessage("Count from one to five.")], config=config("s")))
+    assert len(chunks) >= 3
+    assert chunks[-1].usage_metadata["output_tokens"] > 0
+
+
+async def test_astream_and_ainvoke(chat):
+    chunks = [c async for c in chat.astream([HumanMessage("Count to three.")], config=config("as"))]
+    assert len(chunks) >= 2
+    msg = await chat.ainvoke([HumanMessage("Count to three.")], config=config("as2"))
+    assert msg.content == "".join(c.content for c in chunks)
+
+
+def test_tool_call_round_trip_reuses_the_cache(chat):
+    bound = chat.bind_tools([lookup_port])
+    history = [HumanMessage("Which port does the database use?")]
+    call = AIMessage("", tool_calls=[{"name": "lookup_port", "args": {"service": "database"}, "id": "call_1"}])
+    result = ToolMessage("database listens on port 5433", tool_call_id="call_1", name="lookup_port")
+    bound.invoke(history, config=config("tools"))
+    session, _ = chat.session_for("tools")
+    rendered = session.renderer.render(session.messages, [lookup_port.args_schema and __import__("langchain_core.utils.function_calling", fromlist=["x"]).convert_to_openai_tool(lookup_port)])
+    assert "lookup_port" in chat.engine.tokenizer.decode(rendered)  # the schema reached the prompt
+    answer = bound.invoke(history + [call, result], config=config("tools"))
+    assert answer.usage_metadata["input_token_details"]["cache_read"] > 0
+    tool_segment = [s for s in session.segments if s.kind == "tool_output"]
+    assert tool_segment and tool_segment[0].tool_name == "lookup_port" and "5433" in tool_segment[0].text
+
+
+def test_tool_call_parsing_and_malformed_output(chat):
+    ok = chat._final_message('Checking.<tool_call>{"name": "lookup_port", "arguments": {"service": "db"}}</tool_call>', 5, 10, 0, "stop", chunk=False)
+    assert ok.tool_calls[0]["name"] == "lookup_port" and ok.tool_calls[0]["args"] == {"service": "db"}
+    assert ok.content == "Checking."
+    bad = chat._final_message('<tool_call>{"name": "lookup_port", "arguments": {service: db}}</tool_call>', 5, 10, 0, "stop", chunk=False)
+    assert not bad.tool_calls and bad.invalid_tool_calls
+    assert "not valid JSON" in bad.invalid_tool_calls[0]["error"]
+
+
+def test_context_overflow_is_a_langchain_error(default_engine):
+    chat = ChatKVMemory(engine=default_engine, max_new_tokens=2)
+    with pytest.raises(ContextOverflowError, match="positions"):
+        chat.invoke([HumanMessage("word " * 9000)], config=config("big"))
+    assert chat.get_num_tokens_from_messages([HumanMessage("hello there")]) > 2
+
+
+def test_stategraph_with_compaction_node_and_checkpointer(chat):
+    graph = StateGraph(KVMemoryState)
+    graph.add_node("model", lambda state: {"messages": [chat.invoke(state["messages"])]})
+    graph.add_node("compact", CompactionNode(chat))
+    graph.add_edge(START, "model")
+    graph.add_edge("model", "compact")
+    graph.add_edge("compact", END)
+    app = graph.compile(checkpointer=InMemorySaver())
+    out = app.invoke({"messages": [HumanMessage("Say hello.")]}, config=config("g"))
+    assert out["kvmemory"]["logical_tokens"] > 0 and len(out["messages"]) == 2
+    out = app.invoke({"messages": [HumanMessage("Again.")]}, config=config("g"))
+    assert len(out["messages"]) == 4
+    chat.drop_thread("g")  # a restart: the session is rebuilt from the checkpointed messages
+    out = app.invoke({"messages": [HumanMessage("Once more.")]}, config=config("g"))
+    session, _ = chat.session_for("g")
+    assert len(out["messages"]) == 6 and len(session.messages) == 5
+
+
+class FakeToolModel(GenericFakeChatModel):
+    def bind_tools(self, tools, **kwargs):
+        return self
+
+
+def test_stategraph_with_a_fake_model_and_tools(chat):
+    fake = FakeToolModel(messages=iter([
+        AIMessage("", tool_calls=[{"name": "run_tests", "args": {}, "id": "c1"}]),
+        AIMessage("The restock test fails."),
+    ]))
+    graph = StateGraph(KVMemoryState)
+    graph.add_node("agent", lambda state: {"messages": [fake.invoke(state["messages"])]})
+    graph.add_node("tools", ToolNode([run_tests]))
+    graph.add_node("compact", CompactionNode(chat))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: "compact"})
+    graph.add_edge("tools", "agent")
+    graph.add_edge("compact", END)
+    out = graph.compile().invoke({"messages": [HumanMessage("Run the tests.")]}, config=config("fake"))
+    assert out["messages"][-1].content == "The restock test fails."
+    assert isinstance(out["messages"][2], ToolMessage) and "1 failed" in out["messages"][2].content
+    assert out["kvmemory"]["logical_tokens"] == 0  # the fake model never touched the KV session
+
+
+def test_create_agent_with_middleware_sync_and_async(chat):
+    middleware = KVMemoryMiddleware(tool_policies={"lookup_port": {"ratio": 4}})
+    agent = create_agent(chat, tools=[lookup_port, run_tests], middleware=[middleware], checkpointer=InMemorySaver())
+    out = agent.invoke({"messages": [HumanMessage("Hi")]}, config=config("mw"))
+    assert out["kvmemory"]["logical_tokens"] > 0
+    names = [r.name for r in chat.policy.rules]
+    assert "tool:lookup_port" in names and "tool:run_tests" in names
+    rule = next(r for r in chat.policy.rules if r.name == "tool:run_tests")
+    assert rule.ratio == 10  # from the @kv_policy decorator
+
+
+async def test_create_agent_middleware_async(chat):
+    agent = create_agent(chat, tools=[lookup_port], middleware=[KVMemoryMiddleware(compact_every=1)])
+    out = await agent.ainvoke({"messages": [HumanMessage("Hi")]}, config=config("amw"))
+    assert out["kvmemory"]["logical_tokens"] > 0
