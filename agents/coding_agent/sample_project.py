@@ -202,6 +202,19 @@ FILES = {
 }
 
 
+def catalog_module(items: int = 120) -> str:
+    """A long, deterministic catalogue module (the kind of file read that fills an agent's context)."""
+    kinds = ["widget", "gizmo", "bolt pack", "hinge", "bracket", "gasket", "spring", "valve", "washer", "rivet"]
+    sizes = ["small", "medium", "large", "x-large"]
+    lines = ['"""The product catalogue: SKU, name, unit price in cents, reorder quantity."""', "", "CATALOG = ["]
+    for i in range(items):
+        sku = f"{'ABCDEFGHJK'[i % 10]}{'MNPRSTVWXZ'[(i * 7) % 10]}-{1000 + (i * 37) % 9000:04d}"
+        lines.append(f'    ("{sku}", "{kinds[i % 10]}, {sizes[(i // 10) % 4]}", {99 + (i * 53) % 4900}, {5 + (i * 11) % 60}),')
+    lines += ["]", "", "", "def by_sku(sku: str):", "    for entry in CATALOG:", "        if entry[0] == sku:",
+              "            return entry", "    raise KeyError(sku)", ""]
+    return "\n".join(lines)
+
+
 def create_sample_project(path: str | Path) -> Path:
     """Write the sample project under ``path`` and return it."""
     root = Path(path)
@@ -209,4 +222,5 @@ def create_sample_project(path: str | Path) -> Path:
         target = root / name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(textwrap.dedent(text).lstrip())
+    (root / "inventory" / "catalog.py").write_text(catalog_module())
     return root

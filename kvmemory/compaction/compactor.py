@@ -86,7 +86,9 @@ def compact_span(
         before = float(capacity.float().mean())
         after = float(torch.tensor([[k.numel() for k in r.keep] for r in results]).float().mean())
     session.compact(plan)
-    seg_ids = sorted({s.id for s in session.segments if s.start <= int(positions.max()) and s.end > int(positions.min())})
+    ordered = torch.unique(positions)
+    seg_ids = [s.id for s in session.segments
+               if int(torch.searchsorted(ordered, s.end)) > int(torch.searchsorted(ordered, s.start))]
     for seg in session.segments:
         if seg.id in seg_ids:
             seg.compactions += 1

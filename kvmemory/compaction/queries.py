@@ -99,7 +99,7 @@ def _self_study(session, max_tokens: int) -> list[torch.Tensor]:
             position += len(instruction)
             for _ in range(max_tokens):
                 token = int(torch.argmax(logits))
-                if token in eos or position >= session.engine.max_positions:
+                if token in eos or position >= session.engine.position_limit:
                     break
                 logits = session._forward([token], segment_id=-1, positions_from=position)[-1]
                 position += 1

@@ -65,7 +65,7 @@ def _spectral_norm_sq(gram: torch.Tensor, iters: int = 20) -> torch.Tensor:
     return (v.transpose(1, 2) @ gram @ v).squeeze(-1).squeeze(-1).clamp_min(1e-30)
 
 
-def nnls_box(a: torch.Tensor, y: torch.Tensor, col_valid: torch.Tensor, lo: float, hi: float, steps: int = 30, ridge: float = 1e-6) -> torch.Tensor:
+def nnls_box(a: torch.Tensor, y: torch.Tensor, col_valid: torch.Tensor, lo: float, hi: float, steps: int = 15, ridge: float = 1e-6) -> torch.Tensor:
     """Batched box-constrained least squares  min_{lo ≤ B ≤ hi} ‖a B − y‖².
 
     a (H, m, t), y (H, m), col_valid (H, t). A ridge solve, clamped to the box, refined by projected
@@ -78,7 +78,7 @@ def nnls_box(a: torch.Tensor, y: torch.Tensor, col_valid: torch.Tensor, lo: floa
     t = gram.shape[-1]
     scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
     eye = torch.eye(t, dtype=gram.dtype, device=gram.device)
-    b = torch.linalg.solve(gram + (ridge * scale)[:, None, None] * eye + (~col_valid)[:, None, :] * eye, rhs)
+    b = _spd_solve(gram + (ridge * scale)[:, None, None] * eye + (~col_valid)[:, None, :] * eye, rhs[..., None]).squeeze(-1)
     b = b.clamp(lo, hi)
     step = 1.0 / _spectral_norm_sq(gram)
     for _ in range(steps):
@@ -98,11 +98,19 @@ def _ridge_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor
         gram = x.transpose(1, 2) @ x
         lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
         eye = torch.eye(t, dtype=x.dtype, device=x.device)
-        return torch.linalg.solve(gram + lam[:, None, None] * eye, x.transpose(1, 2) @ y)
+        return _spd_solve(gram + lam[:, None, None] * eye, x.transpose(1, 2) @ y)
     gram = x @ x.transpose(1, 2)
     lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
     eye = torch.eye(m, dtype=x.dtype, device=x.device)
-    return x.transpose(1, 2) @ torch.linalg.solve(gram + lam[:, None, None] * eye, y)
+    return x.transpose(1, 2) @ _spd_solve(gram + lam[:, None, None] * eye, y)
+
+
+def _spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Solve a x = b for symmetric positive-definite a (ridge-regularised Gram matrices) by Cholesky."""
+    factor, info = torch.linalg.cholesky_ex(a)
+    if bool((info != 0).any()):  # numerically indefinite: fall back to LU
+        return torch.linalg.solve(a, b)
+    return torch.cholesky_solve(b, factor)
 
 
 def fit_bias_and_values(
@@ -112,7 +120,7 @@ def fit_bias_and_values(
     fixed: torch.Tensor | None = None,
     beta_box: tuple[float, float] = (-3.0, 3.0),
     ridge: float = 1e-3,
-    nnls_steps: int = 30,
+    nnls_steps: int = 15,
     mass_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention Matching's fit for the selected slots of every head.

@@ -49,7 +49,9 @@ class MemoryManager:
 
     def slot_cap(self, session) -> int | None:
         budget = self.policy.budget
-        caps = [budget.max_slots] if budget.max_slots else []
+        if not (budget.max_slots or budget.max_bytes):
+            return None
+        caps = [budget.max_slots or session.engine.max_context, session.engine.max_context]
         if budget.max_bytes:
             caps.append(budget.max_bytes // session.engine.kv_bytes_per_token)
         return min(caps) if caps else None
@@ -59,7 +61,7 @@ class MemoryManager:
         cap = self.slot_cap(session)
         if cap is None:
             return
-        floor = self._incompressible_slots(session)
+        floor = self._incompressible_slots(session, n_new)
         new_protected = new_segment is not None and self.rule_for(new_segment, session).protected
         need = n_new if new_protected else min(n_new, session.prefill_chunk_size + self.policy.budget.recent_tokens)
         if floor + need > cap:
@@ -129,10 +131,10 @@ class MemoryManager:
             self._methods[key] = get_method(rule.method, **rule.params)
         return self._methods[key]
 
-    def _compactable_ranges(self, session):
+    def _compactable_ranges(self, session, recent_tokens: int | None = None):
         """(segment, rule, positions) for the part of each unprotected segment outside sinks and recent window."""
         budget = self.policy.budget
-        limit = len(session.tokens) - budget.recent_tokens
+        limit = len(session.tokens) - (budget.recent_tokens if recent_tokens is None else recent_tokens)
         out = []
         for seg in session.segments:
             rule = self.rule_for(seg, session)
@@ -151,10 +153,12 @@ class MemoryManager:
             total += int(((pos >= lo) & (pos <= hi)).sum())
         return total / (len(session.cache.layers) * session.cache.layers[0].num_heads)
 
-    def _incompressible_slots(self, session) -> int:
+    def _incompressible_slots(self, session, n_new: int) -> int:
+        """Slots no compaction can free once ``n_new`` tokens arrive (the recent window slides over them)."""
         if not session.cache.layers[0].is_initialized:
             return 0
-        compactable = self._compactable_ranges(session)
+        still_recent = max(0, self.policy.budget.recent_tokens - n_new)
+        compactable = self._compactable_ranges(session, recent_tokens=still_recent)
         reducible = sum(max(0.0, self._slots_in(session, p) - min(r.min_slots, len(p))) for _, r, p in compactable)
         return math.ceil(session.cache.physical_length - reducible)
 
@@ -192,7 +196,27 @@ class MemoryManager:
                     max(min(r.min_slots, len(p)), min(t, math.floor(x * scale)))
                     for (_, r, p), t, x in zip(ranges, targets, raw)
                 ]
-        return [(p, r, int(t)) for (_, r, p), c, t in zip(ranges, current, targets) if t < c - 0.5]
+        jobs = [(p, r, int(t)) for (_, r, p), c, t in zip(ranges, current, targets) if t < c - 0.5]
+        return self._batch_small(jobs)
+
+    @staticmethod
+    def _batch_small(jobs, small: int = 256):
+        """Compact small ranges that share a rule together (one pass over the cache instead of many).
+
+        Attention over any set of slots is the mass-weighted mixture of its parts, so matching a union of
+        segments is as valid as matching each; the union keeps the sum of their budgets."""
+        merged, out = {}, []
+        for positions, rule, slots in jobs:
+            if len(positions) >= small:
+                out.append((positions, rule, slots))
+                continue
+            key = rule.model_dump_json(include={"method", "params", "query_source"})
+            if key in merged:
+                p, r, t = merged[key]
+                merged[key] = (torch.cat([p, positions]), r, t + slots)
+            else:
+                merged[key] = (positions, rule, slots)
+        return out + list(merged.values())
 
     # ---- telemetry -------------------------------------------------------------------------------
     def _record(self, session, event: str) -> None:

@@ -25,7 +25,8 @@ class Engine:
     or a ``.gguf`` file; ``Engine(model, tokenizer)`` wraps a model already in memory.
     """
 
-    def __init__(self, model, tokenizer=None, name: str | None = None):
+    def __init__(self, model, tokenizer=None, name: str | None = None, max_context: int | None = None,
+                 position_limit: int | None = None):
         check_architecture(model.config)
         keep_every_token(model.config)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -33,14 +34,19 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = model.config
         self.name = name or getattr(model.config, "name_or_path", None) or model.config.model_type
+        # The attention window (physical slots) defaults to the trained context. Positions keep counting
+        # the true token index after compaction, so a compacted session may run past the trained length
+        # (RoPE extrapolates) up to ``position_limit``.
+        self.max_context = max_context or model.config.max_position_embeddings
+        self.position_limit = position_limit or 4 * model.config.max_position_embeddings
         self.lock = threading.RLock()  # one forward at a time: sessions never see each other's state
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None) -> "Engine":
+    def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None, **limits) -> "Engine":
         device, dtype = pick_device_and_dtype(device, dtype)
         model, tokenizer = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
         name = DEFAULT_MODEL_NAME if name_or_path == DEFAULT_MODEL else str(name_or_path)
-        return cls(model, tokenizer, name=name)
+        return cls(model, tokenizer, name=name, **limits)
 
     # ---- model facts ---------------------------------------------------------------------------
     @property

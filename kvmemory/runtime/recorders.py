@@ -31,18 +31,20 @@ class QueryRecorder:
         self.current_segment = -1
 
     def record(self, layer: int, query: torch.Tensor) -> None:
-        grouped = group_queries(query.detach(), self.num_kv_heads).to(self.dtype)
+        query = query.detach()
+        groups = query.shape[1] // self.num_kv_heads
         if self.captured is not None:
-            self.captured[layer].append(grouped)
+            self.captured[layer].append(group_queries(query, self.num_kv_heads).to(self.dtype))
         if self.frozen:
             return
         if self.context_tokens and self.current_segment >= 0:
-            self._keep_context(layer, grouped, query.shape[1] // self.num_kv_heads)
+            self._keep_context(layer, group_queries(query, self.num_kv_heads).to(self.dtype), groups)
         if self.window <= 0:
             return
-        keep_rows = self.window * (query.shape[1] // self.num_kv_heads)
+        tail = group_queries(query[:, :, -self.window :], self.num_kv_heads).to(self.dtype)  # only what the window keeps
         prev = self.recent[layer]
-        merged = grouped if prev is None else torch.cat([prev, grouped], dim=1)
+        merged = tail if prev is None else torch.cat([prev, tail], dim=1)
+        keep_rows = self.window * groups
         self.recent[layer] = merged[:, -keep_rows:].clone() if merged.shape[1] > keep_rows else merged
 
     def _keep_context(self, layer: int, grouped: torch.Tensor, groups: int) -> None:

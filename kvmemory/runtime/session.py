@@ -220,9 +220,9 @@ class Session:
         self._check_open()
         messages = [dict(m) for m in messages]
         target, spans = self._render_with_spans(messages, tools, add_generation_prompt)
-        if len(target) > self.engine.max_positions:
+        if len(target) > self.engine.position_limit:
             raise ContextLengthError(
-                f"conversation renders to {len(target)} tokens; the model has {self.engine.max_positions} positions"
+                f"conversation renders to {len(target)} tokens; the engine's position limit is {self.engine.position_limit}"
             )
         self._flush_pending()
         keep = _common_prefix(self.tokens, target)
@@ -294,7 +294,7 @@ class Session:
         eos = self.engine.eos_token_ids
         try:
             for _ in range(max_new_tokens):
-                if len(self.tokens) >= self.engine.max_positions:
+                if len(self.tokens) >= self.engine.position_limit or self._physical_after(1) > self.engine.max_context:
                     break
                 if self._pending:
                     self._flush_pending()
@@ -343,8 +343,8 @@ class Session:
         """
         self._check_open()
         ids = self._validate_tokens(token_ids)
-        if len(self.tokens) + len(ids) - 1 > self.engine.max_positions:
-            raise ContextLengthError("continuation runs past the model's positions")
+        if self._physical_after(len(ids) - 1) > self.engine.max_context:
+            raise ContextLengthError(f"continuation runs past the model's {self.engine.max_context} positions")
         if not self.tokens:
             raise ValueError("the session is empty: nothing to condition on")
         self._ensure_logits()
@@ -456,13 +456,23 @@ class Session:
         return ids
 
     def _check_room(self, n_new: int, new_segment: Segment | None = None) -> None:
-        if len(self.tokens) + n_new > self.engine.max_positions:
+        if len(self.tokens) + n_new > self.engine.position_limit:
             raise ContextLengthError(
-                f"appending {n_new} tokens to {len(self.tokens)} would exceed the model's "
-                f"{self.engine.max_positions} positions"
+                f"appending {n_new} tokens at position {len(self.tokens)} would pass the engine's position "
+                f"limit of {self.engine.position_limit}"
+            )
+        capped = self.memory is not None and self.memory.slot_cap(self) is not None
+        if not capped and self._physical_after(n_new) > self.engine.max_context:
+            raise ContextLengthError(
+                f"appending {n_new} tokens to a cache of {self._physical_after(0)} would exceed the model's "
+                f"{self.engine.max_context} positions (attach a MemoryManager with a cap to compact instead)"
             )
         if self.memory is not None:
             self.memory.check_fits(self, n_new, new_segment)
+
+    def _physical_after(self, n_new: int) -> int:
+        """Physical slots once ``n_new`` more tokens (and any pending ones) are in the cache."""
+        return self.cache.physical_length + len(self._pending) + n_new
 
     def _new_segment(self, kind: str, role=None, tool_name=None, tags=(), message_index=None, meta=None) -> Segment:
         seg = Segment(

@@ -1,0 +1,154 @@
+"""A long coding-agent session replayed under a 2,048-slot cap: kvmemory policies vs text-level baselines.
+
+The scripted session (32 real tool calls over the sample project, model-generated replies) is replayed
+through a Session on the default model:
+* uncompacted: every token stays in the cache (attention over the full history);
+* kvmemory policies under the cap: the default policy (Attention Matching), TAM, SnapKV eviction;
+* text baselines under the same token budget: drop the oldest messages; clear old tool outputs
+  (placeholder, as LangChain's ContextEditingMiddleware does) and then drop the oldest if still over.
+Afterwards the session is asked about facts it read along the way (answer log-probability and greedy
+exact match). Reports peak KV bytes, recall and wall time; writes a memory-map PNG of the default policy.
+
+    python -m benchmarks.agent_session [--cap 2048] [--reply-tokens 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+from agents.coding_agent.sample_project import create_sample_project
+from agents.coding_agent.scripted_session import STEPS, fact_questions, replay
+from agents.coding_agent.workspace import Workspace
+from benchmarks.common import RESULTS, save, table
+from integrations.chat_model import to_chat_dicts
+from kvmemory import Engine
+from kvmemory.memory import CompactionRule, MemoryManager, default_policy, plot_memory_map
+
+PLACEHOLDER = "[old tool output cleared to save context]"
+
+
+def policy_with(method: str | None, cap: int, params: dict | None = None):
+    policy = default_policy(max_slots=cap)
+    if method is None:
+        return policy
+    rules = [r if r.protected else r.model_copy(update={"method": method, "params": params or {}}) for r in policy.rules]
+    default = policy.default.model_copy(update={"method": method, "params": params or {}})
+    return policy.model_copy(update={"rules": rules, "default": default})
+
+
+def rendered_length(session, messages) -> int:
+    return len(session.renderer.render(to_chat_dicts(messages), add_generation_prompt=True))
+
+
+def drop_oldest(session, messages, budget: int):
+    """Keep the system prompt and task, then the newest messages that fit; tool calls and results go together."""
+    head, rest = messages[:2], list(messages[2:])
+    while rest and rendered_length(session, head + rest) > budget:
+        cut = 1
+        if isinstance(rest[0], AIMessage) and rest[0].tool_calls:
+            while cut < len(rest) and isinstance(rest[cut], ToolMessage):
+                cut += 1
+        rest = rest[cut:]
+        while rest and isinstance(rest[0], ToolMessage):  # never leave an orphaned tool result
+            rest = rest[1:]
+    return head + rest
+
+
+def clear_old_tool_outputs(session, messages, budget: int, keep_last: int = 2):
+    tool_idx = [i for i, m in enumerate(messages) if isinstance(m, ToolMessage)]
+    old = set(tool_idx[:-keep_last])
+    cleared = [ToolMessage(PLACEHOLDER, tool_call_id=m.tool_call_id, name=m.name) if i in old else m for i, m in enumerate(messages)]
+    return drop_oldest(session, cleared, budget)
+
+
+def run(engine, label: str, cap: int, reply_tokens: int, memory=None, transform=None, steps=STEPS):
+    with tempfile.TemporaryDirectory() as tmp:
+        workspace = Workspace(create_sample_project(tmp))
+        session = engine.session(memory=memory)
+        peak = [0]
+
+        def respond(messages):
+            shown = transform(session, messages, cap) if transform else messages
+            session.set_messages(to_chat_dicts(shown), add_generation_prompt=True)
+            peak[0] = max(peak[0], session.cache.physical_length)
+            text = session.generate(max_new_tokens=reply_tokens).text
+            peak[0] = max(peak[0], session.cache.physical_length + len(session._pending))
+            return text
+
+        def on_step(i, name, args, output, reply):
+            print(f"  [{label}] step {i + 1:2d} {name:<11} logical {len(session.tokens):6d}  slots {session.cache.physical_length:5d}", flush=True)
+
+        start = time.perf_counter()
+        messages = replay(workspace, respond, steps, on_step)
+        seconds = time.perf_counter() - start
+        recall = ask_facts(engine, session, messages, transform, cap)
+        peak_slots = max(peak[0], memory.peak_slots if memory is not None else 0)
+        row = {
+            "run": label, "tool_calls": len(steps), "history_tokens": rendered_length(session, messages),
+            "peak_slots": peak_slots, "peak_kv_bytes": peak_slots * engine.kv_bytes_per_token,
+            "compactions": session.cache.compactions, "seconds": seconds, **recall,
+        }
+        if memory is not None and label == "kvmemory-default":
+            plot_memory_map(memory.timeline, session.segments, RESULTS / "agent_session_memory_map.png", cap=cap,
+                            title=f"agent session under a {cap}-slot cap (default policy)")
+        session.close()
+        return row
+
+
+def ask_facts(engine, session, messages, transform, cap):
+    tok = engine.tokenizer
+    logps, hits, answers = [], 0, {}
+    for key, question, answer in fact_questions():
+        probe = session.fork()
+        asked = messages + [HumanMessage(f"{question} Answer with the value only.")]
+        shown = transform(probe, asked, cap) if transform else asked
+        probe.set_messages(to_chat_dicts(shown), add_generation_prompt=True)
+        logps.append(float(probe.logprobs(tok.encode(answer, add_special_tokens=False)).sum()))
+        text = probe.generate(max_new_tokens=12).text
+        answers[key] = text.strip()
+        hits += answer.lower() in text.lower()
+        probe.close()
+    return {"answer_logprob": sum(logps) / len(logps), "exact_match": hits / len(logps), "answers": answers}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cap", type=int, default=2048)
+    parser.add_argument("--reply-tokens", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=len(STEPS), help="replay only the first N tool calls")
+    parser.add_argument("--runs", nargs="+", default=["uncompacted", "kvmemory-default", "kvmemory-tam", "kvmemory-snapkv",
+                                                       "text-drop-oldest", "text-clear-tool-outputs"])
+    args = parser.parse_args()
+    base = Engine.from_pretrained("default")
+    unbounded = Engine(base.model, base.tokenizer, name=base.name, max_context=base.position_limit)
+    configs = {
+        "uncompacted": (unbounded, None, None),
+        "kvmemory-default": (base, lambda: MemoryManager(policy_with(None, args.cap)), None),
+        "kvmemory-tam": (base, lambda: MemoryManager(policy_with("tam", args.cap)), None),
+        "kvmemory-snapkv": (base, lambda: MemoryManager(policy_with("snapkv", args.cap)), None),
+        "text-drop-oldest": (base, None, drop_oldest),
+        "text-clear-tool-outputs": (base, None, clear_old_tool_outputs),
+    }
+    rows = []
+    for label in args.runs:
+        engine, memory, transform = configs[label]
+        print(f"run {label}", flush=True)
+        rows.append(run(engine, label, args.cap, args.reply_tokens, memory() if memory else None, transform, STEPS[: args.steps]))
+        print(table([rows[-1]], ["run", "peak_slots", "peak_kv_bytes", "answer_logprob", "exact_match", "seconds"]), flush=True)
+    full = next((r for r in rows if r["run"] == "uncompacted"), None)
+    for r in rows:
+        if full:
+            r["peak_kv_vs_uncompacted"] = r["peak_kv_bytes"] / full["peak_kv_bytes"]
+            r["recall_vs_uncompacted"] = r["exact_match"] / full["exact_match"] if full["exact_match"] else None
+    print()
+    print(table(rows, ["run", "history_tokens", "peak_slots", "peak_kv_bytes", "peak_kv_vs_uncompacted", "compactions",
+                       "answer_logprob", "exact_match", "seconds"]))
+    print(f"saved {save('agent_session', {'cap': args.cap, 'reply_tokens': args.reply_tokens, 'steps': args.steps, 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
