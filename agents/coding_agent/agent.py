@@ -1,0 +1,31 @@
+"""The reference coding agent: ``create_agent`` with workspace tools, a recall tool and kvmemory middleware."""
+
+from __future__ import annotations
+
+from langchain.agents import create_agent
+from langchain_core.tools import StructuredTool
+
+from agents.coding_agent.scripted_session import SYSTEM_PROMPT
+from agents.coding_agent.workspace import Workspace
+from integrations import ChatKVMemory, KVMemoryMiddleware
+
+
+def recall_tool(chat: ChatKVMemory) -> StructuredTool:
+    """A tool that re-reads an earlier tool output in full, however much its cache was compacted."""
+
+    def recall(n: int) -> str:
+        """Return the full text of the n-th tool output of this conversation (1 = the first)."""
+        thread = chat.current_thread_id({})
+        session, _ = chat.session_for(thread)
+        outputs = [s for s in session.segments if s.kind == "tool_output"]
+        if not 1 <= n <= len(outputs):
+            return f"error: there are {len(outputs)} tool outputs; pick n between 1 and {len(outputs)}"
+        return outputs[n - 1].text
+
+    return StructuredTool.from_function(recall, name="recall", description=recall.__doc__)
+
+
+def build_coding_agent(chat: ChatKVMemory, workspace: Workspace, checkpointer=None, compact_every: int | None = None):
+    tools = workspace.tools() + [recall_tool(chat)]
+    return create_agent(chat, tools=tools, system_prompt=SYSTEM_PROMPT,
+                        middleware=[KVMemoryMiddleware(compact_every=compact_every)], checkpointer=checkpointer)

@@ -1,0 +1,69 @@
+"""Run the reference coding agent on a workspace, streaming its steps and its memory use.
+
+    kvmemory-agent --workspace ./myproject --task "make the tests pass" --max-slots 2048
+    kvmemory-agent --sample                 # on a fresh copy of the bundled sample project
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langgraph.checkpoint.memory import InMemorySaver
+
+from agents.coding_agent.agent import build_coding_agent
+from agents.coding_agent.sample_project import create_sample_project
+from agents.coding_agent.scripted_session import TASK
+from agents.coding_agent.workspace import Workspace
+from integrations import ChatKVMemory
+from kvmemory.memory import default_policy
+
+
+def short(text: str, n: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workspace", help="directory the agent may read, write and run commands in")
+    parser.add_argument("--sample", action="store_true", help="use a fresh copy of the bundled sample project")
+    parser.add_argument("--task", default=TASK)
+    parser.add_argument("--model", default="default", help="HF id, local directory, .gguf file or 'default'")
+    parser.add_argument("--max-slots", type=int, default=2048, help="KV memory cap (physical slots)")
+    parser.add_argument("--max-steps", type=int, default=12, help="model calls before the agent is stopped")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    args = parser.parse_args(argv)
+    if not args.workspace and not args.sample:
+        parser.error("give --workspace DIR or --sample")
+    root = args.workspace or create_sample_project(tempfile.mkdtemp(prefix="kvmemory-sample-"))
+    print(f"workspace: {root}")
+    chat = ChatKVMemory.from_pretrained(args.model, policy=default_policy(max_slots=args.max_slots), max_new_tokens=args.max_new_tokens)
+    agent = build_coding_agent(chat, Workspace(root), checkpointer=InMemorySaver())
+    config = {"configurable": {"thread_id": "cli"}, "recursion_limit": 2 * args.max_steps + 1}
+    try:
+        for update in agent.stream({"messages": [HumanMessage(args.task)]}, config=config, stream_mode="updates"):
+            for node, delta in update.items():
+                for msg in (delta or {}).get("messages", []):
+                    if isinstance(msg, AIMessage):
+                        for call in msg.tool_calls:
+                            print(f"→ {call['name']}({short(call['args'], 100)})")
+                        if msg.content:
+                            print(f"model: {short(msg.content)}")
+                        for bad in msg.invalid_tool_calls:
+                            print(f"model wrote a malformed tool call: {short(bad['error'])}")
+                    elif isinstance(msg, ToolMessage):
+                        print(f"← {msg.name}: {short(msg.content)}")
+                stats = (delta or {}).get("kvmemory")
+                if stats:
+                    print(f"   memory: {stats['logical_tokens']} tokens in {stats['physical_slots']} slots "
+                          f"({stats['kv_bytes'] / 2**20:.1f} MiB, {stats['compression']:.1f}x), compactions {stats['compactions']}")
+    except Exception as err:  # the recursion limit ends long runs; say so plainly
+        if type(err).__name__ != "GraphRecursionError":
+            raise
+        print(f"stopped after {args.max_steps} model calls")
+
+
+if __name__ == "__main__":
+    main()

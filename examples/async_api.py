@@ -1,0 +1,28 @@
+"""Minimal async API: a session, a chat turn, streamed tokens, a second turn that reuses the cache.
+
+    python -m examples.async_api
+"""
+
+import asyncio
+
+from kvmemory import Engine
+
+
+async def main() -> None:
+    engine = Engine.from_pretrained("default")
+    async with engine.session() as session:
+        await session.append_messages([{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True)
+        async for piece in session.stream(max_new_tokens=40):
+            print(piece, end="", flush=True)
+        print()
+        before = session.prefilled_tokens
+        messages = session.messages + [{"role": "assistant", "content": session.segments[-1].text},
+                                       {"role": "user", "content": "And their sum?"}]
+        await session.set_messages(messages, add_generation_prompt=True)
+        print(f"(second turn prefilled {session.prefilled_tokens - before} new tokens of {len(session.tokens)})")
+        print((await session.generate(max_new_tokens=30)).text)
+        print(session.stats())
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
