@@ -56,20 +56,34 @@ class MemoryManager:
             caps.append(budget.max_bytes // session.engine.kv_bytes_per_token)
         return min(caps) if caps else None
 
-    def check_fits(self, session, n_new: int, new_segment: Segment | None) -> None:
-        """Raise MemoryCapError, before anything changes, if the append cannot fit even after compaction."""
+    def check_fits(self, session, n_new: int, new_segments: list[Segment]) -> None:
+        """Raise MemoryCapError, before anything changes, if the append cannot fit even after compaction.
+
+        ``new_segments`` describe what is about to be appended (their lengths sum to ``n_new``): protected
+        ones must fit whole; the rest only needs room for one prefill chunk plus the recent window."""
         cap = self.slot_cap(session)
         if cap is None:
             return
         floor = self._incompressible_slots(session, n_new)
-        new_protected = new_segment is not None and self.rule_for(new_segment, session).protected
-        need = n_new if new_protected else min(n_new, session.prefill_chunk_size + self.policy.budget.recent_tokens)
+        seen = list(session.segments)
+        protected = 0
+        for seg in new_segments:
+            if self.policy.rule_for(seg, seen + [seg]).protected:
+                protected += seg.length
+            seen.append(seg)
+        rest = n_new - protected
+        need = protected + min(rest, self.chunk_size(session) + self.policy.budget.recent_tokens)
         if floor + need > cap:
-            what = "protected content" if new_protected else "the protected content and recent window"
+            what = "protected content" if protected else "the recent window and one prefill chunk"
             raise MemoryCapError(
-                f"cannot fit {n_new} new tokens under the cap of {cap} slots: {what} alone needs "
-                f"{floor + need} slots (already protected or verbatim: {floor}); raise the cap or protect less"
+                f"cannot fit {n_new} new tokens under the cap of {cap} slots: {what} needs {need} slots on top of "
+                f"{floor} that no compaction can free; raise the cap or protect less"
             )
+
+    def chunk_size(self, session) -> int:
+        """Prefill chunk under a cap: at most a quarter of it, so compaction always has room to work."""
+        cap = self.slot_cap(session)
+        return session.prefill_chunk_size if cap is None else max(16, min(session.prefill_chunk_size, cap // 4))
 
     def make_room(self, session, n_new: int) -> None:
         """Before ``n_new`` tokens enter the cache: compact if they would exceed the cap."""

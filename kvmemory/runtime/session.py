@@ -199,7 +199,7 @@ class Session:
         ids = self._validate_tokens(token_ids)
         probe = Segment(-1, kind, len(self.tokens), len(self.tokens) + len(ids), role, tool_name, tuple(tags),
                         text=text if text is not None else self._decode(ids))
-        self._check_room(len(ids), probe)
+        self._check_room(len(ids), [probe])
         segment = self._new_segment(kind, role=role, tool_name=tool_name, tags=tuple(tags), meta=meta)
         self._extend_segment(segment, ids, progress)
         segment.text = text if text is not None else self._decode(ids)
@@ -228,11 +228,13 @@ class Session:
         keep = _common_prefix(self.tokens, target)
         cut = self._cut_point(keep)
         added = len(target) - cut
-        if cut == len(self.tokens) and messages:
-            last = messages[-1]
-            probe = Segment(-1, self._message_kind(last), cut, len(target), last.get("role"), last.get("name"),
-                            tuple(last.get("tags", ())), text=str(last.get("content") or ""))
-            self._check_room(added, probe)
+        if cut == len(self.tokens):
+            probes = [
+                Segment(-1, self._message_kind(m), max(s, cut), e, m.get("role"), m.get("name"), tuple(m.get("tags", ())),
+                        text=str(m.get("content") or ""))
+                for m, (s, e) in zip(messages, spans) if e > cut
+            ]
+            self._check_room(added, probes)
         touched = []
         state = self._save_state()
         try:
@@ -455,7 +457,7 @@ class Session:
             raise InvalidTokenError(f"token ids outside the vocabulary [0, {self.engine.vocab_size}): {bad[:5]}")
         return ids
 
-    def _check_room(self, n_new: int, new_segment: Segment | None = None) -> None:
+    def _check_room(self, n_new: int, new_segments: list[Segment] = ()) -> None:
         if len(self.tokens) + n_new > self.engine.position_limit:
             raise ContextLengthError(
                 f"appending {n_new} tokens at position {len(self.tokens)} would pass the engine's position "
@@ -468,7 +470,7 @@ class Session:
                 f"{self.engine.max_context} positions (attach a MemoryManager with a cap to compact instead)"
             )
         if self.memory is not None:
-            self.memory.check_fits(self, n_new, new_segment)
+            self.memory.check_fits(self, n_new, list(new_segments))
 
     def _physical_after(self, n_new: int) -> int:
         """Physical slots once ``n_new`` more tokens (and any pending ones) are in the cache."""
@@ -489,8 +491,9 @@ class Session:
         try:
             self._flush_pending()
             done, total = 0, len(ids)
+            step = self.memory.chunk_size(self) if self.memory is not None else self.prefill_chunk_size
             while done < total:
-                chunk = ids[done : done + self.prefill_chunk_size]
+                chunk = ids[done : done + step]
                 if self.memory is not None:
                     self.memory.make_room(self, len(chunk))
                 self._forward(chunk, segment.id, positions_from=len(self.tokens))
