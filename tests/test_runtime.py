@@ -307,3 +307,62 @@ def test_unknown_model_path_is_named(tmp_path):
         Engine.from_pretrained(str(tmp_path / "no-such-model"))
     with pytest.raises(ModelLoadError, match="GGUF file not found"):
         Engine.from_pretrained(str(tmp_path / "missing.gguf"))
+
+
+# ---- the default model -----------------------------------------------------------------------------
+
+
+def test_default_model_greedy_matches_transformers(default_engine):
+    ids = default_engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )
+    ids = list(ids["input_ids"] if not isinstance(ids, list) else ids)
+    session = default_engine.session()
+    session.append_tokens(ids)
+    ours = session.generate(max_new_tokens=10).token_ids
+    ref = reference_copy(default_engine.model)
+    theirs = ref.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+    eos = default_engine.eos_token_ids
+    assert ours == [t for t in theirs if t not in eos][: len(ours)]
+
+
+def test_messages_prefill_only_what_is_new(default_engine):
+    session = default_engine.session()
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
+    session.set_messages(convo, add_generation_prompt=True)
+    reply = session.generate(max_new_tokens=6)
+    before = session.prefilled_tokens
+    convo += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "Now say bye."}]
+    session.set_messages(convo, add_generation_prompt=True)
+    full = session.renderer.render(convo, add_generation_prompt=True)
+    assert session.tokens == full
+    assert session.prefilled_tokens - before < 20  # only the new turn (and the sampled tail), not the history
+
+
+def test_rerendered_earlier_turn_equals_a_fresh_session(default_engine):
+    convo = [{"role": "user", "content": "First question?"}, {"role": "assistant", "content": "First answer."},
+             {"role": "user", "content": "Second question?"}]
+    session = default_engine.session()
+    session.set_messages(convo, add_generation_prompt=True)
+    edited = [dict(m) for m in convo]
+    edited[1]["content"] = "An edited first answer."  # a template that rewrites an earlier turn looks like this
+    session.set_messages(edited, add_generation_prompt=True)
+    fresh = default_engine.session()
+    fresh.set_messages(edited, add_generation_prompt=True)
+    assert session.tokens == fresh.tokens
+    assert [s.message_index for s in session.segments[:3]] == [0, 1, 2]
+    assert torch.allclose(session._last_logits, fresh._last_logits, atol=1e-4)
+
+
+async def test_cancelled_stream_leaves_the_session_consistent(default_engine):
+    session = default_engine.async_session()
+    prompt = await session.append_text("Once upon a time, in a small village by the sea,")
+    pieces = 0
+    async for _ in session.stream(max_new_tokens=50):
+        pieces += 1
+        if pieces == 3:
+            break
+    n = len(session.sync.tokens)
+    assert prompt.end + 3 <= n <= prompt.end + 8 and session.sync.segments[-1].end == n
+    result = await session.generate(max_new_tokens=4)
+    assert len(result.token_ids) == 4 and len(session.sync.tokens) == n + 4
