@@ -366,3 +366,35 @@ async def test_cancelled_stream_leaves_the_session_consistent(default_engine):
     assert prompt.end + 3 <= n <= prompt.end + 8 and session.sync.segments[-1].end == n
     result = await session.generate(max_new_tokens=4)
     assert len(result.token_ids) == 4 and len(session.sync.tokens) == n + 4
+
+
+def test_rebase_without_gaps_is_the_identity_and_a_uniform_shift_changes_nothing():
+    engine = Engine(tiny_model("llama", max_position_embeddings=256))
+    session = engine.session()
+    session.append_tokens(random_tokens(60, seed=30))
+    keys = session.cache.layers[0].keys[:, :, :60].clone()
+    assert session.rebase_positions() == 0
+    assert torch.allclose(session.cache.layers[0].keys[:, :, :60], keys, atol=1e-5)
+    # dropping the first 20 tokens leaves one gap at the start: closing it shifts everything uniformly,
+    # and RoPE attention depends only on relative positions
+    keep = torch.arange(20, 60)
+    session.compact(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    cont = random_tokens(8, seed=31)
+    before = session.logprobs(cont)
+    assert session.rebase_positions() == -20
+    assert session.cache.rope_length == 40 and session.cache.layers[0].rope[0, :40].tolist() == list(range(40))
+    assert torch.allclose(session.logprobs(cont), before, atol=1e-4)
+
+
+def test_rebase_runs_by_itself_past_the_trained_positions():
+    engine = Engine(tiny_model("llama", max_position_embeddings=128))
+    session = engine.session()
+    session.append_tokens(random_tokens(100, seed=32))
+    keep = torch.cat([torch.arange(4), torch.arange(70, 100)])
+    session.compact(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    seg = session.append_tokens(random_tokens(60, seed=33))
+    layer = session.cache.layers[0]
+    assert seg.end == 160 and session.cache.logical_length == 160
+    assert session.cache.rope_length == 94 and int(layer.rope[0, : layer.length].max()) == 93
+    assert layer.positions[0, layer.length - 1] == 159  # the transcript position is still the true one
+    assert len(session.generate(max_new_tokens=5).token_ids) == 5

@@ -27,6 +27,16 @@ def _headroom(slots: int) -> int:
     return max(64, min(512, slots // 8))
 
 
+def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Apply a RoPE rotation by ``delta`` positions (H, S) to keys (H, S, D) already rotated (HF half layout)."""
+    angles = delta[..., None].float() * inv_freq.float().to(keys.device)
+    emb = torch.cat([angles, angles], dim=-1)
+    k = keys.float()
+    half = k.shape[-1] // 2
+    rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+    return (k * emb.cos() + rotated_half * emb.sin()).to(keys.dtype)
+
+
 class CompactLayer(CacheLayerMixin):
     """One layer's compactable KV storage (batch size 1: a session is one sequence)."""
 
@@ -36,7 +46,8 @@ class CompactLayer(CacheLayerMixin):
     def __init__(self):
         super().__init__()
         self.bias: torch.Tensor | None = None  # (1, H, cap) fp32
-        self.positions: torch.Tensor | None = None  # (H, cap) int32
+        self.positions: torch.Tensor | None = None  # (H, cap) int32: the token's index in the transcript
+        self.rope: torch.Tensor | None = None  # (H, cap) int32: the position its key is rotated at
         self.segments: torch.Tensor | None = None  # (H, cap) int32
         self.length = 0
         self.biased = False  # True once any slot has a non-zero β (then attention must add it)
@@ -48,7 +59,7 @@ class CompactLayer(CacheLayerMixin):
         self._allocate(heads, head_dim, value_states.shape[-1], 0)
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, positions=None, segment_ids=None, **kwargs):
+    def update(self, key_states, value_states, *args, positions=None, segment_ids=None, rope=None, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
@@ -58,6 +69,7 @@ class CompactLayer(CacheLayerMixin):
         self.values[:, :, self.length : end] = value_states
         self.bias[:, :, self.length : end] = 0.0
         self.positions[:, self.length : end] = positions.to(self.positions)
+        self.rope[:, self.length : end] = (positions if rope is None else rope).to(self.rope)
         self.segments[:, self.length : end] = segment_ids.to(self.segments)
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -96,17 +108,18 @@ class CompactLayer(CacheLayerMixin):
         self.values = torch.zeros(1, heads, capacity, value_dim, **kw)
         self.bias = torch.zeros(1, heads, capacity, dtype=torch.float32, device=self.device)
         self.positions = torch.full((heads, capacity), PAD_POSITION, dtype=torch.int32, device=self.device)
+        self.rope = torch.full((heads, capacity), PAD_POSITION, dtype=torch.int32, device=self.device)
         self.segments = torch.full((heads, capacity), -1, dtype=torch.int32, device=self.device)
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return
-        old = (self.keys, self.values, self.bias, self.positions, self.segments)
+        old = (self.keys, self.values, self.bias, self.positions, self.segments, self.rope)
         self._allocate(self.num_heads, self.keys.shape[-1], self.values.shape[-1], needed + _headroom(needed))
         n = self.length
         self.keys[:, :, :n] = old[0][:, :, :n]
         self.values[:, :, :n] = old[1][:, :, :n]
-        for new, prev in zip((self.bias, self.positions, self.segments), old[2:]):
+        for new, prev in zip((self.bias, self.positions, self.segments, self.rope), old[2:]):
             new[..., :n] = prev[..., :n]
 
     def truncate(self, length: int) -> None:
@@ -166,11 +179,12 @@ class CompactLayer(CacheLayerMixin):
         keys = gather(self.keys[0])
         values = plan.values.to(self.values) if plan.values is not None else gather(self.values[0])
         bias = plan.bias.to(dev, torch.float32) if plan.bias is not None else gather(self.bias[0])
-        positions, segments = gather(self.positions), gather(self.segments)
+        positions, segments, rope = gather(self.positions), gather(self.segments), gather(self.rope)
         values = torch.where(valid[..., None], values, torch.zeros((), dtype=values.dtype, device=dev))
         bias = torch.where(valid, bias, torch.full((), NEG_INF, device=dev))
         positions = torch.where(valid, positions, torch.full((), PAD_POSITION, dtype=positions.dtype, device=dev))
         segments = torch.where(valid, segments, torch.full((), -1, dtype=segments.dtype, device=dev))
+        rope = torch.where(valid, rope, torch.full((), PAD_POSITION, dtype=rope.dtype, device=dev))
 
         self._allocate(heads, keys.shape[-1], values.shape[-1], t_max + _headroom(t_max))
         self.keys[0, :, :t_max] = keys
@@ -178,6 +192,7 @@ class CompactLayer(CacheLayerMixin):
         self.bias[0, :, :t_max] = bias
         self.positions[:, :t_max] = positions
         self.segments[:, :t_max] = segments
+        self.rope[:, :t_max] = rope
         self.length = t_max
         self.biased = bool((bias != 0).any())
 
@@ -185,16 +200,17 @@ class CompactLayer(CacheLayerMixin):
         return int((self.positions[:, : self.length] == PAD_POSITION).sum()) if self.keys is not None else 0
 
     def bytes_per_slot(self) -> int:
-        """Bytes one physical slot costs across this layer's heads (keys, values, β, position, segment)."""
+        """Bytes one physical slot costs across this layer's heads (keys, values, β, position, segment, rope)."""
         if self.keys is None:
             return 0
         kv = (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
-        return self.num_heads * (kv + 4 + 4 + 4)
+        return self.num_heads * (kv + 4 + 4 + 4 + 4)
 
     def allocated_bytes(self) -> int:
         if self.keys is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.bias, self.positions, self.segments))
+        tensors = (self.keys, self.values, self.bias, self.positions, self.segments, self.rope)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class CompactCache(Cache):
@@ -208,6 +224,7 @@ class CompactCache(Cache):
     def __init__(self, num_layers: int):
         super().__init__(layers=[CompactLayer() for _ in range(num_layers)])
         self.logical_length = 0
+        self.rope_length = 0  # the RoPE position the next token gets (below logical_length after a rebase)
         self.compactions = 0
         self._pending_positions: torch.Tensor | None = None
         self._pending_segment = 0
@@ -225,11 +242,13 @@ class CompactCache(Cache):
             self._pending_positions = positions
             self._pending_segment = self.default_segment
         segment_ids = torch.full((q,), self._pending_segment, dtype=torch.int32)
+        rope = positions - self.logical_length + self.rope_length
         keys, values = self.layers[layer_idx].update(
-            key_states, value_states, positions=positions, segment_ids=segment_ids
+            key_states, value_states, positions=positions, segment_ids=segment_ids, rope=rope
         )
         if layer_idx == len(self.layers) - 1:
             self.logical_length = int(positions.max()) + 1
+            self.rope_length = int(rope.max()) + 1
             self._pending_positions = None
         return keys, values
 
@@ -240,14 +259,19 @@ class CompactCache(Cache):
     def physical_length(self) -> int:
         return self.layers[0].length
 
-    def snapshot_lengths(self) -> tuple[int, int, int]:
-        """What ``rollback`` needs to undo appends: (physical slots, logical length, compactions)."""
-        return self.physical_length, self.logical_length, self.compactions
+    def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE positions for tokens appended at transcript ``positions`` (≥ the logical length)."""
+        return positions - self.logical_length + self.rope_length
 
-    def rollback(self, snapshot: tuple[int, int, int]) -> None:
-        physical, logical, compactions = snapshot
+    def snapshot_lengths(self) -> tuple[int, int, int, int]:
+        """What ``rollback`` needs to undo appends: (physical slots, logical length, compactions, rope length)."""
+        return self.physical_length, self.logical_length, self.compactions, self.rope_length
+
+    def rollback(self, snapshot: tuple[int, int, int, int]) -> None:
+        physical, logical, compactions, rope_length = snapshot
         if compactions != self.compactions:
             raise RuntimeError("cannot roll back across a compaction")
+        self.rope_length = rope_length
         for layer in self.layers:
             layer.truncate(physical)
         self.logical_length = logical
@@ -273,9 +297,31 @@ class CompactCache(Cache):
         else:
             self.apply_plan(CompactionPlan([LayerPlan(keep=k) for k in keeps], method="truncate"), count=False)
         self.logical_length = position
+        self.rope_length = max((int(layer.rope[:, : layer.length].max()) + 1 for layer in self.layers if layer.length), default=0)
         self._pending_positions = None
         return position
 
+    def rebase(self, inv_freq: torch.Tensor) -> int:
+        """Close the position gaps compaction left: every slot's key is re-rotated to the rank of its token
+        among the tokens still cached, so the RoPE span shrinks to the number of distinct cached tokens.
+
+        Returns the shift applied to the newest token (the recent window moves by the same amount).
+        """
+        if not self.layers[0].is_initialized or self.physical_length == 0:
+            return 0
+        kept = torch.unique(torch.cat([layer.positions[:, : layer.length].flatten() for layer in self.layers]))
+        kept = kept[kept >= 0]
+        shift = int(kept.numel()) - self.rope_length
+        for layer in self.layers:
+            n = layer.length
+            pos, old = layer.positions[:, :n].long(), layer.rope[:, :n].long()
+            valid = pos >= 0
+            new = torch.searchsorted(kept.to(pos.device), pos.clamp_min(0))
+            delta = torch.where(valid, new - old, torch.zeros_like(old))
+            layer.keys[0, :, :n] = rotate(layer.keys[0, :, :n], delta, inv_freq)
+            layer.rope[:, :n] = torch.where(valid, new, old).to(layer.rope)
+        self.rope_length = int(kept.numel())
+        return shift
     def apply_plan(self, plan: CompactionPlan, count: bool = True) -> None:
         """Validate the whole plan, then apply it to every layer (all or nothing)."""
         if len(plan.layers) != len(self.layers):

@@ -26,7 +26,7 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, name: str | None = None, max_context: int | None = None,
-                 position_limit: int | None = None):
+                 position_limit: int | None = None, rebase_positions: bool = True):
         check_architecture(model.config)
         keep_every_token(model.config)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -39,6 +39,8 @@ class Engine:
         # (RoPE extrapolates) up to ``position_limit``.
         self.max_context = max_context or model.config.max_position_embeddings
         self.position_limit = position_limit or 4 * model.config.max_position_embeddings
+        # Past the trained positions, re-rotate the cache to close compaction's gaps (see Session.rebase_positions).
+        self.rebase_positions = rebase_positions
         self.lock = threading.RLock()  # one forward at a time: sessions never see each other's state
 
     @classmethod
@@ -70,10 +72,14 @@ class Engine:
         return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
 
     @property
+    def rope_inv_freq(self) -> torch.Tensor:
+        return self.model.model.rotary_emb.inv_freq
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Cache bytes one token costs across all layers and KV heads (keys, values, β, position, segment)."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * self.num_kv_heads * (2 * self.head_dim * element + 12)
+        return self.num_layers * self.num_kv_heads * (2 * self.head_dim * element + 16)
 
     @property
     def vocab_size(self) -> int:

@@ -57,6 +57,14 @@ class QueryRecorder:
             merged = merged.view(h, tokens, groups, d)[:, ::2].reshape(h, -1, d)
         store[layer] = merged
 
+    def shift(self, delta: int, inv_freq: torch.Tensor) -> None:
+        """After a position rebase: re-rotate the window (its tokens all moved by ``delta``); context queries
+        of older segments moved by different amounts and are dropped."""
+        from kvmemory.cache.compact_cache import rotate
+
+        self.recent = [None if q is None else rotate(q, torch.full(q.shape[:2], delta), inv_freq) for q in self.recent]
+        self.context.clear()
+
     def window_queries(self, layer: int) -> torch.Tensor | None:
         return self.recent[layer]
 

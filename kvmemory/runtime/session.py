@@ -125,6 +125,16 @@ class Session:
             self.hidden_recorder = HiddenRecorder(self.engine.model)
         return self.hidden_recorder
 
+    def rebase_positions(self) -> int:
+        """Re-rotate the cache so that RoPE positions are the ranks of the cached tokens (closing the gaps
+        compaction left). Runs by itself when the next token would pass the model's trained positions, so
+        a compacted session never asks the model for distances it was not trained on."""
+        with self.engine.lock, torch.no_grad():
+            shift = self.cache.rebase(self.engine.rope_inv_freq)
+            if self.query_recorder is not None:
+                self.query_recorder.shift(shift, self.engine.rope_inv_freq)
+        return shift
+
     def fork(self, session_id: str | None = None) -> "Session":
         """An independent copy of this session (cache, transcript, recorders), e.g. to try a compaction."""
         self._check_open()
@@ -520,6 +530,9 @@ class Session:
         engine = self.engine
         input_ids = torch.tensor([ids], device=engine.device)
         positions = torch.arange(positions_from, positions_from + len(ids), device=engine.device)
+        if segment_id >= 0 and engine.rebase_positions and self.cache.rope_length + len(ids) > engine.config.max_position_embeddings:
+            self.rebase_positions()
+        rope = self.cache.rope_positions(positions)
         snapshot = self.cache.snapshot_lengths()
         extra = {"query_recorder": self.query_recorder} if self.query_recorder is not None else {}
         with engine.lock, torch.no_grad():
@@ -531,7 +544,7 @@ class Session:
                     self.query_recorder.current_segment = segment_id
                 out = engine.model(
                     input_ids=input_ids,
-                    position_ids=positions[None],
+                    position_ids=rope[None],
                     cache=self.cache,
                     use_cache=True,
                     logits_to_keep=0 if all_logits else 1,

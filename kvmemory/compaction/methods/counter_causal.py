@@ -98,7 +98,10 @@ def own_token_logits(access: ModelAccess, positions: torch.Tensor, fast: bool) -
     else:
         hidden = base.embed_tokens(token_ids)
         start = 0
-    cos, sin = base.rotary_emb(hidden[None], positions[None])
+    first = access.cache.layers[0]
+    rope_of = dict(zip(first.positions[:, : first.length].flatten().tolist(), first.rope[:, : first.length].flatten().tolist()))
+    rope = torch.tensor([rope_of.get(p, p) for p in positions.tolist()], device=device)  # keys sit at these phases
+    cos, sin = base.rotary_emb(hidden[None], rope[None])
     cos, sin = cos[0], sin[0]
     for li in range(start, len(layers)):
         last = li == len(layers) - 1
