@@ -120,7 +120,7 @@ def fit_bias_and_values(
     fixed: torch.Tensor | None = None,
     beta_box: tuple[float, float] = (-3.0, 3.0),
     ridge: float = 1e-3,
-    nnls_steps: int = 15,
+    nnls_steps: int = 30,
     mass_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention Matching's fit for the selected slots of every head.

@@ -27,7 +27,7 @@ class AttentionMatchingConfig(MethodConfig):
     omp_refit_every: int = Field(2, ge=1, description="OMP: steps between mass refits")
     beta_box: tuple[float, float] = Field((-3.0, 3.0), description="allowed range of log B (β shift)")
     ridge: float = Field(1e-3, ge=0.0, description="ridge λ of the value fit, relative to the Gram diagonal")
-    nnls_steps: int = Field(15, ge=0, description="projected-gradient steps after the clamped solve")
+    nnls_steps: int = Field(30, ge=0, description="projected-gradient steps after the clamped solve")
     fit_values: bool = Field(True, description="fit values by least squares (else keep the originals)")
     fit_bias: bool = Field(True, description="fit β by NNLS on attention mass (else β unchanged)")
     chunk_size: int = Field(2048, ge=0, description="compact spans longer than this chunk by chunk (0: never)")
