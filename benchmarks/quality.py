@@ -135,21 +135,26 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     kinds = sorted({r["kind"] for r in rows})
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4.2), squeeze=False)
+    colors = plt.get_cmap("tab20").colors
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4.8), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         full = next(r["nll"] for r in rows if r["kind"] == kind and r["method"] == "full")
-        for label in METHODS:
+        for i, label in enumerate(METHODS):
             pts = sorted((r["ratio"], r["nll"]) for r in rows if r["kind"] == kind and r["method"] == label)
             if pts:
                 style = "-o" if label not in EVICTION else "--x"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, markersize=4)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, markersize=4, color=colors[i % 20])
         ax.axhline(full, color="black", linewidth=1, label="full cache")
         ax.set_xscale("log")
+        ax.set_xticks(sorted({r["ratio"] for r in rows if r["method"] != "full"}), minor=False)
+        ax.set_xticklabels([f"{x:g}×" for x in sorted({r["ratio"] for r in rows if r["method"] != "full"})])
+        ax.minorticks_off()
         ax.set_xlabel("compression (context tokens / slots)")
         ax.set_ylabel("continuation NLL")
         ax.set_title(kind)
-    axes[0][-1].legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=8, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -161,7 +166,11 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--latency-sizes", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--skip", nargs="*", default=[], choices=["quality", "retrieval", "latency"])
+    parser.add_argument("--replot", action="store_true", help="only redraw quality.png from quality.json")
     args = parser.parse_args()
+    if args.replot:  # redraw the PNG from the saved JSON, measuring nothing
+        plot(json.loads((RESULTS / "quality.json").read_text())["quality"], RESULTS / "quality.png")
+        return
     engine = Engine.from_pretrained("default")
     torch.manual_seed(0)
     out = {"context": args.context, "continuation": CONTINUATION, "sinks": SINKS, "recent": RECENT, "window": WINDOW,
