@@ -12,16 +12,19 @@ async def main() -> None:
     engine = Engine.from_pretrained("default")
     async with engine.session() as session:
         await session.append_messages([{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True)
+        answer = ""
         async for piece in session.stream(max_new_tokens=40):
             print(piece, end="", flush=True)
+            answer += piece
         print()
         before = session.prefilled_tokens
-        messages = session.messages + [{"role": "assistant", "content": session.segments[-1].text},
+        messages = session.messages + [{"role": "assistant", "content": answer},
                                        {"role": "user", "content": "And their sum?"}]
         await session.set_messages(messages, add_generation_prompt=True)
         print(f"(second turn prefilled {session.prefilled_tokens - before} new tokens of {len(session.tokens)})")
         print((await session.generate(max_new_tokens=30)).text)
-        print(session.stats())
+        stats = session.stats()
+        print(f"{stats.logical_tokens} tokens, {max(stats.physical_slots)} slots, {stats.kv_bytes / 2**20:.1f} MiB of KV")
 
 
 if __name__ == "__main__":

@@ -98,11 +98,11 @@ class Engine:
         return ids
 
     # ---- sessions ------------------------------------------------------------------------------
-    def session(self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512) -> Session:
+    def session(self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512, show_progress: bool = False) -> Session:
         """A new session. ``with engine.session() as s`` is sync; ``async with engine.session() as s`` is async."""
-        return Session(self, session_id=session_id, memory=memory, prefill_chunk_size=prefill_chunk_size)
+        return Session(self, session_id=session_id, memory=memory, prefill_chunk_size=prefill_chunk_size, show_progress=show_progress)
 
-    def async_session(self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512):
+    def async_session(self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512, show_progress: bool = False):
         from kvmemory.runtime.async_session import AsyncSession
 
-        return AsyncSession(self.session(session_id, memory, prefill_chunk_size))
+        return AsyncSession(self.session(session_id, memory, prefill_chunk_size, show_progress))

@@ -52,6 +52,21 @@ class SessionStats:
         return self.uncompacted_kv_bytes / self.kv_bytes if self.kv_bytes else 1.0
 
 
+def _tqdm_progress(total: int, inner: ProgressCallback | None) -> ProgressCallback:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc="prefill", unit="tok", leave=False)
+
+    def update(done: int, _total: int) -> None:
+        bar.update(done - bar.n)
+        if inner is not None:
+            inner(done, _total)
+        if done >= _total:
+            bar.close()
+
+    return update
+
+
 def _fingerprint(message: dict) -> str:
     return hashlib.sha1(json.dumps(message, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -71,7 +86,8 @@ class Session:
     without one the cache is only compacted by explicit ``compact(plan)`` calls.
     """
 
-    def __init__(self, engine, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512):
+    def __init__(self, engine, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512,
+                 show_progress: bool = False):
         self.engine = engine
         self.id = session_id or f"session-{id(self):x}"
         self.cache = CompactCache(engine.num_layers)
@@ -79,6 +95,7 @@ class Session:
         self.segments: list[Segment] = []
         self.messages: list[dict] = []
         self.prefill_chunk_size = prefill_chunk_size
+        self.show_progress = show_progress  # tqdm bars for long prefills (quiet by default in library use)
         self.memory = memory
         self.closed = False
         self._pending: list[int] = []  # sampled tokens not yet run through the model
@@ -502,6 +519,8 @@ class Session:
             self._flush_pending()
             done, total = 0, len(ids)
             step = self.memory.chunk_size(self) if self.memory is not None else self.prefill_chunk_size
+            if self.show_progress and total > step:
+                progress = _tqdm_progress(total, progress)
             while done < total:
                 chunk = ids[done : done + step]
                 if self.memory is not None:
