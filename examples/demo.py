@@ -32,7 +32,7 @@ def one_line(text: str, n: int = 90) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help=f"tool calls to replay (up to {len(STEPS)})")
     parser.add_argument("--cap", type=int, default=1024, help="KV memory cap in physical slots")
@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--map", default="kvmemory_demo_memory_map.png", help="where to write the memory-map PNG")
     args = parser.parse_args(argv)
 
-    print("loading the default model (SmolLM2-135M-Instruct, offline) ...", flush=True)
-    engine = Engine.from_pretrained("default")
+    if engine is None:
+        print("loading the default model (SmolLM2-135M-Instruct, offline) ...", flush=True)
+        engine = Engine.from_pretrained("default")
     chat = ChatKVMemory(engine=engine, max_new_tokens=args.reply_tokens, policy=default_policy(max_slots=args.cap, recent_tokens=192))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,11 +63,10 @@ def main(argv: list[str] | None = None) -> None:
         messages = replay(workspace, respond, STEPS[: args.steps], on_step)
         print("\nquestions about facts read earlier (answers generated from the compacted cache):")
         for _, question, expected in fact_questions():
-            answer = chat.invoke(messages + [HumanMessage(f"{question} Answer with the value only.")],
-                                 config={"configurable": {"thread_id": "demo-q"}}).content
+            # same thread: only the question is prefilled; the next question replaces it (prefix diff)
+            answer = chat.invoke(messages + [HumanMessage(f"{question} Answer with the value only.")], config=THREAD).content
             mark = "✓" if expected.lower() in answer.lower() else "✗"
             print(f"  {mark} {question}  model: {one_line(answer, 60)!r}  (expected {expected})")
-            chat.drop_thread("demo-q")
 
     stats, manager = session.stats(), session.memory
     peak = manager.peak_slots * engine.kv_bytes_per_token

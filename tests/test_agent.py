@@ -91,10 +91,10 @@ def test_recall_tool_and_agent_graph(default_engine, workspace):
     assert out["messages"][-1].type in ("ai", "tool")
 
 
-def test_demo_runs_end_to_end(tmp_path, capsys):
+def test_demo_runs_end_to_end(default_engine, tmp_path, capsys):
     from examples.demo import main
 
-    main(["--steps", "3", "--cap", "512", "--reply-tokens", "4", "--map", str(tmp_path / "map.png")])
+    main(["--steps", "3", "--cap", "512", "--reply-tokens", "4", "--map", str(tmp_path / "map.png")], engine=default_engine)
     printed = capsys.readouterr().out
     assert "peak KV bytes" in printed and "questions about facts" in printed
     assert (tmp_path / "map.png").stat().st_size > 5000
