@@ -104,8 +104,9 @@ class CompactLayer(CacheLayerMixin):
 
     def _allocate(self, heads: int, key_dim: int, value_dim: int, capacity: int) -> None:
         kw = dict(dtype=self.dtype, device=self.device)
-        self.keys = torch.zeros(1, heads, capacity, key_dim, **kw)
-        self.values = torch.zeros(1, heads, capacity, value_dim, **kw)
+        # slots past ``length`` are never read, so keys and values need no initialisation
+        self.keys = torch.empty(1, heads, capacity, key_dim, **kw)
+        self.values = torch.empty(1, heads, capacity, value_dim, **kw)
         self.bias = torch.zeros(1, heads, capacity, dtype=torch.float32, device=self.device)
         self.positions = torch.full((heads, capacity), PAD_POSITION, dtype=torch.int32, device=self.device)
         self.rope = torch.full((heads, capacity), PAD_POSITION, dtype=torch.int32, device=self.device)

@@ -37,9 +37,12 @@ class PositionScores:
     scores: torch.Tensor  # (N,)
 
     def score_slots(self, slot_positions: torch.Tensor) -> torch.Tensor:
-        idx = torch.searchsorted(self.positions, slot_positions.clamp_min(0)).clamp_max(len(self.positions) - 1)
-        hit = self.positions[idx] == slot_positions
-        return torch.where(hit, self.scores[idx], torch.full_like(self.scores[idx], float("-inf")))
+        """(H, n) scores of the slots at these positions; −∞ for positions without a score (padding)."""
+        if not hasattr(self, "_dense"):
+            self._dense = torch.full((int(self.positions.max()) + 2,), float("-inf"))
+            self._dense[self.positions] = self.scores.float()
+        index = slot_positions.long().clamp(min=-1, max=len(self._dense) - 2)
+        return self._dense[torch.where(index < 0, len(self._dense) - 1, index)]
 
 
 def _rotate_half(x):
