@@ -26,7 +26,7 @@ from agents.coding_agent.workspace import Workspace
 from benchmarks.common import RESULTS, save, table
 from integrations.chat_model import to_chat_dicts
 from kvmemory import Engine
-from kvmemory.memory import CompactionRule, MemoryManager, default_policy, plot_memory_map
+from kvmemory.memory import MemoryManager, default_policy, plot_memory_map
 
 PLACEHOLDER = "[old tool output cleared to save context]"
 

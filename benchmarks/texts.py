@@ -15,7 +15,6 @@ import random
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 from agents.coding_agent.sample_project import create_sample_project
 from benchmarks.common import source_text
@@ -96,5 +95,3 @@ def plant_facts(text: str, facts: list[str], seed: int = 0) -> str:
         lines.insert(int(depth * len(lines)) + offset, fact)
     return "\n".join(lines)
 
-
-__all__ = ["TEXT_KINDS", "plant_facts", "Path"]

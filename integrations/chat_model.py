@@ -17,7 +17,7 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.exceptions import ContextOverflowError
 from langchain_core.language_models.chat_models import BaseChatModel
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
@@ -258,4 +258,4 @@ def _visible_content(text: str) -> str:
     return text
 
 
-__all__ = ["ChatKVMemory", "ToolMessage", "to_chat_dicts"]
+__all__ = ["ChatKVMemory", "to_chat_dicts"]

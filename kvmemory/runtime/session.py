@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 

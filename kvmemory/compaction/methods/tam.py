@@ -103,9 +103,6 @@ class TAM(AttentionMatching):
     name = "tam"
     Config = TAMConfig
 
-    def __init__(self, config: TAMConfig | None = None, **params):
-        super().__init__(config if config is not None else TAMConfig(**params))
-
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         return [self._compact_layer(span, layer, budgets[layer.layer]) for layer in span.layers]
 
