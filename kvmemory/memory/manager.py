@@ -93,12 +93,12 @@ class MemoryManager:
         self.peak_slots = max(self.peak_slots, min(session.cache.physical_length + n_new, cap))
         if session.cache.physical_length + n_new > cap:
             goal = min(cap - n_new, int(cap * self.policy.budget.target_fraction))
-            for _ in range(3):  # budgets are per-head means; a second pass absorbs rounding
+            for _ in range(4):  # budgets are per-head means: later passes aim lower to absorb rounding
                 self.compact(session, trigger="cap", goal_slots=max(goal, 1))
                 over = session.cache.physical_length + n_new - cap
                 if over <= 0:
                     break
-                goal -= over
+                goal -= over + max(8, cap // 16)
             self.peak_slots = max(self.peak_slots, session.cache.physical_length + n_new)
             if session.cache.physical_length + n_new > cap:
                 raise MemoryCapError(

@@ -589,6 +589,11 @@ class Session:
         n_tokens, pending, last_logits, snapshot, segs, next_id = state
         if self.cache.compactions == snapshot[2]:
             self.cache.rollback(snapshot)
+        else:  # compactions ran mid-append (they stay: older segments are legitimately smaller now)
+            self.cache.truncate_positions(n_tokens - len(pending))
+            last_logits = None  # recomputed from the last token on the next generate
+            if self.hidden_recorder is not None:
+                self.hidden_recorder.drop_from(n_tokens - len(pending))
         del self.tokens[n_tokens:]
         self._pending, self._last_logits = pending, last_logits
         by_id = {s.id: s for s in self.segments}
