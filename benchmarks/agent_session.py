@@ -139,6 +139,15 @@ def main() -> None:
         print(f"run {label}", flush=True)
         rows.append(run(engine, label, args.cap, args.reply_tokens, memory() if memory else None, transform, STEPS[: args.steps]))
         print(table([rows[-1]], ["run", "peak_slots", "peak_kv_bytes", "answer_logprob", "exact_match", "seconds"]), flush=True)
+    previous = RESULTS / "agent_session.json"
+    if set(args.runs) != set(configs) and previous.is_file():  # a partial rerun replaces only its own rows
+        import json
+
+        old = json.loads(previous.read_text())
+        if old.get("cap") == args.cap and old.get("steps") == args.steps:
+            mine = {r["run"] for r in rows}
+            rows = [r for r in old["rows"] if r["run"] not in mine] + rows
+            rows.sort(key=lambda r: list(configs).index(r["run"]))
     full = next((r for r in rows if r["run"] == "uncompacted"), None)
     for r in rows:
         if full:
