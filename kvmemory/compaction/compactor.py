@@ -15,7 +15,7 @@ from kvmemory.compaction.head_budgets import uniform_budgets
 from kvmemory.compaction.planner import extract_span, span_slots, to_plan
 from kvmemory.compaction.queries import reference_queries
 from kvmemory.compaction.registry import get_method
-from kvmemory.compaction.solvers import attention_output_error
+from kvmemory.compaction.solvers import attention_output_error, pad_selection
 
 
 @dataclass
@@ -76,9 +76,7 @@ def compact_span(
                 logits = layer.logits()
                 shift = None
                 if res.bias is not None:
-                    index = torch.zeros(layer.num_heads, max(k.numel() for k in res.keep), dtype=torch.long)
-                    for h, k in enumerate(res.keep):
-                        index[h, : k.numel()] = k
+                    index, _ = pad_selection(res.keep, layer.bias.device)
                     shift = res.bias - torch.gather(layer.bias, 1, index)
                 errors.append(attention_output_error(logits, layer.values, res.keep, shift, res.values))
             error = float(sum(errors) / len(errors))
