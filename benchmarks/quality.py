@@ -24,6 +24,8 @@ from kvmemory.compaction.compactor import compact_span
 from kvmemory.compaction.registry import get_method
 
 SINKS, RECENT, WINDOW, CONTINUATION = 4, 32, 128, 256
+CONTEXT_QUERIES = 256  # context-prefill queries kept per segment (as the memory manager keeps them)
+CONTEXT = ["window", "context"]  # selector window + the span's own prefill queries
 METHODS = {  # label: (registry name, params, reference-query sources)
     "streaming_llm": ("streaming_llm", {}, "window"),
     "h2o": ("h2o", {}, "window"),
@@ -34,9 +36,11 @@ METHODS = {  # label: (registry name, params, reference-query sources)
     "counter_causal": ("counter_causal", {"fast": True}, "window"),
     "real": ("real", {}, "window"),
     "am": ("attention_matching", {}, "window"),
+    "am_context": ("attention_matching", {}, CONTEXT),
     "am_repeat": ("attention_matching", {}, ["window", "repeat"]),
     "am_counter_causal": ("attention_matching", {"selector": "counter_causal"}, "window"),
     "am_real": ("real", {"inner": "attention_matching"}, "window"),
+    "am_real_context": ("real", {"inner": "attention_matching"}, CONTEXT),
     "tam": ("tam", {"length_exponent": 1.0}, "window"),
     "tam_sqrt_wn": ("tam", {"length_exponent": 0.5}, "window"),
 }
@@ -51,7 +55,7 @@ PROBES = [
 
 def prepared_session(engine, ids: list[int]):
     session = engine.session()
-    session.record_queries(WINDOW)
+    session.record_queries(WINDOW, context=CONTEXT_QUERIES)
     session.record_last_layer_inputs()
     session.append_tokens(ids)
     return session
@@ -174,6 +178,7 @@ def main() -> None:
     engine = Engine.from_pretrained("default")
     torch.manual_seed(0)
     out = {"context": args.context, "continuation": CONTINUATION, "sinks": SINKS, "recent": RECENT, "window": WINDOW,
+           "context_queries": CONTEXT_QUERIES,
            "methods": {k: [v[0], v[1], v[2]] for k, v in METHODS.items()}}
     started = time.perf_counter()
     if "quality" not in args.skip:
@@ -184,7 +189,7 @@ def main() -> None:
         out["retrieval"] = retrieval(engine, args.context, [10, 20], args.methods)
         print(table(out["retrieval"], ["method", "ratio", "answer_logprob", "exact_match"]))
     if "latency" not in args.skip:
-        out["latency"] = latency(engine, args.latency_sizes, ["counter_causal", "am", "tam", "snapkv", "h2o"])
+        out["latency"] = latency(engine, args.latency_sizes, ["counter_causal", "am", "am_real_context", "tam", "snapkv", "h2o"])
         print(table(out["latency"], ["slots", "method", "ms"]))
     out["seconds"] = time.perf_counter() - started
     previous = RESULTS / "quality.json"

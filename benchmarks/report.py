@@ -38,7 +38,9 @@ def quality_section(d: dict) -> str:
     out = [f"**Quality** (`python -m benchmarks.quality`): increase of the teacher-forced NLL of the {d['continuation']} tokens "
            f"that follow a {d['context']}-token context, after compacting the context to context/ratio slots per head "
            f"(first {d['sinks']} and last {d['recent']} tokens verbatim for every method; reference queries: the last "
-           f"{d['window']} tokens, plus repeat-prefill for `am_repeat`). Lower is better; the best per column in bold."]
+           f"{d['window']} tokens; `*_context` add {d.get('context_queries', 256)} tokens' context-prefill queries, `am_repeat` "
+           f"repeat-prefill; `am_real*` is Attention Matching under REAL's profiled head budgets). "
+           f"Lower is better; the best per column in bold."]
     rows = d["quality"]
     ratios = sorted({r["ratio"] for r in rows if r["method"] != "full"})
     for kind in sorted({r["kind"] for r in rows}):

@@ -1,7 +1,7 @@
 """Real text of several kinds for the quality benchmarks, made on this machine at run time.
 
 * source: the installed transformers package's Python files;
-* logs: genuine pytest output (verbose, long tracebacks) from running the sample project's failing tests;
+* logs: genuine pytest output (verbose, long tracebacks, captured logging) of a suite of varied failures;
 * prose: Python standard-library module documentation;
 * reasoning: worked multi-step arithmetic solutions whose every number is computed.
 Facts can be planted at chosen depths to probe retrieval after compaction.
@@ -15,8 +15,8 @@ import random
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
-from agents.coding_agent.sample_project import create_sample_project
 from benchmarks.common import source_text
 
 PROSE_MODULES = (
@@ -27,34 +27,185 @@ PROSE_MODULES = (
 
 
 def prose_text(min_chars: int) -> str:
-    parts, total = [], 0
+    """Standard-library documentation, each paragraph once (inherited docstrings repeat paragraphs verbatim,
+    which would turn the continuation into a copy task)."""
+    parts, seen, total = [], set(), 0
     for name in PROSE_MODULES:
         mod = importlib.import_module(name)
         for obj in [mod] + [getattr(mod, a) for a in sorted(dir(mod)) if not a.startswith("_")][:40]:
             doc = inspect.getdoc(obj) if inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isfunction(obj) else None
-            if doc and len(doc) > 200:
-                parts.append(doc)
-                total += len(doc)
+            for paragraph in (doc or "").split("\n\n"):
+                key = " ".join(paragraph.split())
+                if len(key) > 80 and key not in seen:
+                    seen.add(key)
+                    parts.append(paragraph)
+                    total += len(paragraph)
         if total >= min_chars:
             break
     return "\n\n".join(parts)
 
 
+DIAGNOSTICS_TESTS = '''
+import base64, configparser, csv, datetime, decimal, fractions, io, ipaddress, json, logging, pathlib, re
+import shlex, sqlite3, statistics, struct, subprocess, sys, tarfile, uuid, zipfile
+import pytest
+
+log = logging.getLogger("diagnostics")
+
+
+def load_settings(text):
+    log.info("parsing %d bytes of settings", len(text))
+    return json.loads(text)
+
+
+def test_settings_json():
+    assert load_settings('{"retries": 3, "hosts": ["a", "b"],}')["retries"] == 3
+
+
+@pytest.mark.parametrize("raw", ["12", "0x1f", "7.5", "-3", "1_000"])
+def test_parse_quantity(raw):
+    log.debug("quantity %r", raw)
+    assert int(raw) >= 0
+
+
+def test_release_date():
+    stamp = datetime.datetime.strptime("2026-13-02 10:00", "%Y-%m-%d %H:%M")
+    assert stamp.year == 2026
+
+
+def test_invoice_rounding():
+    total = sum(decimal.Decimal(p) for p in ("19.99", "5.01", "0.333"))
+    assert total.quantize(decimal.Decimal("0.01")) == decimal.Decimal("25.32")
+
+
+def test_ratio():
+    assert fractions.Fraction(3, 0) < 1
+
+
+def test_version_pattern():
+    assert re.compile(r"v(\\d+)\\.(\\d+")
+
+
+def test_read_manifest(tmp_path):
+    log.warning("manifest missing under %s", tmp_path.name)
+    assert pathlib.Path(tmp_path, "MANIFEST.in").read_text()
+
+
+def test_subprocess_exit_code():
+    subprocess.run([sys.executable, "-c", "import sys; print('building wheel'); sys.exit(3)"], check=True,
+                   capture_output=True)
+
+
+def test_inventory_csv():
+    rows = list(csv.DictReader(io.StringIO("sku,qty\\nWX-1,4\\nBT-9,x\\n")))
+    assert sum(int(r["qty"]) for r in rows) == 4
+
+
+def test_config_section():
+    parser = configparser.ConfigParser()
+    parser.read_string("[server]\\nport = 8080\\n")
+    assert parser.getint("database", "port") == 5432
+
+
+@pytest.mark.parametrize("address", ["10.0.0.256", "192.168.1.10", "fe80::1::2"])
+def test_allowed_address(address):
+    assert ipaddress.ip_address(address).is_private
+
+
+def test_token_decoding():
+    assert base64.b64decode("c2VjcmV0LXRva2Vu=", validate=True) == b"secret-token"
+
+
+def test_archive_listing(tmp_path):
+    broken = tmp_path / "build.zip"
+    broken.write_bytes(b"PK\\x03\\x04 not really a zip")
+    assert zipfile.ZipFile(broken).namelist()
+
+
+def test_tarball(tmp_path):
+    path = tmp_path / "release.tar.gz"
+    path.write_bytes(b"\\x1f\\x8b garbage")
+    with tarfile.open(path) as tar:
+        assert tar.getnames()
+
+
+def test_header_unpack():
+    magic, version = struct.unpack("<IH", b"\\x7fELF\\x02")
+    assert version == 2
+
+
+def test_command_line_split():
+    assert shlex.split("deploy --tag 'release 4.2") == ["deploy", "--tag", "release 4.2"]
+
+
+def test_latency_stats():
+    samples = [s for s in (12.5, 40.1, 9.8) if s > 100]
+    assert statistics.mean(samples) < 50
+
+
+def test_migration_query():
+    db = sqlite3.connect(":memory:")
+    db.execute("create table orders (id integer primary key, sku text, qty integer)")
+    db.execute("insert into orders (sku, qty, price) values ('WX-1', 2, 9.5)")
+
+
+def test_request_id():
+    assert uuid.UUID("7d444840-9dc0-11d1-b245-5ffdce74fad2x").version == 1
+
+
+def test_utf8_upload():
+    assert b"caf\\xe9 r\\xe9sum\\xe9".decode("utf-8") == "café résumé"
+
+
+def test_report_totals():
+    expected = {"widgets": 120, "bolts": 75, "nuts": 300, "washers": 40, "status": "complete"}
+    actual = {"widgets": 120, "bolts": 57, "nuts": 300, "washers": 44, "status": "partial"}
+    assert actual == expected
+
+
+def test_sorted_skus():
+    assert sorted(["BT-0090", "WX-4471", "AA-0001", "ZZ-9999"]) == ["AA-0001", "BT-0090", "ZZ-9999", "WX-4471"]
+
+
+def test_banner():
+    assert "Inventory service v4.2 (build 1187) ready on port 8080" == "Inventory service v4.2 (build 1178) ready on port 8000"
+
+
+def test_retry_budget():
+    log.error("upstream timed out after %d attempts", 5)
+    attempts = {"east": 3, "west": 5}
+    assert attempts["north"] <= 5
+
+
+def test_missing_attribute():
+    class Client:
+        base_url = "https://api.internal"
+
+    assert Client().timeout_seconds == 30
+
+
+def test_merge_type():
+    assert sum([[1, 2], [3]], 0) == [1, 2, 3]
+'''
+
+
 def log_text(min_chars: int) -> str:
-    """Output of real pytest runs over the sample project (failing tests with tracebacks)."""
-    runs = [["-v", "--tb=long"], ["-vv", "--tb=long", "-rA"], ["--tb=short", "-rA"], ["-v", "--tb=native"], ["-q", "--tb=line"]]
+    """Genuine pytest output: a suite of varied failures through real standard-library code (JSON, dates,
+    decimals, archives, SQL, subprocesses, assertion diffs, captured logging), with long tracebacks.
+    Each run uses other flags, so the text reads like an agent's session rather than one log repeated."""
+    runs = [["-v", "--tb=long", "-rA", "--log-level=DEBUG"], ["-q", "--tb=short", "-rfE", "-p", "no:randomly"],
+            ["-vv", "--tb=native"], ["-v", "--tb=auto", "-l"]]
     parts, total = [], 0
     with tempfile.TemporaryDirectory() as tmp:
-        root = create_sample_project(tmp)
-        i = 0
-        while total < min_chars:
-            args = runs[i % len(runs)]
-            out = subprocess.run([sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider"], cwd=root,
-                                 capture_output=True, text=True, timeout=120).stdout
-            out = out.replace(str(root), "/workspace")
-            parts.append(f"$ python -m pytest {' '.join(args)}\n{out}")
+        (Path(tmp) / "test_diagnostics.py").write_text(DIAGNOSTICS_TESTS)
+        for args in runs:
+            out = subprocess.run([sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider", "test_diagnostics.py"],
+                                 cwd=tmp, capture_output=True, text=True, timeout=300).stdout
+            out = out.replace(tmp, "/workspace")
+            parts.append(f"$ python -m pytest {' '.join(args)} test_diagnostics.py\n{out}")
             total += len(out)
-            i += 1
+            if total >= min_chars:
+                break
     return "\n".join(parts)
 
 

@@ -136,6 +136,21 @@ def test_recall_restores_the_exact_text(tiny_engine):
     assert session.export_transcript()[out.id]["text"] == "ORIGINAL LOG TEXT 42"
 
 
+def test_context_queries_are_released_once_their_segment_is_compacted(tiny_engine):
+    session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=None, query_source=["window", "context"])))
+    recorder = session.query_recorder
+    old = session.append_tokens(random_tokens(120, seed=1), kind="tool_output", tool_name="read_file")
+    assert old.id in recorder.context and recorder.context[old.id][0].dtype == torch.bfloat16
+    held = session.stats().query_bytes
+    assert held > 0
+    session.append_tokens(random_tokens(40, seed=2))
+    session.memory.compact(session)
+    assert old.compactions == 1 and old.id not in recorder.context
+    assert session.stats().query_bytes < held
+    session.memory.compact(session, goal_slots=60)  # re-compaction falls back to the selector window
+    assert old.compactions == 2 and session.cache.physical_length <= 60
+
+
 def test_a_cap_below_the_protected_content_raises_before_any_change(tiny_engine):
     session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=60)))
     session.append_tokens(random_tokens(30), kind="system")

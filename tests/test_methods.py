@@ -89,6 +89,18 @@ def test_am_chunked_compaction_keeps_the_budget():
     assert result.values.shape == (2, 45, 16)
 
 
+def test_am_chunked_compaction_of_heads_with_unequal_lengths():
+    """After per-head budgets, one head's slots can end chunks before the padded length: its later chunks
+    are empty and must stay empty (regression: an empty chunk once selected a padding slot)."""
+    span = synthetic_span(n=300)
+    span.valid[0, 120:] = False
+    span.positions[0, 120:] = -1
+    span.bias[0, 120:] = float("-inf")
+    result = AttentionMatching(chunk_size=64).compact_layer(span, torch.tensor([20, 45]), None)
+    assert [k.numel() for k in result.keep] == [20, 45]
+    assert int(result.keep[0].max()) < 120 and torch.isfinite(result.values).all()
+
+
 def test_budgets_sum_exactly():
     capacity = torch.tensor([[50, 10, 40], [5, 60, 60]])
     for total in (6, 31, 100, 225, 10_000):

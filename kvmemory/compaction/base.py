@@ -130,8 +130,7 @@ def topk_per_head(scores: torch.Tensor, valid: torch.Tensor, budget: torch.Tenso
         scores = torch.where(forced & valid, torch.full_like(scores, float("inf")), scores)
     keep = []
     for h in range(scores.shape[0]):
-        k = int(min(int(budget[h]), int(valid[h].sum())))
-        k = max(k, 1)
+        k = min(max(int(budget[h]), 1), int(valid[h].sum()))  # at least one slot of a head that has any
         idx = torch.topk(scores[h], k).indices
         keep.append(torch.sort(idx).values)
     return keep

@@ -2,7 +2,8 @@
 
 Sources (selectable per call, combinable):
 * ``window``: the last R tokens' queries, recorded as the session runs (free; what online compaction has);
-* ``context``: queries recorded while the span itself was prefilled (free, subsampled per segment);
+* ``context``: queries recorded while the span itself was prefilled (free, subsampled per segment, kept in
+  bf16 until the segment is first compacted; later re-compactions fall back to the window);
 * ``repeat``: the model is told to repeat the context and the span is teacher-forced as its answer;
 * ``self_study``: the model writes a summary of the span and the questions it raises; its queries count.
 The scratch sources run past the end of the session and are rolled back: the session is unchanged.
@@ -33,7 +34,12 @@ def reference_queries(session, sources: str | list[str], positions: torch.Tensor
         if source == "window":
             per_source.append(_window(session))
         elif source == "context":
-            per_source.append(_context(session, positions))
+            found = _context(session, positions)
+            if found is None:  # compacted before: its context queries were released; the window stands in
+                if "window" not in sources:
+                    per_source.append(_window(session))
+                continue
+            per_source.append(found)
         elif source == "repeat":
             per_source.append(_repeat(session, positions))
         elif source == "self_study":
@@ -50,14 +56,12 @@ def _window(session) -> list[torch.Tensor]:
     return [recorder.window_queries(layer) for layer in range(session.engine.num_layers)]
 
 
-def _context(session, positions: torch.Tensor) -> list[torch.Tensor]:
+def _context(session, positions: torch.Tensor) -> list[torch.Tensor] | None:
     recorder = session.query_recorder
-    seg_ids = {s.id for s in session.segments if s.start < int(positions.max()) + 1 and s.end > int(positions.min())}
-    found = [recorder.context.get(i) for i in seg_ids] if recorder is not None else []
-    found = [f for f in found if f is not None]
-    if not found:
+    seg_ids = sorted(s.id for s in session.segments if s.start < int(positions.max()) + 1 and s.end > int(positions.min()))
+    if recorder is None or not recorder.context_tokens:
         raise KVMemoryError("no context-prefill queries for this span: enable session.record_queries(context=N) before appending it")
-    return [torch.cat([f[layer] for f in found], dim=1) for layer in range(session.engine.num_layers)]
+    return recorder.context_queries(seg_ids)
 
 
 def _capture(session, token_batches: list[list[int]]) -> list[torch.Tensor]:

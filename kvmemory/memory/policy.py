@@ -198,17 +198,20 @@ class MemoryPolicy(BaseModel):
 
 def default_policy(max_slots: int | None = None, interval: int | None = 1024, recent_tokens: int = 256) -> MemoryPolicy:
     """Good out of the box for agents: protect the system prompt, the task and tool schemas; squeeze tool
-    output hard (test logs hardest); compact reasoning with TAM and everything else with Attention Matching."""
+    output hard (test logs hardest); compact reasoning with TAM and everything else with Attention Matching
+    under REAL's profiled per-head budgets, fitted to the selector window and the span's own prefill queries
+    (the combination that measured best in ``benchmarks/quality.py``)."""
+    am = {"method": "real", "params": {"inner": "attention_matching"}, "query_source": ["window", "context"]}
     return MemoryPolicy(
         rules=[
             CompactionRule(name="system", match=SegmentMatch(kind=["system", "tool_schema"]), protected=True),
             CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
             CompactionRule(name="test-logs", match=SegmentMatch(kind="tool_output", content=r"(?i)(passed|failed|error|traceback)"),
-                           method="attention_matching", ratio=12.0, weight=0.7),
-            CompactionRule(name="tool-output", match=SegmentMatch(kind="tool_output"), method="attention_matching", ratio=6.0),
+                           ratio=12.0, weight=0.7, **am),
+            CompactionRule(name="tool-output", match=SegmentMatch(kind="tool_output"), ratio=6.0, **am),
             CompactionRule(name="reasoning", match=SegmentMatch(kind="reasoning"), method="tam", ratio=8.0),
-            CompactionRule(name="tool-calls", match=SegmentMatch(kind="tool_call"), method="attention_matching", ratio=2.0, weight=1.5),
+            CompactionRule(name="tool-calls", match=SegmentMatch(kind="tool_call"), ratio=2.0, weight=1.5, **am),
         ],
-        default=CompactionRule(name="default", method="attention_matching", ratio=3.0),
+        default=CompactionRule(name="default", ratio=3.0, **am),
         budget=MemoryBudget(max_slots=max_slots, interval=interval, recent_tokens=recent_tokens),
     )

@@ -21,8 +21,10 @@ def group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 class QueryRecorder:
-    def __init__(self, num_layers: int, num_kv_heads: int, window: int = 64, context: int = 0, dtype=torch.float32):
+    def __init__(self, num_layers: int, num_kv_heads: int, window: int = 64, context: int = 0, dtype=torch.float32,
+                 context_dtype=torch.bfloat16):
         self.num_layers, self.num_kv_heads, self.window, self.dtype = num_layers, num_kv_heads, window, dtype
+        self.context_dtype = context_dtype  # context queries only rank and fit slots: half precision is plenty
         self.recent: list[torch.Tensor | None] = [None] * num_layers  # (H, ≤R·G, D)
         self.captured: list[list[torch.Tensor]] | None = None
         self.frozen = False  # while True, the rolling window is left alone (scratch forwards)
@@ -38,7 +40,7 @@ class QueryRecorder:
         if self.frozen:
             return
         if self.context_tokens and self.current_segment >= 0:
-            self._keep_context(layer, group_queries(query, self.num_kv_heads).to(self.dtype), groups)
+            self._keep_context(layer, group_queries(query, self.num_kv_heads).to(self.context_dtype), groups)
         if self.window <= 0:
             return
         tail = group_queries(query[:, :, -self.window :], self.num_kv_heads).to(self.dtype)  # only what the window keeps
@@ -56,6 +58,24 @@ class QueryRecorder:
             h, _, d = merged.shape
             merged = merged.view(h, tokens, groups, d)[:, ::2].reshape(h, -1, d)
         store[layer] = merged
+
+    def context_queries(self, segment_ids) -> list[torch.Tensor] | None:
+        """Per layer (H, m, D) fp32 context queries of the given segments (None if none were kept)."""
+        found = [self.context[i] for i in segment_ids if i in self.context and self.context[i][0] is not None]
+        if not found:
+            return None
+        return [torch.cat([f[layer] for f in found], dim=1).to(self.dtype) for layer in range(self.num_layers)]
+
+    def drop_context(self, segment_ids) -> None:
+        """Forget the context queries of segments that are compacted (re-compaction uses the window)."""
+        for i in segment_ids:
+            self.context.pop(i, None)
+
+    def nbytes(self) -> int:
+        """Memory held by the recorded queries (window and context)."""
+        tensors = [q for q in self.recent if q is not None]
+        tensors += [q for store in self.context.values() for q in store if q is not None]
+        return sum(q.numel() * q.element_size() for q in tensors)
 
     def shift(self, delta: int, inv_freq: torch.Tensor) -> None:
         """After a position rebase: re-rotate the window (its tokens all moved by ``delta``); context queries

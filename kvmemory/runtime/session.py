@@ -45,6 +45,7 @@ class SessionStats:
     padding_overhead: float
     compactions: int
     segments: list[dict] = field(default_factory=list)
+    query_bytes: int = 0  # reference queries held for compaction (selector window + context queries)
 
     @property
     def compression(self) -> float:
@@ -434,6 +435,7 @@ class Session:
             padding_overhead=self.cache.padding_overhead(),
             compactions=self.cache.compactions,
             segments=per_segment,
+            query_bytes=self.query_recorder.nbytes() if self.query_recorder is not None else 0,
         )
 
     # ---- transcript and recall -------------------------------------------------------------------
