@@ -386,6 +386,27 @@ def test_rebase_without_gaps_is_the_identity_and_a_uniform_shift_changes_nothing
     assert torch.allclose(session.logprobs(cont), before, atol=1e-4)
 
 
+def test_rebase_bounds_each_heads_distances_by_its_own_slot_count():
+    """Heads that keep different tokens: after a rebase every head's newest slot sits just before the next
+    token and its oldest at most (its slot count) positions back, whatever the union of kept tokens."""
+    engine = Engine(tiny_model("llama", max_position_embeddings=256))
+    session = engine.session()
+    session.append_tokens(random_tokens(120, seed=34))
+    g = torch.Generator().manual_seed(0)
+    plans = [[torch.sort(torch.cat([torch.randperm(100, generator=g)[: 10 + 15 * h], torch.arange(100, 120)])).values
+              for h in range(layer.num_heads)] for layer in session.cache.layers]
+    width = max(k.numel() for keeps in plans for k in keeps)
+    session.compact(CompactionPlan([LayerPlan(keep=keeps) for keeps in plans]))
+    shift = session.rebase_positions()
+    assert session.cache.rope_length == width and shift == width - 120
+    for layer, keeps in zip(session.cache.layers, plans):
+        for h, k in enumerate(keeps):
+            valid = layer.positions[h, : layer.length] >= 0
+            rope = layer.rope[h, : layer.length][valid]
+            assert rope.tolist() == list(range(width - k.numel(), width))
+    assert len(session.generate(max_new_tokens=4).token_ids) == 4
+
+
 def test_rebase_runs_by_itself_past_the_trained_positions():
     engine = Engine(tiny_model("llama", max_position_embeddings=128))
     session = engine.session()

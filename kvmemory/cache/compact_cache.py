@@ -303,26 +303,30 @@ class CompactCache(Cache):
         return position
 
     def rebase(self, inv_freq: torch.Tensor) -> int:
-        """Close the position gaps compaction left: every slot's key is re-rotated to the rank of its token
-        among the tokens still cached, so the RoPE span shrinks to the number of distinct cached tokens.
+        """Close the position gaps compaction left, per KV head: each slot's key is re-rotated so that its
+        distance to the next token is the number of slots its head keeps after it. Heads keep different
+        tokens, so only per-head ranks bound every distance by the head's slot count (a shared ranking over
+        the union of kept tokens leaves distances of up to the number of distinct tokens any head kept).
+        The newest slot of every head lands on the same position, so the recent window moves uniformly.
 
         Returns the shift applied to the newest token (the recent window moves by the same amount).
         """
         if not self.layers[0].is_initialized or self.physical_length == 0:
             return 0
-        kept = torch.unique(torch.cat([layer.positions[:, : layer.length].flatten() for layer in self.layers]))
-        kept = kept[kept >= 0]
-        shift = int(kept.numel()) - self.rope_length
-        for layer in self.layers:
+        counts = [(layer.positions[:, : layer.length] >= 0).sum(1) for layer in self.layers]
+        span = int(max(int(c.max()) for c in counts))
+        shift = span - self.rope_length
+        for layer, count in zip(self.layers, counts):
             n = layer.length
-            pos, old = layer.positions[:, :n].long(), layer.rope[:, :n].long()
-            valid = pos >= 0
-            new = torch.searchsorted(kept.to(pos.device), pos.clamp_min(0))
+            old = layer.rope[:, :n].long()
+            valid = layer.positions[:, :n] >= 0
+            new = span - count[:, None] + torch.cumsum(valid.long(), dim=1) - 1  # right-aligned rank per head
             delta = torch.where(valid, new - old, torch.zeros_like(old))
             layer.keys[0, :, :n] = rotate(layer.keys[0, :, :n], delta, inv_freq)
             layer.rope[:, :n] = torch.where(valid, new, old).to(layer.rope)
-        self.rope_length = int(kept.numel())
+        self.rope_length = span
         return shift
+
     def apply_plan(self, plan: CompactionPlan, count: bool = True) -> None:
         """Validate the whole plan, then apply it to every layer (all or nothing)."""
         if len(plan.layers) != len(self.layers):

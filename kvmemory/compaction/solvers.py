@@ -2,7 +2,8 @@
 
 Notation (per head): span logits S (m×n, β included), Φ = exp(S − rowmax), selected slots 𝒮 (t of them).
 * mass fit:   min_{B ≥ 0} ‖Φ_𝒮 B − Φ·1‖²   →  β_new = β_old + log B
-* output fit: min_{C_v} ‖X C_v − softmax(S) V‖² + λ‖C_v‖²,  X = softmax(S_𝒮 + log B)
+* output fit: min_{C_v} ‖X C_v − softmax(S) V‖² + λ‖C_v − V_𝒮‖²,  X = softmax(S_𝒮 + log B)
+  (the ridge pulls toward the kept slots' own values, which is what eviction would keep)
 Heads keep different numbers of slots: selections are padded, and padded columns are masked out.
 """
 
@@ -153,9 +154,11 @@ def fit_bias_and_values(
     x = torch.softmax(sel_logits, dim=-1).nan_to_num(0.0)  # (H, m, t)
     y = (phi @ values.float()) / row_mass.clamp_min(1e-30)[..., None]  # (H, m, Dv) block-local outputs
     v_sel = gather_rows(values.float(), index)
-    y_free = y - (x * fixed[:, None, :]) @ v_sel
     x_free = x * free[:, None, :]
-    fitted = ridge_lstsq(x_free, y_free, ridge)
+    # fit the correction to the kept values, so the ridge (and any direction the queries leave
+    # undetermined) falls back to the original value rather than to zero
+    residual = y - x @ (v_sel * sel_valid[..., None])
+    fitted = v_sel + ridge_lstsq(x_free, residual, ridge)
     new_values = torch.where(free[..., None], fitted, v_sel) * sel_valid[..., None]
     return log_b.masked_fill(~sel_valid, NEG_INF), new_values
 

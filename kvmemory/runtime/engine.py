@@ -26,7 +26,7 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, name: str | None = None, max_context: int | None = None,
-                 position_limit: int | None = None, rebase_positions: bool = True):
+                 position_limit: int | None = None, rebase_positions: bool = True, rebase_at: int | None = None):
         check_architecture(model.config)
         keep_every_token(model.config)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -39,8 +39,10 @@ class Engine:
         # (RoPE extrapolates) up to ``position_limit``.
         self.max_context = max_context or model.config.max_position_embeddings
         self.position_limit = position_limit or 4 * model.config.max_position_embeddings
-        # Past the trained positions, re-rotate the cache to close compaction's gaps (see Session.rebase_positions).
+        # Once RoPE positions would pass ``rebase_at`` (default: the trained positions), re-rotate the cache
+        # to close compaction's gaps (see Session.rebase_positions).
         self.rebase_positions = rebase_positions
+        self.rebase_at = rebase_at or model.config.max_position_embeddings
         self.lock = threading.RLock()  # one forward at a time: sessions never see each other's state
 
     @classmethod

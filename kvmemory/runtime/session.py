@@ -143,9 +143,10 @@ class Session:
         return self.hidden_recorder
 
     def rebase_positions(self) -> int:
-        """Re-rotate the cache so that RoPE positions are the ranks of the cached tokens (closing the gaps
-        compaction left). Runs by itself when the next token would pass the model's trained positions, so
-        a compacted session never asks the model for distances it was not trained on."""
+        """Re-rotate the cache so that each head's RoPE positions are the ranks of its cached slots (closing
+        the gaps compaction left). Runs by itself when the next token would pass ``engine.rebase_at`` (the
+        trained positions by default), so a compacted session never asks the model for distances it was not
+        trained on."""
         with self.engine.lock, torch.no_grad():
             shift = self.cache.rebase(self.engine.rope_inv_freq)
             if self.query_recorder is not None:
@@ -550,7 +551,8 @@ class Session:
         engine = self.engine
         input_ids = torch.tensor([ids], device=engine.device)
         positions = torch.arange(positions_from, positions_from + len(ids), device=engine.device)
-        if segment_id >= 0 and engine.rebase_positions and self.cache.rope_length + len(ids) > engine.config.max_position_embeddings:
+        if (segment_id >= 0 and engine.rebase_positions and self.cache.rope_length + len(ids) > engine.rebase_at
+                and self.cache.rope_length > self.cache.physical_length + len(ids)):  # only when there are gaps to close
             self.rebase_positions()
         rope = self.cache.rope_positions(positions)
         snapshot = self.cache.snapshot_lengths()
