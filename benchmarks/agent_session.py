@@ -3,7 +3,8 @@
 The scripted session (32 real tool calls over the sample project, model-generated replies) is replayed
 through a Session on the default model:
 * uncompacted: every token stays in the cache (attention over the full history);
-* kvmemory policies under the cap: the default policy (Attention Matching), TAM, SnapKV eviction;
+* kvmemory policies under the cap: the default policy (TAM), Attention Matching under REAL head budgets,
+  SnapKV eviction (every compacted rule switched to that method);
 * text baselines under the same token budget: drop the oldest messages; clear old tool outputs
   (placeholder, as LangChain's ContextEditingMiddleware does) and then drop the oldest if still over.
 Afterwards the session is asked about facts it read along the way (answer log-probability and greedy
@@ -120,7 +121,7 @@ def main() -> None:
     parser.add_argument("--cap", type=int, default=2048)
     parser.add_argument("--reply-tokens", type=int, default=12)
     parser.add_argument("--steps", type=int, default=len(STEPS), help="replay only the first N tool calls")
-    parser.add_argument("--runs", nargs="+", default=["uncompacted", "kvmemory-default", "kvmemory-tam", "kvmemory-snapkv",
+    parser.add_argument("--runs", nargs="+", default=["uncompacted", "kvmemory-default", "kvmemory-am-real", "kvmemory-snapkv",
                                                        "text-drop-oldest", "text-clear-tool-outputs"])
     args = parser.parse_args()
     base = Engine.from_pretrained("default")
@@ -128,7 +129,7 @@ def main() -> None:
     configs = {
         "uncompacted": (unbounded, None, None),
         "kvmemory-default": (base, lambda: MemoryManager(policy_with(None, args.cap)), None),
-        "kvmemory-tam": (base, lambda: MemoryManager(policy_with("tam", args.cap)), None),
+        "kvmemory-am-real": (base, lambda: MemoryManager(policy_with("real", args.cap, {"inner": "attention_matching"})), None),
         "kvmemory-snapkv": (base, lambda: MemoryManager(policy_with("snapkv", args.cap)), None),
         "text-drop-oldest": (base, None, drop_oldest),
         "text-clear-tool-outputs": (base, None, clear_old_tool_outputs),
@@ -146,7 +147,7 @@ def main() -> None:
         old = json.loads(previous.read_text())
         if old.get("cap") == args.cap and old.get("steps") == args.steps:
             mine = {r["run"] for r in rows}
-            rows = [r for r in old["rows"] if r["run"] not in mine] + rows
+            rows = [r for r in old["rows"] if r["run"] not in mine and r["run"] in configs] + rows
             rows.sort(key=lambda r: list(configs).index(r["run"]))
     full = next((r for r in rows if r["run"] == "uncompacted"), None)
     for r in rows:
