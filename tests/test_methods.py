@@ -11,7 +11,8 @@ from kvmemory.compaction.compactor import compact_span
 from kvmemory.compaction.head_budgets import headkv_budgets, uniform_budgets
 from kvmemory.compaction.methods import TAM, AttentionMatching
 from kvmemory.compaction.methods.attention_matching import proportional_split
-from kvmemory.compaction.methods.counter_causal import own_token_logits
+from kvmemory.cache import CompactionPlan, LayerPlan
+from kvmemory.compaction.methods.counter_causal import own_token_logits, query_phases
 from kvmemory.compaction.methods.tam import allocate
 from kvmemory.compaction.registry import available_methods, get_method
 from kvmemory.compaction.solvers import attention_output_error, fit_bias_and_values
@@ -148,6 +149,30 @@ def test_fast_counter_causal_equals_full_on_one_layer_model():
     full = own_token_logits(access, positions, fast=False)
     fast = own_token_logits(access, positions, fast=True)
     assert torch.allclose(full, fast, atol=1e-5)
+
+
+def test_counter_causal_score_survives_a_rebase():
+    """Closing a uniform gap shifts every key alike: the surprise scores must not move. After a per-head
+    rebase each kept token's query meets its own key's phase in every head."""
+    engine = Engine(tiny_model("llama", max_position_embeddings=256))
+    session = engine.session()
+    session.append_tokens(random_tokens(80, seed=5))
+    drop_front = torch.arange(20, 80)
+    session.compact(CompactionPlan([LayerPlan(keep=drop_front.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    access = ModelAccess(engine.model, session.cache, session.tokens)
+    before = own_token_logits(access, drop_front, fast=False)
+    session.rebase_positions()
+    assert torch.allclose(own_token_logits(access, drop_front, fast=False), before, atol=1e-4)
+
+    per_head = [torch.arange(0, 60, 2), torch.arange(1, 60, 3)]  # slots of the 60 cached ones, per head
+    session.compact(CompactionPlan([LayerPlan(keep=per_head) for _ in session.cache.layers]))
+    session.rebase_positions()
+    layer = session.cache.layers[0]
+    for h in range(layer.num_heads):
+        kept = layer.positions[h, : layer.length]
+        valid = kept >= 0
+        phases = query_phases(layer, kept[valid].long())
+        assert torch.equal(phases[h], layer.rope[h, : layer.length][valid].long())
 
 
 @pytest.mark.parametrize("arch_name", list(ARCHITECTURES))

@@ -58,10 +58,10 @@ def _window(session) -> list[torch.Tensor]:
 
 def _context(session, positions: torch.Tensor) -> list[torch.Tensor] | None:
     recorder = session.query_recorder
-    seg_ids = sorted(s.id for s in session.segments if s.start < int(positions.max()) + 1 and s.end > int(positions.min()))
     if recorder is None or not recorder.context_tokens:
         raise KVMemoryError("no context-prefill queries for this span: enable session.record_queries(context=N) before appending it")
-    return recorder.context_queries(seg_ids)
+    lo, hi = int(positions.min()), int(positions.max()) + 1
+    return recorder.context_queries([s.id for s in session.segments if s.start < hi and s.end > lo])
 
 
 def _capture(session, token_batches: list[list[int]]) -> list[torch.Tensor]:

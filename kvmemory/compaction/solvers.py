@@ -157,7 +157,7 @@ def fit_bias_and_values(
     x_free = x * free[:, None, :]
     # fit the correction to the kept values, so the ridge (and any direction the queries leave
     # undetermined) falls back to the original value rather than to zero
-    residual = y - x @ (v_sel * sel_valid[..., None])
+    residual = y - x @ v_sel  # x is 0 on padded columns
     fitted = v_sel + ridge_lstsq(x_free, residual, ridge)
     new_values = torch.where(free[..., None], fitted, v_sel) * sel_valid[..., None]
     return log_b.masked_fill(~sel_valid, NEG_INF), new_values

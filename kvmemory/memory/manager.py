@@ -132,9 +132,10 @@ class MemoryManager:
                 method = self._method(rule)
                 sources = rule.query_source if method.uses_queries else "window"
                 records.append(compact_span(session, positions, method, slots, sources, trigger=trigger))
-                if session.query_recorder is not None:  # their context queries have served; free them
+                if session.query_recorder is not None:  # segments compacted to their end: context queries served
                     end = int(positions[-1]) + 1
-                    session.query_recorder.drop_context([s.id for s in session.segments if s.start < end and s.end <= end])
+                    session.query_recorder.drop_context(
+                        [s.id for s in session.segments if s.end > int(positions[0]) and s.end <= end])
             self._last_compaction_at = len(session.tokens)
             if records:
                 self._record(session, trigger)

@@ -50,7 +50,24 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _counter_causal_attention(attn_module, hidden, cos, sin, cache_layer, positions):
+def query_phases(cache_layer, positions: torch.Tensor) -> torch.Tensor:
+    """(H, T) RoPE position at which each token's query meets this layer's keys, per KV head.
+
+    After a per-head rebase a token's key sits at a different phase in each head; a query must use the
+    same phase as its own key (or keep its original offset to the next slot the head kept)."""
+    n = cache_layer.length
+    slot_pos, rope = cache_layer.positions[:, :n].long(), cache_layer.rope[:, :n].long()
+    slot_pos = torch.where(slot_pos >= 0, slot_pos, torch.iinfo(torch.long).max)  # padding sorts last
+    order = torch.sort(slot_pos, dim=1)
+    count = (cache_layer.positions[:, :n] >= 0).sum(1, keepdim=True)
+    rows = positions.to(slot_pos.device).expand(slot_pos.shape[0], -1).contiguous()
+    idx = torch.minimum(torch.searchsorted(order.values, rows), count - 1)
+    anchor_pos = torch.gather(order.values, 1, idx)
+    anchor_rope = torch.gather(torch.gather(rope, 1, order.indices), 1, idx)
+    return anchor_rope + rows - anchor_pos
+
+
+def _counter_causal_attention(attn_module, hidden, rotary_emb, cache_layer, positions):
     """Attention of each token to strictly-later cached slots only (β included)."""
     t = hidden.shape[0]
     head_dim = attn_module.head_dim
@@ -58,11 +75,13 @@ def _counter_causal_attention(attn_module, hidden, cos, sin, cache_layer, positi
     if hasattr(attn_module, "q_norm"):
         q = attn_module.q_norm(q)
     q = q.transpose(0, 1)  # (Hq, T, D)
-    q = q * cos[None] + _rotate_half(q) * sin[None]
     n = cache_layer.length
     keys, values = cache_layer.keys[0, :, :n], cache_layer.values[0, :, :n]
     slot_pos, bias = cache_layer.positions[:, :n].long(), cache_layer.bias[0, :, :n]
     groups = q.shape[0] // keys.shape[0]
+    cos, sin = rotary_emb(hidden[None], query_phases(cache_layer, positions))  # (H, T, D)
+    cos, sin = cos.repeat_interleave(groups, dim=0), sin.repeat_interleave(groups, dim=0)
+    q = q * cos + _rotate_half(q) * sin
     out = torch.zeros_like(q)
     for a in range(0, t, ROW_CHUNK):
         rows = positions[a : a + ROW_CHUNK]
@@ -75,9 +94,9 @@ def _counter_causal_attention(attn_module, hidden, cos, sin, cache_layer, positi
     return attn_module.o_proj(out.transpose(0, 1).reshape(t, -1))
 
 
-def _decoder_layer(layer, hidden, cos, sin, cache_layer, positions, with_mlp: bool):
+def _decoder_layer(layer, hidden, rotary_emb, cache_layer, positions, with_mlp: bool):
     residual = hidden
-    h = _counter_causal_attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, cache_layer, positions)
+    h = _counter_causal_attention(layer.self_attn, layer.input_layernorm(hidden), rotary_emb, cache_layer, positions)
     hidden = residual + h
     if with_mlp:
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -101,14 +120,9 @@ def own_token_logits(access: ModelAccess, positions: torch.Tensor, fast: bool) -
     else:
         hidden = base.embed_tokens(token_ids)
         start = 0
-    first = access.cache.layers[0]
-    rope_of = dict(zip(first.positions[:, : first.length].flatten().tolist(), first.rope[:, : first.length].flatten().tolist()))
-    rope = torch.tensor([rope_of.get(p, p) for p in positions.tolist()], device=device)  # keys sit at these phases
-    cos, sin = base.rotary_emb(hidden[None], rope[None])
-    cos, sin = cos[0], sin[0]
     for li in range(start, len(layers)):
         last = li == len(layers) - 1
-        hidden = _decoder_layer(layers[li], hidden, cos, sin, access.cache.layers[li], positions, with_mlp=not last)
+        hidden = _decoder_layer(layers[li], hidden, base.rotary_emb, access.cache.layers[li], positions, with_mlp=not last)
     hidden = base.norm(hidden)
     weight = model.lm_head.weight[token_ids]
     logits = (hidden * weight).sum(-1)
