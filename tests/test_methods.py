@@ -162,7 +162,7 @@ def test_counter_causal_score_survives_a_rebase():
     access = ModelAccess(engine.model, session.cache, session.tokens)
     before = own_token_logits(access, drop_front, fast=False)
     session.rebase_positions()
-    assert torch.allclose(own_token_logits(access, drop_front, fast=False), before, atol=1e-4)
+    assert torch.allclose(own_token_logits(access, drop_front, fast=False), before, atol=2e-3)  # bf16 matmuls on CPU
 
     per_head = [torch.arange(0, 60, 2), torch.arange(1, 60, 3)]  # slots of the 60 cached ones, per head
     session.compact(CompactionPlan([LayerPlan(keep=per_head) for _ in session.cache.layers]))

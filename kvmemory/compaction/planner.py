@@ -29,6 +29,15 @@ def extract_span(cache: CompactCache, slots: list[list[torch.Tensor]], queries: 
     for li, (layer, per_head) in enumerate(zip(cache.layers, slots)):
         heads = layer.num_heads
         n = max(1, max(s.numel() for s in per_head))
+        first = int(per_head[0][0]) if per_head[0].numel() else -1
+        if first >= 0 and all(s.numel() == n and int(s[0]) == first and int(s[-1]) == first + n - 1 for s in per_head):
+            # the common case (a span no head has compacted yet): the same contiguous slots in every
+            # head, so views replace the gathers; methods never write to their inputs
+            window = slice(first, first + n)
+            valid = torch.ones(heads, n, dtype=torch.bool, device=layer.device)
+            layers.append(LayerSpan(li, layer.keys[0, :, window], layer.values[0, :, window], layer.bias[0, :, window],
+                                    layer.positions[:, window].long(), valid, scale, queries[li] if queries else None))
+            continue
         index = torch.zeros(heads, n, dtype=torch.long, device=layer.device)
         valid = torch.zeros(heads, n, dtype=torch.bool, device=layer.device)
         for h, s in enumerate(per_head):
