@@ -57,53 +57,63 @@ def pool_scores(scores: torch.Tensor, kernel: int, how: str = "max") -> torch.Te
     return pooled[:, 0, : scores.shape[1]]
 
 
-def _spectral_norm_sq(gram: torch.Tensor, iters: int = 20) -> torch.Tensor:
-    """Largest eigenvalue of each PSD (H, t, t) matrix by power iteration."""
-    v = torch.ones(gram.shape[0], gram.shape[1], 1, dtype=gram.dtype, device=gram.device)
+def _spectral_norm_sq(apply_gram, shape, dtype, device, iters: int = 20) -> torch.Tensor:
+    """Largest eigenvalue of each PSD (H, t, t) Gram matrix, given as a product, by power iteration."""
+    v = torch.ones(*shape, 1, dtype=dtype, device=device)
     for _ in range(iters):
-        v = gram @ v
+        v = apply_gram(v)
         v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    return (v.transpose(1, 2) @ gram @ v).squeeze(-1).squeeze(-1).clamp_min(1e-30)
+    return (v.transpose(1, 2) @ apply_gram(v)).squeeze(-1).squeeze(-1).clamp_min(1e-30)
 
 
 def nnls_box(a: torch.Tensor, y: torch.Tensor, col_valid: torch.Tensor, lo: float, hi: float, steps: int = 15, ridge: float = 1e-6) -> torch.Tensor:
     """Batched box-constrained least squares  min_{lo ≤ B ≤ hi} ‖a B − y‖².
 
     a (H, m, t), y (H, m), col_valid (H, t). A ridge solve, clamped to the box, refined by projected
-    gradient steps of size 1/‖a‖₂². Padded columns come back as 0.
+    gradient steps of size 1/‖a‖₂². With fewer rows than columns the ridge solve and the gradient use the
+    m×m side (aᵀ(aaᵀ + λI)⁻¹y is the same solution), so cost grows with m²t, not t³. Padded columns → 0.
     """
     out_dtype = a.dtype
     a, y = a.double() * col_valid[:, None, :], y.double()  # normal equations square the condition number
-    gram = a.transpose(1, 2) @ a  # (H, t, t)
+    heads, m, t = a.shape
+    lam = ridge * (a.square().sum(dim=(1, 2)) / t).clamp_min(1e-30)  # relative to the mean Gram diagonal
     rhs = (a.transpose(1, 2) @ y[..., None]).squeeze(-1)  # (H, t)
-    t = gram.shape[-1]
-    scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
-    eye = torch.eye(t, dtype=gram.dtype, device=gram.device)
-    b = _spd_solve(gram + (ridge * scale)[:, None, None] * eye + (~col_valid)[:, None, :] * eye, rhs[..., None]).squeeze(-1)
+    if m >= t:
+        gram = a.transpose(1, 2) @ a  # (H, t, t)
+        eye = torch.eye(t, dtype=a.dtype, device=a.device)
+        b = _spd_solve(gram + lam[:, None, None] * eye + (~col_valid)[:, None, :] * eye, rhs[..., None]).squeeze(-1)
+
+        def apply_gram(v):
+            return gram @ v
+    else:
+        eye = torch.eye(m, dtype=a.dtype, device=a.device)
+        b = (a.transpose(1, 2) @ _spd_solve(a @ a.transpose(1, 2) + lam[:, None, None] * eye, y[..., None])).squeeze(-1)
+
+        def apply_gram(v):
+            return a.transpose(1, 2) @ (a @ v)
     b = b.clamp(lo, hi)
-    step = 1.0 / _spectral_norm_sq(gram)
+    step = 1.0 / _spectral_norm_sq(apply_gram, (heads, t), a.dtype, a.device)
     for _ in range(steps):
-        grad = (gram @ b[..., None]).squeeze(-1) - rhs
+        grad = apply_gram(b[..., None]).squeeze(-1) - rhs
         b = (b - step[:, None] * grad).clamp(lo, hi)
     return (b * col_valid).to(out_dtype)
 
 
 def ridge_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
-    """Batched min ‖x c − y‖² + λ‖c‖² for x (H, m, t), y (H, m, d); dual form when m < t."""
+    """Batched min ‖x c − y‖² + λ‖c‖² for x (H, m, t), y (H, m, d); dual form when m < t.
+
+    λ = ridge × the mean squared column norm of x (the mean diagonal of xᵀx), the same on either side."""
     return _ridge_lstsq(x.double(), y.double(), ridge).to(x.dtype)
 
 
 def _ridge_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
     m, t = x.shape[1], x.shape[2]
+    lam = (ridge * x.square().sum(dim=(1, 2)) / t).clamp_min(1e-30)[:, None, None]
     if m >= t:
-        gram = x.transpose(1, 2) @ x
-        lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
         eye = torch.eye(t, dtype=x.dtype, device=x.device)
-        return _spd_solve(gram + lam[:, None, None] * eye, x.transpose(1, 2) @ y)
-    gram = x @ x.transpose(1, 2)
-    lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
+        return _spd_solve(x.transpose(1, 2) @ x + lam * eye, x.transpose(1, 2) @ y)
     eye = torch.eye(m, dtype=x.dtype, device=x.device)
-    return x.transpose(1, 2) @ _spd_solve(gram + lam[:, None, None] * eye, y)
+    return x.transpose(1, 2) @ _spd_solve(x @ x.transpose(1, 2) + lam * eye, y)
 
 
 def _spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,11 @@ class AttentionMatchingConfig(MethodConfig):
     omp_keys_per_step: int = Field(4, ge=1, description="OMP: keys added per greedy step (1 = classic OMP)")
     omp_refit_every: int = Field(2, ge=1, description="OMP: steps between mass refits")
     beta_box: tuple[float, float] = Field((-3.0, 3.0), description="allowed range of log B (β shift)")
-    ridge: float = Field(1e-3, ge=0.0, description="ridge λ of the value fit, relative to the Gram diagonal")
+    ridge: float = Field(
+        1.0, ge=0.0,
+        description="ridge λ of the value fit, relative to the mean Gram diagonal; it pulls toward the kept "
+        "values, and a strong pull stops overfitting when the slots outnumber the reference queries",
+    )
     nnls_steps: int = Field(30, ge=0, description="projected-gradient steps after the clamped solve")
     fit_values: bool = Field(True, description="fit values by least squares (else keep the originals)")
     fit_bias: bool = Field(True, description="fit β by NNLS on attention mass (else β unchanged)")
