@@ -66,7 +66,7 @@ def clear_old_tool_outputs(session, messages, budget: int, keep_last: int = 2):
     return drop_oldest(session, cleared, budget)
 
 
-def run(engine, label: str, cap: int, reply_tokens: int, memory=None, transform=None, steps=STEPS):
+def run(engine, label: str, cap: int, reply_tokens: int, memory=None, transform=None, steps=STEPS, answer_tokens: int = 32):
     with tempfile.TemporaryDirectory() as tmp:
         workspace = Workspace(create_sample_project(tmp))
         session = engine.session(memory=memory)
@@ -86,12 +86,12 @@ def run(engine, label: str, cap: int, reply_tokens: int, memory=None, transform=
         start = time.perf_counter()
         messages = replay(workspace, respond, steps, on_step)
         seconds = time.perf_counter() - start
-        recall = ask_facts(engine, session, messages, transform, cap)
+        recall = ask_facts(engine, session, messages, transform, cap, answer_tokens)
         peak_slots = max(peak[0], memory.peak_slots if memory is not None else 0)
         row = {
             "run": label, "tool_calls": len(steps), "history_tokens": rendered_length(session, messages),
             "peak_slots": peak_slots, "peak_kv_bytes": peak_slots * engine.kv_bytes_per_token,
-            "compactions": session.cache.compactions, "seconds": seconds, **recall,
+            "compactions": session.cache.compactions, "seconds": seconds, "answer_tokens": answer_tokens, **recall,
         }
         if memory is not None and label == "kvmemory-default":
             plot_memory_map(memory.timeline, session.segments, RESULTS / "agent_session_memory_map.png", cap=cap,
@@ -100,7 +100,7 @@ def run(engine, label: str, cap: int, reply_tokens: int, memory=None, transform=
         return row
 
 
-def ask_facts(engine, session, messages, transform, cap):
+def ask_facts(engine, session, messages, transform, cap, answer_tokens: int):
     tok = engine.tokenizer
     logps, hits, answers = [], 0, {}
     for key, question, answer in fact_questions():
@@ -109,7 +109,7 @@ def ask_facts(engine, session, messages, transform, cap):
         shown = transform(probe, asked, cap) if transform else asked
         probe.set_messages(to_chat_dicts(shown), add_generation_prompt=True)
         logps.append(float(probe.logprobs(tok.encode(answer, add_special_tokens=False)).sum()))
-        text = probe.generate(max_new_tokens=12).text
+        text = probe.generate(max_new_tokens=answer_tokens).text
         answers[key] = text.strip()
         hits += answer.lower() in text.lower()
         probe.close()
@@ -120,6 +120,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cap", type=int, default=2048)
     parser.add_argument("--reply-tokens", type=int, default=12)
+    parser.add_argument("--answer-tokens", type=int, default=32,
+                        help="greedy tokens per fact answer (the model answers in a sentence, the value comes late)")
     parser.add_argument("--steps", type=int, default=len(STEPS), help="replay only the first N tool calls")
     parser.add_argument("--runs", nargs="+", default=["uncompacted", "kvmemory-default", "kvmemory-am-real", "kvmemory-snapkv",
                                                        "text-drop-oldest", "text-clear-tool-outputs"])
@@ -138,7 +140,8 @@ def main() -> None:
     for label in args.runs:
         engine, memory, transform = configs[label]
         print(f"run {label}", flush=True)
-        rows.append(run(engine, label, args.cap, args.reply_tokens, memory() if memory else None, transform, STEPS[: args.steps]))
+        rows.append(run(engine, label, args.cap, args.reply_tokens, memory() if memory else None, transform, STEPS[: args.steps],
+                        args.answer_tokens))
         print(table([rows[-1]], ["run", "peak_slots", "peak_kv_bytes", "answer_logprob", "exact_match", "seconds"]), flush=True)
     previous = RESULTS / "agent_session.json"
     if set(args.runs) != set(configs) and previous.is_file():  # a partial rerun replaces only its own rows
@@ -147,7 +150,8 @@ def main() -> None:
         old = json.loads(previous.read_text())
         if old.get("cap") == args.cap and old.get("steps") == args.steps:
             mine = {r["run"] for r in rows}
-            rows = [r for r in old["rows"] if r["run"] not in mine and r["run"] in configs] + rows
+            kept = [{"answer_tokens": 12, **r} for r in old["rows"] if r["run"] not in mine and r["run"] in configs]
+            rows = kept + rows  # rows from before answer budgets were recorded used 12 tokens
             rows.sort(key=lambda r: list(configs).index(r["run"]))
     full = next((r for r in rows if r["run"] == "uncompacted"), None)
     for r in rows:
