@@ -16,9 +16,14 @@ from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan
 def span_slots(cache: CompactCache, positions: torch.Tensor) -> list[list[torch.Tensor]]:
     """Per layer, per head: physical slot indices whose position is in ``positions`` (sorted)."""
     out = []
+    lo, hi = (int(positions.min()), int(positions.max())) if positions.numel() else (0, -1)
+    contiguous = positions.numel() == hi - lo + 1 and positions.unique().numel() == positions.numel()
     for layer in cache.layers:
         pos = layer.positions[:, : layer.length]
-        member = torch.isin(pos, positions.to(pos.device)) & (pos >= 0)
+        if contiguous:  # the usual span (whole segments): a range test instead of a set lookup
+            member = (pos >= lo) & (pos <= hi)
+        else:
+            member = torch.isin(pos, positions.to(pos.device)) & (pos >= 0)
         out.append([torch.nonzero(m).flatten() for m in member])
     return out
 
