@@ -150,8 +150,7 @@ def main() -> None:
         old = json.loads(previous.read_text())
         if old.get("cap") == args.cap and old.get("steps") == args.steps:
             mine = {r["run"] for r in rows}
-            kept = [{"answer_tokens": 12, **r} for r in old["rows"] if r["run"] not in mine and r["run"] in configs]
-            rows = kept + rows  # rows from before answer budgets were recorded used 12 tokens
+            rows = [r for r in old["rows"] if r["run"] not in mine and r["run"] in configs] + rows
             rows.sort(key=lambda r: list(configs).index(r["run"]))
     full = next((r for r in rows if r["run"] == "uncompacted"), None)
     for r in rows:

@@ -117,18 +117,24 @@ def retrieval(engine, n_context, ratios, labels):
     return rows
 
 
+def median_of_3_ms(measure) -> float:
+    """Median of three runs of ``measure()``, which returns milliseconds."""
+    return sorted(measure() for _ in range(3))[1]
+
+
 def latency(engine, sizes, labels, ratio=10):
     ids = engine.tokenizer.encode(TEXT_KINDS["source"](max(sizes) * 8), add_special_tokens=False)
     rows = []
     for n in sizes:
         base = prepared_session(engine, ids[:n])
         for label in labels:
-            times = []
-            for _ in range(3):
+
+            def compaction_ms():
                 session, record = compact_context(base, n, label, ratio)
-                times.append(record.milliseconds)
                 session.close()
-            rows.append({"slots": n, "method": label, "ms": sorted(times)[1]})
+                return record.milliseconds
+
+            rows.append({"slots": n, "method": label, "ms": median_of_3_ms(compaction_ms)})
             print(f"  latency {n} slots {label:<18} {rows[-1]['ms']:.0f} ms", flush=True)
             if label == "counter_causal":  # the paper's "refresh": the score alone, without the eviction
                 rows.append({"slots": n, "method": "counter_causal (score only)", "ms": surprise_score_ms(base, n)})
@@ -139,13 +145,14 @@ def latency(engine, sizes, labels, ratio=10):
 
 def surprise_score_ms(session, n: int) -> float:
     """Median of 3 timings of the fast counter-causal score over the span a compaction would score."""
-    access = ModelAccess(session.engine.model, session.cache, session.tokens, session.hidden_recorder.store, session.engine)
-    positions, times = torch.arange(SINKS, n - RECENT), []
-    for _ in range(3):
+    access, positions = ModelAccess.from_session(session), torch.arange(SINKS, n - RECENT)
+
+    def score_ms():
         started = time.perf_counter()
         own_token_logits(access, positions, fast=True)
-        times.append((time.perf_counter() - started) * 1e3)
-    return sorted(times)[1]
+        return (time.perf_counter() - started) * 1e3
+
+    return median_of_3_ms(score_ms)
 
 
 def plot(rows, path):

@@ -163,9 +163,9 @@ def test_tam_keeps_pivotal_tokens_verbatim():
 def test_fast_counter_causal_equals_full_on_one_layer_model():
     engine = Engine(tiny_model("llama", num_hidden_layers=1))
     session = engine.session()
-    hidden = session.record_last_layer_inputs()
+    session.record_last_layer_inputs()
     session.append_tokens(random_tokens(40))
-    access = ModelAccess(engine.model, session.cache, session.tokens, hidden.store)
+    access = ModelAccess.from_session(session)
     positions = torch.arange(40)
     full = own_token_logits(access, positions, fast=False)
     fast = own_token_logits(access, positions, fast=True)
@@ -180,7 +180,7 @@ def test_counter_causal_score_survives_a_rebase():
     session.append_tokens(random_tokens(80, seed=5))
     drop_front = torch.arange(20, 80)
     session.compact(CompactionPlan([LayerPlan(keep=drop_front.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
-    access = ModelAccess(engine.model, session.cache, session.tokens)
+    access = ModelAccess.from_session(session)
     before = own_token_logits(access, drop_front, fast=False)
     session.rebase_positions()
     assert torch.allclose(own_token_logits(access, drop_front, fast=False), before, atol=2e-3)  # bf16 matmuls on CPU

@@ -314,7 +314,7 @@ class CompactCache(Cache):
         if not self.layers[0].is_initialized or self.physical_length == 0:
             return 0
         counts = [(layer.positions[:, : layer.length] >= 0).sum(1) for layer in self.layers]
-        span = int(max(int(c.max()) for c in counts))
+        span = max(int(c.max()) for c in counts)
         shift = span - self.rope_length
         for layer, count in zip(self.layers, counts):
             n = layer.length

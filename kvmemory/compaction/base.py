@@ -83,6 +83,12 @@ class ModelAccess:
     last_layer_inputs: dict[int, torch.Tensor] | None = None
     engine: object = None
 
+    @classmethod
+    def from_session(cls, session) -> "ModelAccess":
+        recorder = session.hidden_recorder
+        return cls(session.engine.model, session.cache, session.tokens,
+                   recorder.store if recorder is not None else None, session.engine)
+
 
 @dataclass
 class CacheSpan:

@@ -64,8 +64,7 @@ def compact_span(
         span.token_of_position = {p: session.tokens[p] for p in positions.tolist()}
         tokenizer = engine.tokenizer
         span.text_of_token = (lambda t: tokenizer.decode([t]) if t >= 0 else "") if tokenizer is not None else (lambda t: "")
-        span.model = ModelAccess(engine.model, cache, session.tokens,
-                                 session.hidden_recorder.store if session.hidden_recorder is not None else None, engine)
+        span.model = ModelAccess.from_session(session)
         span.protected_positions = set(protected_positions or ())
         span.query_group_size = engine.config.num_attention_heads // engine.num_kv_heads
         results = method.compact(span, budgets)

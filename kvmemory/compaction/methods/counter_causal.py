@@ -13,6 +13,7 @@ Both skip the last layer's MLP (as the fast score does), so on a one-layer model
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,7 @@ def _matmul_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype
 
 
+@functools.cache
 def _cpu_has_bf16() -> bool:
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # private, so probed defensively
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -94,7 +96,7 @@ def _counter_causal_attention(attn_module, hidden, rotary_emb, cache_layer, posi
     q = q.transpose(0, 1)  # (Hq, T, D)
     n = cache_layer.length
     keys, values = cache_layer.keys[0, :, :n], cache_layer.values[0, :, :n]
-    slot_pos, bias = cache_layer.positions[:, :n].long(), cache_layer.bias[0, :, :n].float()
+    slot_pos = cache_layer.positions[:, :n].long()
     heads = keys.shape[0]
     groups = q.shape[0] // heads
     cos, sin = rotary_emb(hidden[None], query_phases(cache_layer, positions))  # (H, T, D)
@@ -102,8 +104,8 @@ def _counter_causal_attention(attn_module, hidden, rotary_emb, cache_layer, posi
     q = (q * cos + _rotate_half(q) * sin).view(heads, groups, t, head_dim)
     mm_dtype = _matmul_dtype(q)
     q, keys, values = q.to(mm_dtype), keys.to(mm_dtype), values.to(mm_dtype)
+    bias = cache_layer.bias[0, :, :n].to(mm_dtype)  # padding is −∞ here, so only real slots need the causal mask
     out = hidden.new_zeros(heads, groups, t, values.shape[-1])
-    bias = bias.to(mm_dtype)  # padding is −∞ here, so only real slots need the causal mask below
     for a in range(0, t, ROW_CHUNK):
         rows = positions[a : a + ROW_CHUNK]
         # slots at or before every row of this block are skipped; slots after all of them need no mask
