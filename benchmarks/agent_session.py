@@ -66,7 +66,10 @@ def clear_old_tool_outputs(session, messages, budget: int, keep_last: int = 2):
     return drop_oldest(session, cleared, budget)
 
 
-def run(engine, label: str, cap: int, reply_tokens: int, memory=None, transform=None, steps=STEPS, answer_tokens: int = 32):
+def run(engine, label: str, cap: int, reply_tokens: int, memory=None, transform=None, steps=STEPS, answer_tokens: int = 32,
+        recall_tool: bool = False) -> list[dict]:
+    """Replay the session as ``label``; with ``recall_tool`` also ask the facts a second time, each after the agent
+    re-reads the tool output that best matches the question (``Session.search`` + ``Session.recall``)."""
     with tempfile.TemporaryDirectory() as tmp:
         workspace = Workspace(create_sample_project(tmp))
         session = engine.session(memory=memory)
@@ -77,7 +80,7 @@ def run(engine, label: str, cap: int, reply_tokens: int, memory=None, transform=
             session.set_messages(to_chat_dicts(shown), add_generation_prompt=True)
             peak[0] = max(peak[0], session.cache.physical_length)
             text = session.generate(max_new_tokens=reply_tokens).text
-            peak[0] = max(peak[0], session.cache.physical_length + len(session._pending))
+            peak[0] = max(peak[0], session.cache.physical_length)  # the last sampled token is not in the cache yet
             return text
 
         def on_step(i, name, args, output, reply):
@@ -86,34 +89,48 @@ def run(engine, label: str, cap: int, reply_tokens: int, memory=None, transform=
         start = time.perf_counter()
         messages = replay(workspace, respond, steps, on_step)
         seconds = time.perf_counter() - start
-        recall = ask_facts(engine, session, messages, transform, cap, answer_tokens)
-        peak_slots = max(peak[0], memory.peak_slots if memory is not None else 0)
-        row = {
-            "run": label, "tool_calls": len(steps), "history_tokens": rendered_length(session, messages),
-            "peak_slots": peak_slots, "peak_kv_bytes": peak_slots * engine.kv_bytes_per_token,
-            "compactions": session.cache.compactions, "seconds": seconds, "answer_tokens": answer_tokens, **recall,
-        }
+        base = {"run": label, "tool_calls": len(steps), "history_tokens": rendered_length(session, messages),
+                "compactions": session.cache.compactions, "seconds": seconds, "answer_tokens": answer_tokens}
+        rows = []
+        for recall_first in [False, True] if recall_tool else [False]:
+            recall = ask_facts(engine, session, messages, transform, cap, answer_tokens, recall_first)
+            peak_slots = max(peak[0], recall.pop("probe_peak_slots"), memory.peak_slots if memory is not None else 0)
+            rows.append({**base, "run": label + (" + recall tool" if recall_first else ""), "peak_slots": peak_slots,
+                         "peak_kv_bytes": peak_slots * engine.kv_bytes_per_token, **recall})
         if memory is not None and label == "kvmemory-default":
             plot_memory_map(memory.timeline, session.segments, RESULTS / "agent_session_memory_map.png", cap=cap,
                             title=f"agent session under a {cap}-slot cap (default policy)")
         session.close()
-        return row
+        return rows
 
 
-def ask_facts(engine, session, messages, transform, cap, answer_tokens: int):
+def ask_facts(engine, session, messages, transform, cap, answer_tokens: int, recall_first: bool = False):
+    """Ask each fact question in a fork of the finished session (under the same memory manager and cap).
+
+    ``recall_first``: before the question, re-insert the tool output whose transcript text best matches it,
+    as an agent calling the recall tool would."""
     tok = engine.tokenizer
-    logps, hits, answers = [], 0, {}
+    logps, hits, answers, peak = [], 0, {}, 0
     for key, question, answer in fact_questions():
-        probe = session.fork()
+        probe = session.fork(with_memory=True)
         asked = messages + [HumanMessage(f"{question} Answer with the value only.")]
-        shown = transform(probe, asked, cap) if transform else asked
-        probe.set_messages(to_chat_dicts(shown), add_generation_prompt=True)
+        if recall_first:
+            probe.set_messages(to_chat_dicts(messages))
+            found = probe.search(question, kinds=["tool_output"], limit=1)
+            if found:
+                probe.recall(found[0].id)
+            probe.append_messages(to_chat_dicts(asked[-1:]), add_generation_prompt=True)
+        else:
+            shown = transform(probe, asked, cap) if transform else asked
+            probe.set_messages(to_chat_dicts(shown), add_generation_prompt=True)
         logps.append(float(probe.logprobs(tok.encode(answer, add_special_tokens=False)).sum()))
         text = probe.generate(max_new_tokens=answer_tokens).text
+        peak = max(peak, probe.cache.physical_length, probe.memory.peak_slots if probe.memory is not None else 0)
         answers[key] = text.strip()
         hits += answer.lower() in text.lower()
         probe.close()
-    return {"answer_logprob": sum(logps) / len(logps), "exact_match": hits / len(logps), "answers": answers}
+    return {"answer_logprob": sum(logps) / len(logps), "exact_match": hits / len(logps), "answers": answers,
+            "probe_peak_slots": peak}
 
 
 def main() -> None:
@@ -140,18 +157,21 @@ def main() -> None:
     for label in args.runs:
         engine, memory, transform = configs[label]
         print(f"run {label}", flush=True)
-        rows.append(run(engine, label, args.cap, args.reply_tokens, memory() if memory else None, transform, STEPS[: args.steps],
-                        args.answer_tokens))
-        print(table([rows[-1]], ["run", "peak_slots", "peak_kv_bytes", "answer_logprob", "exact_match", "seconds"]), flush=True)
+        mine = run(engine, label, args.cap, args.reply_tokens, memory() if memory else None, transform, STEPS[: args.steps],
+                   args.answer_tokens, recall_tool=label == "kvmemory-default")
+        print(table(mine, ["run", "peak_slots", "peak_kv_bytes", "answer_logprob", "exact_match", "seconds"]), flush=True)
+        rows += mine
     previous = RESULTS / "agent_session.json"
     if set(args.runs) != set(configs) and previous.is_file():  # a partial rerun replaces only its own rows
         import json
 
         old = json.loads(previous.read_text())
         if old.get("cap") == args.cap and old.get("steps") == args.steps:
-            mine = {r["run"] for r in rows}
-            rows = [r for r in old["rows"] if r["run"] not in mine and r["run"] in configs] + rows
-            rows.sort(key=lambda r: list(configs).index(r["run"]))
+            def config_of(row):  # "kvmemory-default + recall tool" comes from the "kvmemory-default" run
+                return row["run"].split(" + ")[0]
+
+            rows = [r for r in old["rows"] if config_of(r) not in args.runs and config_of(r) in configs] + rows
+            rows.sort(key=lambda r: list(configs).index(config_of(r)))  # stable: a recall row stays after its run
     full = next((r for r in rows if r["run"] == "uncompacted"), None)
     for r in rows:
         if full:

@@ -82,10 +82,15 @@ def test_recall_tool_and_agent_graph(default_engine, workspace):
     chat = ChatKVMemory(engine=default_engine, max_new_tokens=8, policy=default_policy(max_slots=4096))
     session, _ = chat.session_for("recall")
     session.set_messages([{"role": "user", "content": "read it"},
-                          {"role": "tool", "name": "read_file", "content": workspace.read_file("inventory/settings.py")}])
-    tool = recall_tool(chat)
-    assert "DATABASE_PORT = 5433" in tool.invoke({"n": 1}, config={"configurable": {"thread_id": "recall"}})
-    assert "pick n between" in tool.invoke({"n": 5}, config={"configurable": {"thread_id": "recall"}})
+                          {"role": "tool", "name": "read_file", "content": workspace.read_file("inventory/settings.py")},
+                          {"role": "tool", "name": "read_file", "content": workspace.read_file("README.md")}])
+    tool, config = recall_tool(chat), {"configurable": {"thread_id": "recall"}}
+    assert "DATABASE_PORT = 5433" in tool.invoke({"n": 1}, config=config)
+    assert "pick n between" in tool.invoke({"n": 5}, config=config)
+    assert "Ilse Marchetti" in tool.invoke({"query": "who is the maintainer named in the README?"}, config=config)
+    assert "DATABASE_PORT = 5433" in tool.invoke({"query": "database port"}, config=config)
+    assert "no tool output mentions" in tool.invoke({"query": "zebra"}, config=config)
+    assert "give n" in tool.invoke({}, config=config)
     agent = build_coding_agent(chat, workspace)
     out = agent.invoke({"messages": [HumanMessage("List the files.")]}, config={"configurable": {"thread_id": "agent"}, "recursion_limit": 6})
     assert out["messages"][-1].type in ("ai", "tool")

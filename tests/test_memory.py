@@ -136,6 +136,22 @@ def test_recall_restores_the_exact_text(tiny_engine):
     assert session.export_transcript()[out.id]["text"] == "ORIGINAL LOG TEXT 42"
 
 
+def test_search_ranks_segments_by_the_terms_they_share_with_the_query(tiny_engine):
+    session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=400)))
+    texts = ["DATABASE_PORT = 5433\nAPI_TIMEOUT_SECONDS = 17", "3 passed, 1 failed in 0.2s: test_restock",
+             "Maintainer: Ilse Marchetti. Run the tests with pytest."]
+    outs = [session.append_tokens(random_tokens(40, seed=i), kind="tool_output", tool_name="read_file", text=t)
+            for i, t in enumerate(texts)]
+    session.append_tokens(random_tokens(40, seed=9), kind="assistant", text="the restock test failed")
+    session.memory.compact(session)
+    assert [s.id for s in session.search("Which test failed? test_restock", kinds=["tool_output"])] == [outs[1].id]
+    assert session.search("who is the maintainer")[0].id == outs[2].id
+    assert session.search("what is api_timeout_seconds")[0].id == outs[0].id
+    assert session.search("zebra crossing") == []
+    session.recall(outs[0].id)  # a recall repeats the text but is never a hit itself
+    assert [s.id for s in session.search("DATABASE_PORT", limit=5)] == [outs[0].id]
+
+
 def test_context_queries_are_released_once_their_segment_is_compacted(tiny_engine):
     session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=None, query_source=["window", "context"])))
     recorder = session.query_recorder

@@ -54,6 +54,9 @@ class AsyncSession:
     async def recall(self, segment_id: int):
         return await self._run(self.sync.recall, segment_id)
 
+    def search(self, query: str, **kwargs):
+        return self.sync.search(query, **kwargs)
+
     def stats(self):
         return self.sync.stats()
 

@@ -20,6 +20,7 @@ import torch
 from kvmemory.cache import CompactCache, CompactionPlan
 from kvmemory.errors import ContextLengthError, InvalidTokenError, SessionClosedError
 from kvmemory.memory.segments import Segment
+from kvmemory.memory.search import rank_segments
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
@@ -153,10 +154,15 @@ class Session:
                 self.query_recorder.shift(shift, self.engine.rope_inv_freq)
         return shift
 
-    def fork(self, session_id: str | None = None) -> "Session":
-        """An independent copy of this session (cache, transcript, recorders), e.g. to try a compaction."""
+    def fork(self, session_id: str | None = None, with_memory: bool = False) -> "Session":
+        """An independent copy of this session (cache, transcript, recorders), e.g. to try a compaction.
+
+        ``with_memory`` gives the copy its own copy of the memory manager (same policy and cap, separate
+        history), so what is appended to it is compacted as the original would be."""
         self._check_open()
         child = Session(self.engine, session_id, memory=None, prefill_chunk_size=self.prefill_chunk_size)
+        if with_memory and self.memory is not None:
+            child.memory = copy.deepcopy(self.memory)
         child.cache = copy.deepcopy(self.cache)
         child.tokens, child.messages = list(self.tokens), copy.deepcopy(self.messages)
         child.segments = [dataclasses.replace(s, meta=dict(s.meta)) for s in self.segments]
@@ -448,6 +454,15 @@ class Session:
 
             Path(path).write_text(json.dumps({"session": self.id, "segments": data}, indent=1))
         return data
+
+    def search(self, query: str, kinds: list[str] | None = None, limit: int = 3) -> list[Segment]:
+        """Segments whose full text best matches ``query`` (BM25 over the transcript), best first.
+
+        ``kinds`` narrows the search (e.g. ``["tool_output"]``); earlier recalls are never returned, so
+        recalling a search hit does not make it its own best match."""
+        self._refresh_open_segment_text()
+        pool = [s for s in self.segments if s.kind != "recall" and (kinds is None or s.kind in kinds)]
+        return [seg for _, seg in rank_segments(query, pool)[:limit]]
 
     def recall(self, segment_id: int) -> Segment:
         """Re-insert a segment's full text verbatim at the end of the context, saying what it is.
