@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvmemory.cache.plan import CompactionPlan, LayerPlan
+from kvmemory.cache.plan import CompactionPlan, LayerPlan, pad_selection
 from kvmemory.errors import InvalidPlanError
 
 PAD_POSITION = -1
@@ -144,13 +144,8 @@ class CompactLayer(CacheLayerMixin):
                 raise InvalidPlanError(f"{where} head {h}: keep must be a 1-D integer tensor")
             if idx.numel() == 0:
                 raise InvalidPlanError(f"{where} head {h}: keeps zero slots (a head needs at least one)")
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= self.length:
-                raise InvalidPlanError(f"{where} head {h}: slot index out of range [0, {self.length}): {lo}..{hi}")
-            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-                raise InvalidPlanError(f"{where} head {h}: kept slot indices must be strictly increasing")
-            if bool((self.positions[h, idx.to(self.positions.device)] == PAD_POSITION).any()):
-                raise InvalidPlanError(f"{where} head {h}: a kept slot is padding")
+        if not self._keep_is_valid(keep):  # one batched check; the per-head pass below names the problem
+            self._check_keep_per_head(keep, where)
         if plan.values is not None and tuple(plan.values.shape) != (self.num_heads, t_max, self.values.shape[-1]):
             raise InvalidPlanError(
                 f"{where}: values must be {(self.num_heads, t_max, self.values.shape[-1])}, got {tuple(plan.values.shape)}"
@@ -163,15 +158,29 @@ class CompactLayer(CacheLayerMixin):
             raise InvalidPlanError(f"{where}: values contain NaN or infinity")
         return keep
 
+    def _keep_is_valid(self, keep: list[torch.Tensor]) -> bool:
+        """In range, strictly increasing, no padding kept: every head at once, one sync."""
+        index, valid = pad_selection(keep, self.device)
+        in_range = ((index >= 0) & (index < self.length)) | ~valid
+        increasing = (index[:, 1:] > index[:, :-1]) | ~valid[:, 1:]
+        padding = (self.positions.gather(1, index.clamp(0, max(self.length - 1, 0))) == PAD_POSITION) & valid
+        return bool(in_range.all() & increasing.all() & ~padding.any())
+
+    def _check_keep_per_head(self, keep: list[torch.Tensor], where: str) -> None:
+        for h, idx in enumerate(keep):
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.length:
+                raise InvalidPlanError(f"{where} head {h}: slot index out of range [0, {self.length}): {lo}..{hi}")
+            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+                raise InvalidPlanError(f"{where} head {h}: kept slot indices must be strictly increasing")
+            if bool((self.positions[h, idx.to(self.positions.device)] == PAD_POSITION).any()):
+                raise InvalidPlanError(f"{where} head {h}: a kept slot is padding")
+
     def apply(self, plan: LayerPlan, keep: list[torch.Tensor]) -> None:
         """Rebuild this layer from a validated plan into fresh, exactly-sized buffers."""
         heads, t_max = self.num_heads, max(k.numel() for k in keep)
         dev = self.device
-        index = torch.zeros(heads, t_max, dtype=torch.long, device=dev)
-        valid = torch.zeros(heads, t_max, dtype=torch.bool, device=dev)
-        for h, idx in enumerate(keep):
-            index[h, : idx.numel()] = idx.to(dev, torch.long)
-            valid[h, : idx.numel()] = True
+        index, valid = pad_selection(keep, dev)
 
         def gather(t: torch.Tensor) -> torch.Tensor:  # (H, cap, ...) -> (H, t_max, ...)
             ix = index.view(heads, t_max, *([1] * (t.dim() - 2))).expand(heads, t_max, *t.shape[2:])
@@ -181,11 +190,12 @@ class CompactLayer(CacheLayerMixin):
         values = plan.values.to(self.values) if plan.values is not None else gather(self.values[0])
         bias = plan.bias.to(dev, torch.float32) if plan.bias is not None else gather(self.bias[0])
         positions, segments, rope = gather(self.positions), gather(self.segments), gather(self.rope)
-        values = torch.where(valid[..., None], values, torch.zeros((), dtype=values.dtype, device=dev))
-        bias = torch.where(valid, bias, torch.full((), NEG_INF, device=dev))
-        positions = torch.where(valid, positions, torch.full((), PAD_POSITION, dtype=positions.dtype, device=dev))
-        segments = torch.where(valid, segments, torch.full((), -1, dtype=segments.dtype, device=dev))
-        rope = torch.where(valid, rope, torch.full((), PAD_POSITION, dtype=rope.dtype, device=dev))
+        if not bool(valid.all()):  # heads keep different counts: mark the shorter heads' tails as padding
+            values = torch.where(valid[..., None], values, torch.zeros((), dtype=values.dtype, device=dev))
+            bias = torch.where(valid, bias, torch.full((), NEG_INF, device=dev))
+            positions = torch.where(valid, positions, torch.full((), PAD_POSITION, dtype=positions.dtype, device=dev))
+            segments = torch.where(valid, segments, torch.full((), -1, dtype=segments.dtype, device=dev))
+            rope = torch.where(valid, rope, torch.full((), PAD_POSITION, dtype=rope.dtype, device=dev))
 
         self._allocate(heads, keys.shape[-1], values.shape[-1], t_max + _headroom(t_max))
         self.keys[0, :, :t_max] = keys

@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 import torch
 
 
+def pad_selection(keep: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H, t_max) indices (padding → 0) and (H, t_max) validity mask from per-head index lists."""
+    lengths = torch.tensor([k.numel() for k in keep], device=device)
+    index = torch.nn.utils.rnn.pad_sequence([k.to(device, torch.long) for k in keep], batch_first=True)
+    return index, torch.arange(index.shape[1], device=device) < lengths[:, None]
+
+
 @dataclass
 class LayerPlan:
     """The new contents of one layer.

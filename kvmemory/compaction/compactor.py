@@ -15,7 +15,8 @@ from kvmemory.compaction.head_budgets import uniform_budgets
 from kvmemory.compaction.planner import extract_span, span_slots, to_plan
 from kvmemory.compaction.queries import reference_queries
 from kvmemory.compaction.registry import get_method
-from kvmemory.compaction.solvers import attention_output_error, pad_selection
+from kvmemory.cache.plan import pad_selection
+from kvmemory.compaction.solvers import attention_output_error
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvmemory.cache import CompactCache, CompactionPlan, LayerPlan
+from kvmemory.cache.plan import pad_selection
 from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan
 
 
@@ -57,31 +58,37 @@ def extract_span(cache: CompactCache, slots: list[list[torch.Tensor]], queries: 
 
 
 def to_plan(cache: CompactCache, slots: list[list[torch.Tensor]], results: list[LayerResult], method: str) -> CompactionPlan:
-    """Keep every slot outside the span; inside it, keep the method's choice with its new values and β."""
+    """Keep every slot outside the span; inside it, keep the method's choice with its new values and β.
+
+    Per layer, whole-head tensor ops (a keep mask, its running count for the rows the chosen slots land
+    on): a compaction touches every layer, so per-head Python loops would cost more than small methods."""
     plans = []
     for layer, per_head, result in zip(cache.layers, slots, results):
-        keeps, chosen_rows = [], []
-        for h, span_idx in enumerate(per_head):
-            chosen = span_idx[result.keep[h].to(span_idx.device)] if span_idx.numel() else span_idx
-            outside = torch.ones(layer.length, dtype=torch.bool, device=layer.device)
-            outside[span_idx] = False
-            outside &= layer.positions[h, : layer.length] >= 0  # padding never survives a compaction
-            keep = torch.sort(torch.cat([torch.nonzero(outside).flatten(), chosen])).values
-            keeps.append(keep)
-            chosen_rows.append(torch.searchsorted(keep, chosen))
-        t_max = max(k.numel() for k in keeps)
+        heads, length, dev = layer.num_heads, layer.length, layer.device
+        span, span_valid = pad_selection(per_head, dev)
+        local, chosen_valid = pad_selection(result.keep, dev)
+        chosen = torch.gather(span, 1, local) if span.shape[1] else local
+        keep_mask = layer.positions[:, :length] >= 0  # padding never survives a compaction
+        spare = torch.full((), length, device=dev)  # a column past the end absorbs padded entries
+        keep_mask = torch.cat([keep_mask, keep_mask.new_zeros(heads, 1)], 1)
+        keep_mask.scatter_(1, torch.where(span_valid, span, spare), False)
+        keep_mask.scatter_(1, torch.where(chosen_valid, chosen, spare), True)
+        keep_mask = keep_mask[:, :length]
+        counts = keep_mask.sum(1)
+        keeps = list(torch.nonzero(keep_mask)[:, 1].split(counts.tolist()))
         values = bias = None
         if result.values is not None or result.bias is not None:
-            heads = layer.num_heads
-            values = torch.zeros(heads, t_max, layer.values.shape[-1], dtype=layer.values.dtype, device=layer.device)
-            bias = torch.zeros(heads, t_max, dtype=torch.float32, device=layer.device)
-            for h, keep in enumerate(keeps):
-                values[h, : keep.numel()] = layer.values[0, h, keep]
-                bias[h, : keep.numel()] = layer.bias[0, h, keep]
-                rows, n_chosen = chosen_rows[h], chosen_rows[h].numel()
-                if result.values is not None:
-                    values[h, rows] = result.values[h, :n_chosen].to(values.dtype)
-                if result.bias is not None:
-                    bias[h, rows] = result.bias[h, :n_chosen].float()
+            index, valid = pad_selection(keeps, dev)
+            rows = torch.gather(keep_mask.cumsum(1) - 1, 1, chosen)  # where each chosen slot lands in its head
+            rows = torch.where(chosen_valid, rows, torch.full((), index.shape[1], device=dev))  # padded: a spare row
+            values = torch.gather(layer.values[0], 1, index[..., None].expand(-1, -1, layer.values.shape[-1]))
+            bias = torch.gather(layer.bias[0], 1, index).float()
+            if result.values is not None:
+                values = torch.cat([values, values.new_zeros(heads, 1, values.shape[-1])], 1)
+                new = result.values[:, : rows.shape[1]].to(values.dtype)
+                values = values.scatter(1, rows[..., None].expand(-1, -1, values.shape[-1]), new)[:, :-1]
+            if result.bias is not None:
+                bias = torch.cat([bias, bias.new_zeros(heads, 1)], 1)
+                bias = bias.scatter(1, rows, result.bias[:, : rows.shape[1]].float())[:, :-1]
         plans.append(LayerPlan(keep=keeps, values=values, bias=bias))
     return CompactionPlan(plans, method=method)

@@ -12,18 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvmemory.cache.plan import pad_selection
+
 NEG_INF = float("-inf")
-
-
-def pad_selection(keep: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(H, t_max) indices (padding → 0) and (H, t_max) validity mask from per-head index lists."""
-    t_max = max(k.numel() for k in keep)
-    index = torch.zeros(len(keep), t_max, dtype=torch.long, device=device)
-    valid = torch.zeros(len(keep), t_max, dtype=torch.bool, device=device)
-    for h, k in enumerate(keep):
-        index[h, : k.numel()] = k
-        valid[h, : k.numel()] = True
-    return index, valid
 
 
 def gather_columns(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -101,10 +101,12 @@ def _counter_causal_attention(attn_module, hidden, rotary_emb, cache_layer, posi
     groups = q.shape[0] // heads
     cos, sin = rotary_emb(hidden[None], query_phases(cache_layer, positions))  # (H, T, D)
     cos, sin = cos.repeat_interleave(groups, dim=0), sin.repeat_interleave(groups, dim=0)
-    q = (q * cos + _rotate_half(q) * sin).view(heads, groups, t, head_dim)
+    q = ((q * cos + _rotate_half(q) * sin) * attn_module.scaling).view(heads, groups, t, head_dim)
     mm_dtype = _matmul_dtype(q)
     q, keys, values = q.to(mm_dtype), keys.to(mm_dtype), values.to(mm_dtype)
-    bias = cache_layer.bias[0, :, :n].to(mm_dtype)  # padding is −∞ here, so only real slots need the causal mask
+    # β, and −∞ on padding (so only real slots need the causal mask); a cache never compacted has neither
+    bias = cache_layer.bias[0, :, :n].to(mm_dtype) if cache_layer.biased else None
+    no_future_from = int(slot_pos.max(1).values.min())  # rows from here on may have no later slot in some head
     out = hidden.new_zeros(heads, groups, t, values.shape[-1])
     for a in range(0, t, ROW_CHUNK):
         rows = positions[a : a + ROW_CHUNK]
@@ -113,10 +115,13 @@ def _counter_causal_attention(attn_module, hidden, rotary_emb, cache_layer, posi
         masked = ((slot_pos[:, start:] <= rows.max()) & (slot_pos[:, start:] >= 0)).any(0)
         end = start + (int(torch.nonzero(masked).max()) + 1 if bool(masked.any()) else 0)
         scores = torch.matmul(q[:, :, a : a + ROW_CHUNK], keys[:, None, start:].transpose(-1, -2))
-        scores.mul_(attn_module.scaling).add_(bias[:, None, None, start:])
+        if bias is not None:
+            scores.add_(bias[:, None, None, start:])
         later = slot_pos[:, None, start:end] > rows[None, :, None]  # (H, t, ·): strictly later slots only
         scores[..., : end - start].masked_fill_(~later[:, None], float("-inf"))
-        weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a row with no later slot attends to nothing
+        weights = torch.softmax(scores, dim=-1)
+        if int(rows.max()) >= no_future_from:
+            weights.nan_to_num_(0.0)  # a row with no later slot attends to nothing
         out[:, :, a : a + ROW_CHUNK] = torch.matmul(weights, values[:, None, start:])
     return attn_module.o_proj(out.view(-1, t, out.shape[-1]).transpose(0, 1).reshape(t, -1))
 
