@@ -74,7 +74,11 @@ def agent_section(d: dict) -> str:
              f"{r.get('peak_kv_vs_uncompacted', 1):.0%}", r["compactions"], f"{r['answer_logprob']:.2f}",
              f"{r['exact_match']:.0%}", r["answer_tokens"], f"{r['seconds']:.0f}"] for r in d["rows"]]
     return (f"**Agent session** (`python -m benchmarks.agent_session`): {d['steps']} real tool calls on the sample project, "
-            f"cap {d['cap']} slots, then five questions about facts read along the way.\n\n"
+            f"cap {d['cap']} slots, then five questions about facts read along the way, each asked in a fork of the "
+            f"finished session under the same cap. `+ recall tool`: the same replay, but before each question the agent "
+            f"re-reads the tool output whose transcript text best matches it (`Session.search`, BM25, then "
+            f"`Session.recall`). The text baselines trim what they send, so what they dropped is out of the model's view; "
+            f"a text agent that kept its whole message list could run the same search.\n\n"
             + md(rows, ["run", "history tokens", "peak slots", "peak KV", "vs uncompacted", "compactions", "answer log-prob", "exact match", "answer tokens", "seconds"]))
 
 
