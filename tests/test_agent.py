@@ -101,5 +101,5 @@ def test_demo_runs_end_to_end(default_engine, tmp_path, capsys):
 
     main(["--steps", "3", "--cap", "512", "--reply-tokens", "4", "--map", str(tmp_path / "map.png")], engine=default_engine)
     printed = capsys.readouterr().out
-    assert "peak KV bytes" in printed and "answered from the compacted cache" in printed and "calls recall(query=question)" in printed
+    assert "peak KV bytes" in printed and "answered from the compacted cache" in printed and "after recall(query=question)" in printed
     assert (tmp_path / "map.png").stat().st_size > 5000
