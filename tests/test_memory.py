@@ -124,6 +124,19 @@ def test_cap_protection_and_recall_in_a_long_session():
             assert bool((p[1:] > p[:-1]).all())
 
 
+def test_a_fork_with_memory_keeps_the_cap_and_leaves_the_original_alone(tiny_engine):
+    session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=160)), prefill_chunk_size=32)
+    session.append_tokens(random_tokens(20), kind="system")
+    session.append_tokens(random_tokens(130, seed=1), kind="tool_output", tool_name="run_tests")
+    tokens, slots, timeline = list(session.tokens), session.cache.physical_length, len(session.memory.timeline)
+    capped, free = session.fork(with_memory=True), session.fork()
+    for fork in (capped, free):
+        fork.append_tokens(random_tokens(120, seed=2), kind="tool_output", tool_name="run_tests")
+    assert capped.cache.physical_length <= 160 and capped.memory is not session.memory
+    assert free.memory is None and free.cache.physical_length == slots + 120
+    assert session.tokens == tokens and session.cache.physical_length == slots and len(session.memory.timeline) == timeline
+
+
 def test_recall_restores_the_exact_text(tiny_engine):
     session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=400)))
     session.append_tokens(random_tokens(10), kind="system")
