@@ -18,12 +18,12 @@ def recall_tool(chat: ChatKVMemory) -> StructuredTool:
         or the one that best matches the keywords in query."""
         thread = chat.current_thread_id({})
         session, _ = chat.session_for(thread)
-        outputs = [s for s in session.segments if s.kind == "tool_output"]
         if query is not None:
             hits = session.search(query, kinds=["tool_output"], limit=1)
             return hits[0].text if hits else f"error: no tool output mentions any of the words in {query!r}"
         if n is None:
             return "error: give n (which tool output) or query (keywords to look for)"
+        outputs = [s for s in session.segments if s.kind == "tool_output"]
         if not 1 <= n <= len(outputs):
             return f"error: there are {len(outputs)} tool outputs; pick n between 1 and {len(outputs)}"
         return outputs[n - 1].text

@@ -65,30 +65,25 @@ def to_plan(cache: CompactCache, slots: list[list[torch.Tensor]], results: list[
     plans = []
     for layer, per_head, result in zip(cache.layers, slots, results):
         heads, length, dev = layer.num_heads, layer.length, layer.device
+        head_of = torch.arange(heads, device=dev)[:, None]
         span, span_valid = pad_selection(per_head, dev)
         local, chosen_valid = pad_selection(result.keep, dev)
         chosen = torch.gather(span, 1, local) if span.shape[1] else local
         keep_mask = layer.positions[:, :length] >= 0  # padding never survives a compaction
-        spare = torch.full((), length, device=dev)  # a column past the end absorbs padded entries
-        keep_mask = torch.cat([keep_mask, keep_mask.new_zeros(heads, 1)], 1)
-        keep_mask.scatter_(1, torch.where(span_valid, span, spare), False)
-        keep_mask.scatter_(1, torch.where(chosen_valid, chosen, spare), True)
-        keep_mask = keep_mask[:, :length]
-        counts = keep_mask.sum(1)
-        keeps = list(torch.nonzero(keep_mask)[:, 1].split(counts.tolist()))
+        keep_mask[head_of.expand_as(span)[span_valid], span[span_valid]] = False
+        keep_mask[head_of.expand_as(chosen)[chosen_valid], chosen[chosen_valid]] = True
+        keeps = list(torch.nonzero(keep_mask)[:, 1].split(keep_mask.sum(1).tolist()))
         values = bias = None
         if result.values is not None or result.bias is not None:
-            index, valid = pad_selection(keeps, dev)
-            rows = torch.gather(keep_mask.cumsum(1) - 1, 1, chosen)  # where each chosen slot lands in its head
-            rows = torch.where(chosen_valid, rows, torch.full((), index.shape[1], device=dev))  # padded: a spare row
+            index, _ = pad_selection(keeps, dev)
+            # where each chosen slot lands in its head's kept slots
+            heads_chosen = head_of.expand_as(chosen)[chosen_valid]
+            rows = torch.gather(keep_mask.cumsum(1) - 1, 1, chosen)[chosen_valid]
             values = torch.gather(layer.values[0], 1, index[..., None].expand(-1, -1, layer.values.shape[-1]))
             bias = torch.gather(layer.bias[0], 1, index).float()
             if result.values is not None:
-                values = torch.cat([values, values.new_zeros(heads, 1, values.shape[-1])], 1)
-                new = result.values[:, : rows.shape[1]].to(values.dtype)
-                values = values.scatter(1, rows[..., None].expand(-1, -1, values.shape[-1]), new)[:, :-1]
+                values[heads_chosen, rows] = result.values[:, : chosen.shape[1]][chosen_valid].to(values.dtype)
             if result.bias is not None:
-                bias = torch.cat([bias, bias.new_zeros(heads, 1)], 1)
-                bias = bias.scatter(1, rows, result.bias[:, : rows.shape[1]].float())[:, :-1]
+                bias[heads_chosen, rows] = result.bias[:, : chosen.shape[1]][chosen_valid].float()
         plans.append(LayerPlan(keep=keeps, values=values, bias=bias))
     return CompactionPlan(plans, method=method)
