@@ -3,10 +3,12 @@ probes on planted facts, and milliseconds per compaction.
 
 For every text kind and method, an N-token context is compacted to exactly N/ratio slots per head (the
 first 4 tokens and the last 32 are kept verbatim by every method), then the next 256 tokens are scored
-teacher-forced. Retrieval: facts planted in long pytest logs; after compaction the question is appended
-and the answer's log-probability and greedy exact match are measured.
+teacher-forced; each kind is measured on several disjoint windows of its text and the tables give means
+(with one window per kind, single texts decided which method won). Retrieval: facts planted in long pytest
+logs; after compaction the question is appended and the answer's log-probability and greedy exact match
+are measured.
 
-    python -m benchmarks.quality [--context 2048] [--ratios 4 10 20 50] [--kinds source logs prose reasoning]
+    python -m benchmarks.quality [--context 2048] [--segments 2] [--ratios 4 10 20 50] [--kinds source logs prose reasoning]
 """
 
 from __future__ import annotations
@@ -73,25 +75,41 @@ def compact_context(base, n_context: int, label: str, ratio: float):
     return session, record
 
 
-def quality(engine, kinds, n_context, ratios, labels):
+def quality(engine, kinds, n_context, ratios, labels, segments):
+    """Per text kind, ``segments`` disjoint consecutive (context, continuation) windows of one text."""
     rows = []
+    span = n_context + CONTINUATION
     for kind in kinds:
-        ids = engine.tokenizer.encode(TEXT_KINDS[kind](n_context * 8), add_special_tokens=False)
-        context, continuation = ids[:n_context], ids[n_context : n_context + CONTINUATION]
-        base = prepared_session(engine, context)
-        full_nll = float(-base.logprobs(continuation).mean())
-        rows.append({"kind": kind, "method": "full", "ratio": 1.0, "nll": full_nll, "delta": 0.0, "ms": 0.0})
-        print(f"{kind}: full-cache NLL {full_nll:.4f}", flush=True)
-        for ratio in ratios:
-            for label in labels:
-                session, record = compact_context(base, n_context, label, ratio)
-                nll = float(-session.logprobs(continuation).mean())
-                rows.append({"kind": kind, "method": label, "ratio": ratio, "nll": nll, "delta": nll - full_nll,
-                             "ms": record.milliseconds})
-                print(f"  {ratio:>4}x {label:<18} NLL {nll:.4f} (+{nll - full_nll:.4f})  {record.milliseconds:7.0f} ms", flush=True)
-                session.close()
-        base.close()
+        ids = engine.tokenizer.encode(TEXT_KINDS[kind](n_context * 12 * segments), add_special_tokens=False)
+        if len(ids) < segments * span:
+            raise ValueError(f"{kind}: {len(ids)} tokens, {segments} segments need {segments * span}")
+        for segment in range(segments):
+            window = ids[segment * span : (segment + 1) * span]
+            context, continuation = window[:n_context], window[n_context:]
+            base = prepared_session(engine, context)
+            full_nll = float(-base.logprobs(continuation).mean())
+            rows.append({"kind": kind, "segment": segment, "method": "full", "ratio": 1.0, "nll": full_nll, "delta": 0.0, "ms": 0.0})
+            print(f"{kind} segment {segment}: full-cache NLL {full_nll:.4f}", flush=True)
+            for ratio in ratios:
+                for label in labels:
+                    session, record = compact_context(base, n_context, label, ratio)
+                    nll = float(-session.logprobs(continuation).mean())
+                    rows.append({"kind": kind, "segment": segment, "method": label, "ratio": ratio, "nll": nll,
+                                 "delta": nll - full_nll, "ms": record.milliseconds})
+                    print(f"  {ratio:>4}x {label:<18} NLL {nll:.4f} (+{nll - full_nll:.4f})  {record.milliseconds:7.0f} ms", flush=True)
+                    session.close()
+            base.close()
     return rows
+
+
+def mean_over_segments(rows):
+    """One row per (kind, method, ratio): the mean NLL, NLL increase and milliseconds over the segments."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["kind"], r["method"], r["ratio"]), []).append(r)
+    return [{"kind": kind, "method": method, "ratio": ratio, "segments": len(g),
+             **{key: sum(r[key] for r in g) / len(g) for key in ("nll", "delta", "ms")}}
+            for (kind, method, ratio), g in groups.items()]
 
 
 def retrieval(engine, n_context, ratios, labels):
@@ -189,6 +207,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--ratios", type=float, nargs="+", default=[4, 10, 20, 50])
+    parser.add_argument("--segments", type=int, default=2, help="disjoint context windows per text kind (results are means)")
     parser.add_argument("--kinds", nargs="+", default=list(TEXT_KINDS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--latency-sizes", type=int, nargs="+", default=[2048, 4096])
@@ -200,14 +219,15 @@ def main() -> None:
         return
     engine = Engine.from_pretrained("default")
     torch.manual_seed(0)
-    out = {"context": args.context, "continuation": CONTINUATION, "sinks": SINKS, "recent": RECENT, "window": WINDOW,
+    out = {"context": args.context, "segments": args.segments, "continuation": CONTINUATION, "sinks": SINKS, "recent": RECENT, "window": WINDOW,
            "context_queries": CONTEXT_QUERIES,
            "methods": {k: [v[0], v[1], v[2]] for k, v in METHODS.items()}}
     started = time.perf_counter()
     if "quality" not in args.skip:
-        out["quality"] = quality(engine, args.kinds, args.context, args.ratios, args.methods)
+        out["quality_segments"] = quality(engine, args.kinds, args.context, args.ratios, args.methods, args.segments)
+        out["quality"] = mean_over_segments(out["quality_segments"])
         plot(out["quality"], RESULTS / "quality.png")
-        print(table(out["quality"], ["kind", "method", "ratio", "nll", "delta", "ms"]))
+        print(table(out["quality_segments"], ["kind", "segment", "method", "ratio", "nll", "delta", "ms"]))
     if "retrieval" not in args.skip:
         out["retrieval"] = retrieval(engine, args.context, [10, 20], args.methods)
         print(table(out["retrieval"], ["method", "ratio", "answer_logprob", "exact_match"]))

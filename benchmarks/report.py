@@ -35,8 +35,9 @@ def speed_section(d: dict) -> str:
 
 
 def quality_section(d: dict) -> str:
+    windows = f"mean over {d['segments']} disjoint windows of each text" if d.get("segments", 1) > 1 else "one window per text"
     out = [f"**Quality** (`python -m benchmarks.quality`): increase of the teacher-forced NLL of the {d['continuation']} tokens "
-           f"that follow a {d['context']}-token context, after compacting the context to context/ratio slots per head "
+           f"that follow a {d['context']}-token context ({windows}), after compacting the context to context/ratio slots per head "
            f"(first {d['sinks']} and last {d['recent']} tokens verbatim for every method; reference queries: the last "
            f"{d['window']} tokens; `*_context` add {d.get('context_queries', 256)} tokens' context-prefill queries, `am_repeat` "
            f"repeat-prefill; `am_real*` is Attention Matching under REAL's profiled head budgets). "
