@@ -172,6 +172,54 @@ def test_fast_counter_causal_equals_full_on_one_layer_model():
     assert torch.allclose(full, fast, atol=1e-5)
 
 
+def test_counter_causal_score_matches_a_dense_reference():
+    """The blocked, reduced-precision counter-causal pass against the definition written out densely in
+    fp32: each token re-read by the last layer, attending only to strictly later cached slots."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    engine = Engine(model)
+    session = engine.session()
+    session.record_last_layer_inputs()
+    tokens = random_tokens(300, seed=3)  # longer than one row block, so the blocking is exercised
+    session.append_tokens(tokens)
+    positions = torch.arange(300)
+    got = own_token_logits(ModelAccess.from_session(session), positions, fast=True)
+
+    layer, attn, base = model.model.layers[0], model.model.layers[0].self_attn, model.model
+    with torch.no_grad():
+        hidden = base.embed_tokens(torch.tensor(tokens))
+        q = attn.q_proj(layer.input_layernorm(hidden)).view(300, -1, attn.head_dim).transpose(0, 1)
+        cos, sin = base.rotary_emb(hidden[None], positions[None])
+        half = attn.head_dim // 2
+        q = q * cos + torch.cat([-q[..., half:], q[..., :half]], dim=-1) * sin
+        cache = session.cache.layers[0]
+        groups = q.shape[0] // cache.num_heads
+        keys = cache.keys[0, :, :300].repeat_interleave(groups, 0)
+        values = cache.values[0, :, :300].repeat_interleave(groups, 0)
+        scores = (q @ keys.transpose(1, 2)) * attn.scaling
+        scores = scores.masked_fill(~torch.ones(300, 300, dtype=torch.bool).triu(1), float("-inf"))
+        out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ values  # the last token has no future: 0
+        hidden = hidden + attn.o_proj(out.transpose(0, 1).reshape(300, -1))
+        want = (base.norm(hidden) * model.lm_head.weight[torch.tensor(tokens)]).sum(-1)
+
+    assert torch.allclose(got, want, atol=0.03 * float(want.abs().max()))
+    rank = lambda x: torch.argsort(torch.argsort(x)).float()
+    assert float(torch.corrcoef(torch.stack([rank(got), rank(want)]))[0, 1]) > 0.999
+
+
+def test_span_positions_cover_every_head_and_layer():
+    from kvmemory.compaction.methods.counter_causal import span_positions
+    from kvmemory.compaction.planner import extract_span, span_slots
+
+    session = Engine(tiny_model("llama")).session()
+    session.append_tokens(random_tokens(60))
+    per_head = [torch.arange(0, 40, 2), torch.arange(1, 40, 3)]  # heads keep different positions
+    session.compact(CompactionPlan([LayerPlan(keep=per_head) for _ in session.cache.layers]))
+    span = extract_span(session.cache, span_slots(session.cache, torch.arange(0, 60)), None, 1.0)
+    want = torch.unique(torch.cat([layer.positions[layer.valid] for layer in span.layers]))
+    assert torch.equal(span_positions(span), want)
+    assert set(want.tolist()) == set(range(0, 40, 2)) | set(range(1, 40, 3))  # the union over heads
+
+
 def test_counter_causal_score_survives_a_rebase():
     """Closing a uniform gap shifts every key alike: the surprise scores must not move. After a per-head
     rebase each kept token's query meets its own key's phase in every head."""
