@@ -13,8 +13,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from kvmemory.cache.plan import pad_selection
 from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, LayerSpan, MethodConfig, protected_mask, topk_per_head
-from kvmemory.compaction.solvers import fit_bias_and_values, gather_columns, nnls_box, pad_selection, pool_scores, reduce_attention
+from kvmemory.compaction.solvers import fit_bias_and_values, gather_columns, nnls_box, pool_scores, reduce_attention
 
 
 class AttentionMatchingConfig(MethodConfig):
