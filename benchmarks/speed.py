@@ -79,10 +79,9 @@ def main() -> None:
     small.compact(evenly_spaced_plan(small, 400))
 
     def decode(session):
-        snap = session.cache.snapshot_lengths(), len(session.tokens), list(session.segments)
+        state = session.snapshot()
         session.generate(max_new_tokens=n_dec)
-        session._truncate(snap[1])
-        session._ensure_logits()
+        session.restore(state)
 
     t_full = median_time(lambda: decode(full), args.repeats)
     t_small = median_time(lambda: decode(small), args.repeats)

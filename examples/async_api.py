@@ -10,7 +10,7 @@ from kvmemory import Engine
 
 async def main() -> None:
     engine = Engine.from_pretrained("default")
-    async with engine.session() as session:
+    async with engine.async_session() as session:
         await session.append_messages([{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True)
         answer = ""
         async for piece in session.stream(max_new_tokens=40):
@@ -18,12 +18,11 @@ async def main() -> None:
             answer += piece
         print()
         before = session.prefilled_tokens
-        messages = session.messages + [{"role": "assistant", "content": answer},
-                                       {"role": "user", "content": "And their sum?"}]
-        await session.set_messages(messages, add_generation_prompt=True)
+        # the streamed reply is already the conversation's assistant message: append only the new question
+        await session.append_messages([{"role": "user", "content": "And their sum?"}], add_generation_prompt=True)
         print(f"(second turn prefilled {session.prefilled_tokens - before} new tokens of {len(session.tokens)})")
         print((await session.generate(max_new_tokens=30)).text)
-        stats = session.stats()
+        stats = await session.stats()
         print(f"{stats.logical_tokens} tokens, {max(stats.physical_slots)} slots, {stats.kv_bytes / 2**20:.1f} MiB of KV")
 
 

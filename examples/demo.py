@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         workspace = Workspace(create_sample_project(tmp))
-        session, _ = chat.session_for("demo")
+        session = chat.session_for("demo")
 
         def respond(messages):
             return chat.invoke(messages, config=THREAD).content

@@ -9,6 +9,7 @@ parsed from ``<tool_call>`` JSON. Usage metadata reports reused prefix tokens as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -24,11 +25,12 @@ from langchain_core.runnables.config import ensure_config
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from kvmemory import ContextLengthError, Engine, MemoryCapError, ToolCallParseError
-from kvmemory.memory import MemoryManager, MemoryPolicy
+from kvmemory import ContextLengthError, Engine, MemoryCapError, Session, ToolCallParseError
+from kvmemory.memory import MemoryManager, MemoryPolicy, default_policy
 from kvmemory.runtime.chat import TOOL_CALL_RE, parse_tool_calls
 
 DEFAULT_THREAD = "default"
+DEFAULT_MAX_SLOTS = 2048  # the cap a chat model gets when no policy is given (as in the agent benchmark)
 
 
 def _text(content) -> str:
@@ -65,7 +67,9 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict]:
 class ChatKVMemory(BaseChatModel):
     """A local chat model whose threads keep (and compact) their KV cache between calls.
 
-    ``ChatKVMemory.from_pretrained("default", policy=default_policy(max_slots=2048))``
+    ``ChatKVMemory.from_pretrained("default", policy=default_policy(max_slots=4096))``. Without a policy
+    each thread gets ``default_policy(max_slots=2048)`` (``DEFAULT_MAX_SLOTS``, or the model's context if
+    smaller); pass ``MemoryPolicy()`` for a cache that is never compacted.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -94,8 +98,22 @@ class ChatKVMemory(BaseChatModel):
         return {"model": self.engine.name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
 
     # ---- threads -------------------------------------------------------------------------------
-    def session_for(self, thread_id: str | None = None):
+    def model_post_init(self, context: Any) -> None:
+        if self.policy is None:  # a resident cache with no cap would grow until the model's context runs out
+            self.policy = default_policy(max_slots=min(DEFAULT_MAX_SLOTS, self.engine.max_context))
+
+    def session_for(self, thread_id: str | None = None) -> Session:
         """The thread's session (created on first use; after a restart it is rebuilt from the messages)."""
+        return self._thread(thread_id)[0]
+
+    @contextlib.contextmanager
+    def thread(self, thread_id: str | None = None) -> Iterator[Session]:
+        """The thread's session, held for a sequence of calls no other call on that thread interleaves with."""
+        session, lock = self._thread(thread_id)
+        with lock:
+            yield session
+
+    def _thread(self, thread_id: str | None) -> tuple[Session, threading.Lock]:
         thread_id = thread_id or DEFAULT_THREAD
         with self._guard:
             if thread_id not in self._sessions:
@@ -145,7 +163,7 @@ class ChatKVMemory(BaseChatModel):
 
     # ---- generation ----------------------------------------------------------------------------
     def _prepare(self, messages, kwargs):
-        session, lock = self.session_for(self.current_thread_id(kwargs))
+        session, lock = self._thread(self.current_thread_id(kwargs))
         return session, lock, to_chat_dicts(messages), kwargs.get("tools")
 
     def _prefill(self, session, dicts, tools) -> tuple[int, int]:
@@ -159,9 +177,10 @@ class ChatKVMemory(BaseChatModel):
         return prompt, prompt - (session.prefilled_tokens - before)
 
     def _steps(self, session, stop, kwargs):
-        return session._generate(
-            kwargs.get("max_new_tokens", self.max_new_tokens), kwargs.get("temperature", self.temperature),
-            kwargs.get("top_p", self.top_p), 0, stop, kwargs.get("seed", self.seed),
+        return session.start_generation(
+            max_new_tokens=kwargs.get("max_new_tokens", self.max_new_tokens),
+            temperature=kwargs.get("temperature", self.temperature), top_p=kwargs.get("top_p", self.top_p),
+            stop=stop, seed=kwargs.get("seed", self.seed),
         )
 
     def _final_message(self, text: str, generated: int, prompt: int, cached: int, finish: str, chunk: bool):

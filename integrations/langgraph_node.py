@@ -43,8 +43,7 @@ class CompactionNode:
 
     def _run(self, config: RunnableConfig) -> dict[str, Any]:
         thread = (config or {}).get("configurable", {}).get("thread_id")
-        session, lock = self.chat_model.session_for(thread)
-        with lock:
+        with self.chat_model.thread(thread) as session:
             if session.memory is None:
                 session.memory = MemoryManager(self.chat_model.policy)
                 session.memory.attach(session)

@@ -88,8 +88,7 @@ class KVMemoryMiddleware(AgentMiddleware):
         if self.chat_model is None:
             return None
         thread = self.chat_model.current_thread_id({})
-        session, lock = self.chat_model.session_for(thread)
-        with lock:
+        with self.chat_model.thread(thread) as session:
             self._calls[thread] = self._calls.get(thread, 0) + 1
             if self.compact_every and self._calls[thread] % self.compact_every == 0:
                 if session.memory is None:

@@ -3,21 +3,24 @@
 from kvmemory.cache import CompactCache, CompactionPlan, LayerPlan
 from kvmemory.errors import (
     ContextLengthError,
+    InvalidArgumentError,
+    InvalidMessageError,
     InvalidPlanError,
     InvalidTokenError,
     KVMemoryError,
     MemoryCapError,
     ModelLoadError,
     PolicyError,
+    SessionBusyError,
     SessionClosedError,
     ToolCallParseError,
     UnsupportedArchitectureError,
 )
-from kvmemory.runtime import AsyncSession, Engine, GenerationResult, Session, SessionStats
+from kvmemory.runtime import AsyncSession, Engine, GenerationResult, SamplingParams, Session, SessionStats
 
 __all__ = [
     "AsyncSession", "CompactCache", "CompactionPlan", "ContextLengthError", "Engine", "GenerationResult",
-    "InvalidPlanError", "InvalidTokenError", "KVMemoryError", "LayerPlan", "MemoryCapError", "ModelLoadError",
-    "PolicyError", "Session", "SessionClosedError", "SessionStats", "ToolCallParseError",
+    "InvalidArgumentError", "InvalidMessageError", "InvalidPlanError", "InvalidTokenError", "KVMemoryError", "LayerPlan", "MemoryCapError", "ModelLoadError",
+    "PolicyError", "SamplingParams", "Session", "SessionBusyError", "SessionClosedError", "SessionStats", "ToolCallParseError",
     "UnsupportedArchitectureError",
 ]

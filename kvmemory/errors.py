@@ -13,15 +13,15 @@ class UnsupportedArchitectureError(ModelLoadError):
     """The model's architecture is not one kvmemory can run (it names the architecture)."""
 
 
-class ContextLengthError(KVMemoryError):
+class ContextLengthError(KVMemoryError, ValueError):
     """An input would push the session past the model's maximum position."""
 
 
-class InvalidTokenError(KVMemoryError):
+class InvalidTokenError(KVMemoryError, ValueError):
     """Token ids outside the model's vocabulary."""
 
 
-class InvalidPlanError(KVMemoryError):
+class InvalidPlanError(KVMemoryError, ValueError):
     """A compaction plan whose shapes or indices do not fit the cache."""
 
 
@@ -39,3 +39,15 @@ class PolicyError(KVMemoryError, ValueError):
 
 class ToolCallParseError(KVMemoryError, ValueError):
     """The model wrote a tool call that is not valid JSON or lacks a name."""
+
+
+class InvalidArgumentError(KVMemoryError, ValueError):
+    """An argument outside its valid range (sampling parameters, limits); it names the argument."""
+
+
+class InvalidMessageError(KVMemoryError, ValueError):
+    """A chat message the session cannot render: unknown role, non-text content, a tool message with no tool name."""
+
+
+class SessionBusyError(KVMemoryError, RuntimeError):
+    """A call arrived while a stream is open on the session: finish or close the stream first."""

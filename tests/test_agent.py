@@ -80,7 +80,7 @@ def test_scripted_session_runs_real_tools(workspace):
 
 def test_recall_tool_and_agent_graph(default_engine, workspace):
     chat = ChatKVMemory(engine=default_engine, max_new_tokens=8, policy=default_policy(max_slots=4096))
-    session, _ = chat.session_for("recall")
+    session = chat.session_for("recall")
     session.set_messages([{"role": "user", "content": "read it"},
                           {"role": "tool", "name": "read_file", "content": workspace.read_file("inventory/settings.py")},
                           {"role": "tool", "name": "read_file", "content": workspace.read_file("README.md")}])

@@ -180,12 +180,12 @@ def test_folded_path_in_a_session_matches(tiny_engine):
     ids = torch.tensor([[5]])
     outs = []
     for path in ("mask", "folded"):
-        snap = session.cache.snapshot_lengths()
+        snap = session.cache.snapshot()
         session.cache.begin_append(torch.tensor([30]), 0)
         with torch.no_grad():
             outs.append(tiny_engine.model(input_ids=ids, position_ids=torch.tensor([[30]]), cache=session.cache,
                                           compact_cache=session.cache, attention_path=path).logits)
-        session.cache.rollback(snap)
+        session.cache.restore(snap)
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
 
@@ -206,7 +206,7 @@ async def test_async_matches_sync(tiny_engine):
     sync = tiny_engine.session()
     sync.append_tokens(prompt)
     expected = sync.generate(max_new_tokens=8).token_ids
-    async with tiny_engine.session() as session:
+    async with tiny_engine.async_session() as session:
         await session.append_tokens(prompt)
         result = await session.generate(max_new_tokens=8)
     assert result.token_ids == expected

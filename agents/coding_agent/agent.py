@@ -17,7 +17,7 @@ def recall_tool(chat: ChatKVMemory) -> StructuredTool:
         """Return the full text of an earlier tool output: the n-th of this conversation (1 = the first),
         or the one that best matches the keywords in query."""
         thread = chat.current_thread_id({})
-        session, _ = chat.session_for(thread)
+        session = chat.session_for(thread)
         if query is not None:
             hits = session.search(query, kinds=["tool_output"], limit=1)
             return hits[0].text if hits else f"error: no tool output mentions any of the words in {query!r}"

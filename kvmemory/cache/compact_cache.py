@@ -8,12 +8,20 @@ The logical length (what new positions count from) is separate from the physical
 appended after a compaction keep their true positions. Slots live in buffers with a little headroom so
 decoding does not reallocate every step; a compaction allocates fresh, exactly-sized buffers and drops
 the old ones, so the memory is really returned.
+
+Snapshots are copy-on-write: ``snapshot()`` records each layer's buffers and length without copying, and
+nothing ever writes below a length a snapshot still refers to (appends write past it, compactions and
+rebases allocate new buffers, a truncation only lowers the length and the next append into the
+truncated part copies the buffers first). ``restore()`` therefore gives back every layer's keys, values,
+β and positions bit for bit, whatever the layers' lengths, at the cost of a few references.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from dataclasses import dataclass
 
 from kvmemory.cache.plan import CompactionPlan, LayerPlan, pad_selection
 from kvmemory.errors import InvalidPlanError
@@ -51,6 +59,7 @@ class CompactLayer(CacheLayerMixin):
         self.segments: torch.Tensor | None = None  # (H, cap) int32
         self.length = 0
         self.biased = False  # True once any slot has a non-zero β (then attention must add it)
+        self.shared_length = 0  # slots [0, shared_length) of these buffers belong to a snapshot too
 
     # ---- transformers' layer interface ---------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -63,6 +72,8 @@ class CompactLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
+        if self.length < self.shared_length:  # writing over slots a snapshot still holds: copy first
+            self._reallocate(self.length + q)
         self._ensure_capacity(self.length + q)
         end = self.length + q
         self.keys[:, :, self.length : end] = key_states
@@ -111,10 +122,14 @@ class CompactLayer(CacheLayerMixin):
         self.positions = torch.full((heads, capacity), PAD_POSITION, dtype=torch.int32, device=self.device)
         self.rope = torch.full((heads, capacity), PAD_POSITION, dtype=torch.int32, device=self.device)
         self.segments = torch.full((heads, capacity), -1, dtype=torch.int32, device=self.device)
+        self.shared_length = 0
 
     def _ensure_capacity(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
+        if needed > self.capacity:
+            self._reallocate(needed)
+
+    def _reallocate(self, needed: int) -> None:
+        """Move the live slots into fresh buffers with room for ``needed`` slots."""
         old = (self.keys, self.values, self.bias, self.positions, self.segments, self.rope)
         self._allocate(self.num_heads, self.keys.shape[-1], self.values.shape[-1], needed + _headroom(needed))
         n = self.length
@@ -124,12 +139,37 @@ class CompactLayer(CacheLayerMixin):
             new[..., :n] = prev[..., :n]
 
     def truncate(self, length: int) -> None:
-        """Forget the slots from ``length`` on (used to roll back a failed or speculative append)."""
+        """Forget the slots from ``length`` on. Only the length changes (slots past it are never read), so
+        a snapshot sharing these buffers stays intact."""
         self.length = min(self.length, length)
         if self.keys is not None:
-            self.positions[:, self.length :] = PAD_POSITION
-            self.segments[:, self.length :] = -1
             self.biased = bool((self.bias[..., : self.length] != 0).any())
+
+    _STATE = ("keys", "values", "bias", "positions", "rope", "segments", "length", "biased", "is_initialized")
+
+    def snapshot(self) -> tuple:
+        """This layer's buffers and length, shared, not copied (see the module docstring)."""
+        self.shared_length = max(self.shared_length, self.length)
+        return tuple(getattr(self, name, None) for name in self._STATE) + (self.shared_length,)
+
+    def restore(self, state: tuple) -> None:
+        for name, value in zip(self._STATE + ("shared_length",), state):
+            setattr(self, name, value)
+        if self.keys is not None:
+            self.dtype, self.device = self.keys.dtype, self.keys.device
+
+    def clone(self) -> "CompactLayer":
+        """An independent copy holding only the live slots (plus headroom)."""
+        twin = CompactLayer()
+        if self.keys is not None:
+            twin.dtype, twin.device, twin.is_initialized = self.dtype, self.device, self.is_initialized
+            twin._allocate(self.num_heads, self.keys.shape[-1], self.values.shape[-1], self.length + _headroom(self.length))
+            n = twin.length = self.length
+            twin.keys[:, :, :n], twin.values[:, :, :n] = self.keys[:, :, :n], self.values[:, :, :n]
+            for name in ("bias", "positions", "rope", "segments"):
+                getattr(twin, name)[..., :n] = getattr(self, name)[..., :n]
+            twin.biased = self.biased
+        return twin
 
     def validate(self, plan: LayerPlan, layer_idx: int) -> list[torch.Tensor]:
         keep = plan.keep_per_head()
@@ -152,8 +192,8 @@ class CompactLayer(CacheLayerMixin):
             )
         if plan.bias is not None and tuple(plan.bias.shape) != (self.num_heads, t_max):
             raise InvalidPlanError(f"{where}: bias must be {(self.num_heads, t_max)}, got {tuple(plan.bias.shape)}")
-        if plan.bias is not None and bool(torch.isnan(plan.bias).any()):
-            raise InvalidPlanError(f"{where}: bias contains NaN")
+        if plan.bias is not None and bool((torch.isnan(plan.bias) | (plan.bias == float("inf"))).any()):
+            raise InvalidPlanError(f"{where}: bias contains NaN or +infinity (β must be finite or −∞)")
         if plan.values is not None and not bool(torch.isfinite(plan.values).all()):
             raise InvalidPlanError(f"{where}: values contain NaN or infinity")
         return keep
@@ -224,6 +264,17 @@ class CompactLayer(CacheLayerMixin):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass
+class CacheSnapshot:
+    """A CompactCache's state at one moment: each layer's (shared) buffers and length, and the counters."""
+
+    layers: list[tuple]
+    logical_length: int
+    rope_length: int
+    compactions: int
+    default_segment: int
+
+
 class CompactCache(Cache):
     """A cache of CompactLayers with a logical length that survives compaction.
 
@@ -268,25 +319,39 @@ class CompactCache(Cache):
 
     @property
     def physical_length(self) -> int:
-        return self.layers[0].length
+        """Slots per layer as memory counts them: the mean over layers, rounded up (layers may differ after a
+        per-layer budget), so ``physical_length × bytes_per_token`` bounds the KV bytes held."""
+        total = sum(layer.length for layer in self.layers)
+        return -(-total // len(self.layers))
+
+    @property
+    def longest_layer(self) -> int:
+        """The most slots any layer holds (what the model's attention window must cover)."""
+        return max(layer.length for layer in self.layers)
 
     def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """RoPE positions for tokens appended at transcript ``positions`` (≥ the logical length)."""
         return positions - self.logical_length + self.rope_length
 
-    def snapshot_lengths(self) -> tuple[int, int, int, int]:
-        """What ``rollback`` needs to undo appends: (physical slots, logical length, compactions, rope length)."""
-        return self.physical_length, self.logical_length, self.compactions, self.rope_length
+    def snapshot(self) -> "CacheSnapshot":
+        """Everything ``restore`` needs to give this cache back bit for bit (copy-on-write, see the module doc)."""
+        return CacheSnapshot([layer.snapshot() for layer in self.layers], self.logical_length, self.rope_length,
+                             self.compactions, self.default_segment)
 
-    def rollback(self, snapshot: tuple[int, int, int, int]) -> None:
-        physical, logical, compactions, rope_length = snapshot
-        if compactions != self.compactions:
-            raise RuntimeError("cannot roll back across a compaction")
-        self.rope_length = rope_length
-        for layer in self.layers:
-            layer.truncate(physical)
-        self.logical_length = logical
+    def restore(self, snapshot: "CacheSnapshot") -> None:
+        for layer, state in zip(self.layers, snapshot.layers):
+            layer.restore(state)
+        self.logical_length, self.rope_length = snapshot.logical_length, snapshot.rope_length
+        self.compactions, self.default_segment = snapshot.compactions, snapshot.default_segment
         self._pending_positions = None
+
+    def clone(self) -> "CompactCache":
+        """An independent copy (for forks): live slots copied, nothing shared."""
+        twin = CompactCache(len(self.layers))
+        twin.layers = [layer.clone() for layer in self.layers]
+        twin.logical_length, twin.rope_length = self.logical_length, self.rope_length
+        twin.compactions, twin.default_segment = self.compactions, self.default_segment
+        return twin
 
     def truncate_positions(self, position: int) -> int:
         """Drop every slot whose original position is ≥ ``position`` (a re-rendered prefix).
@@ -332,6 +397,7 @@ class CompactCache(Cache):
             valid = layer.positions[:, :n] >= 0
             new = span - count[:, None] + torch.cumsum(valid.long(), dim=1) - 1  # right-aligned rank per head
             delta = torch.where(valid, new - old, torch.zeros_like(old))
+            layer._reallocate(n)  # new buffers: a snapshot keeps the unrotated keys
             layer.keys[0, :, :n] = rotate(layer.keys[0, :, :n], delta, inv_freq)
             layer.rope[:, :n] = torch.where(valid, new, old).to(layer.rope)
         self.rope_length = span

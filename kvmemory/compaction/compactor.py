@@ -83,7 +83,7 @@ def compact_span(
         plan = to_plan(cache, per_head, results, method.name)
         before = float(capacity.float().mean())
         after = float(torch.tensor([[k.numel() for k in r.keep] for r in results]).float().mean())
-    session.compact(plan)
+    session.apply_plan(plan)
     ordered = torch.unique(positions)
     seg_ids = [s.id for s in session.segments
                if int(torch.searchsorted(ordered, s.end)) > int(torch.searchsorted(ordered, s.start))]

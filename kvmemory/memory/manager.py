@@ -39,6 +39,14 @@ class MemoryManager:
         self._busy = False
         self._methods: dict[str, object] = {}
 
+    # ---- state (part of the session's snapshot, so a failed call leaves it as it was) ---------------
+    def state(self) -> tuple:
+        return len(self.timeline), self.peak_slots, self.peak_kv_bytes, self._last_compaction_at
+
+    def restore(self, state: tuple) -> None:
+        n, self.peak_slots, self.peak_kv_bytes, self._last_compaction_at = state
+        del self.timeline[n:]
+
     # ---- session hooks ---------------------------------------------------------------------------
     def attach(self, session) -> None:
         rules = self.policy.rules + [self.policy.default]

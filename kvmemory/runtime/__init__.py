@@ -2,6 +2,7 @@
 
 from kvmemory.runtime.async_session import AsyncSession
 from kvmemory.runtime.engine import Engine
-from kvmemory.runtime.session import GenerationResult, Session, SessionStats
+from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
+from kvmemory.runtime.session import Session, SessionStats
 
-__all__ = ["AsyncSession", "Engine", "GenerationResult", "Session", "SessionStats"]
+__all__ = ["AsyncSession", "Engine", "Generation", "GenerationResult", "SamplingParams", "Session", "SessionStats"]

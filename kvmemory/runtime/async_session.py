@@ -1,24 +1,44 @@
-"""AsyncSession: the Session API for asyncio. Model work runs in a worker thread, one step at a time.
+"""AsyncSession: the Session API for asyncio. Every blocking call runs in the session's own worker thread.
 
-Streaming hands each token to the event loop before computing the next, so many sessions interleave
-on one engine, a slow consumer only delays itself, and cancelling a stream between tokens leaves the
-session consistent (the tokens so far stay in the cache and the transcript).
+One worker thread per session keeps its calls in order and off the event loop, so many sessions
+interleave on one engine and a slow consumer only delays itself. Streaming hands each token to the event
+loop before computing the next. Cancelling a task (or leaving an ``async for`` early) while a step runs
+waits for that step, undoes it (its text never reached the caller) and lets ``CancelledError`` propagate:
+the session keeps exactly the text the caller received.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
-from kvmemory.runtime.session import GenerationResult, Session
+from kvmemory.runtime.generation import Generation, GenerationResult
+from kvmemory.runtime.session import Session
 
-_DONE = object()
+STREAM_CLOSE_WAIT = 2.0
+
+
+async def _finish(future: asyncio.Future):
+    """Await ``future`` to its end even if the awaiting task is cancelled meanwhile; re-raise that cancel."""
+    cancelled = None
+    while True:
+        try:
+            return await asyncio.shield(future), cancelled
+        except asyncio.CancelledError as err:
+            if future.done() and not future.cancelled():
+                return future.result(), err
+            cancelled = err
 
 
 class AsyncSession:
+    """Create with ``engine.async_session()`` (or ``AsyncSession(session)`` around an existing one)."""
+
     def __init__(self, session: Session):
         self.sync = session
-        self._lock = asyncio.Lock()  # one call at a time per session
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvmemory-{session.id}")
+        self._idle = asyncio.Event()  # cleared while a stream of this AsyncSession is open
+        self._idle.set()
 
     def __getattr__(self, name):  # read-only facts: id, tokens, segments, messages, cache ...
         return getattr(self.sync, name)
@@ -27,11 +47,24 @@ class AsyncSession:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self.sync.close()
+        await self.close()
 
     async def _run(self, fn, *args, **kwargs):
-        async with self._lock:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+        """Run a blocking call in the worker; if the caller is cancelled, the call still completes (or fails
+        and rolls back) before ``CancelledError`` propagates, so the session is never left mid-call.
+
+        A stream left with ``break`` is closed by asyncio a moment later: a call waits for that (at most
+        ``STREAM_CLOSE_WAIT`` seconds) before the session's ``SessionBusyError`` applies."""
+        if not self._idle.is_set():
+            try:
+                await asyncio.wait_for(self._idle.wait(), STREAM_CLOSE_WAIT)
+            except TimeoutError:
+                pass
+        future = asyncio.get_running_loop().run_in_executor(self._worker, lambda: fn(*args, **kwargs))
+        result, cancelled = await _finish(future)
+        if cancelled is not None:
+            raise cancelled
+        return result
 
     async def append_text(self, text: str, **kwargs):
         return await self._run(self.sync.append_text, text, **kwargs)
@@ -54,37 +87,46 @@ class AsyncSession:
     async def recall(self, segment_id: int):
         return await self._run(self.sync.recall, segment_id)
 
-    def search(self, query: str, **kwargs):
-        return self.sync.search(query, **kwargs)
+    async def fork(self, session_id: str | None = None, with_memory: bool = False) -> "AsyncSession":
+        return AsyncSession(await self._run(self.sync.fork, session_id, with_memory))
 
-    def stats(self):
-        return self.sync.stats()
+    async def search(self, query: str, **kwargs):
+        return await self._run(self.sync.search, query, **kwargs)
 
-    def close(self) -> None:
-        self.sync.close()
+    async def stats(self):
+        return await self._run(self.sync.stats)
+
+    async def close(self) -> None:
+        await self._run(self.sync.close)
+        self._worker.shutdown(wait=False)
 
     async def generate(self, **kwargs) -> GenerationResult:
         result = GenerationResult("", [], "length")
-        async for _, result in self._steps(**kwargs):
+        async for _, result in self.steps(**kwargs):
             pass
         return result
 
     async def stream(self, **kwargs) -> AsyncIterator[str]:
-        async for piece, _ in self._steps(**kwargs):
+        async for piece, _ in self.steps(**kwargs):
             if piece:
                 yield piece
 
-    async def _steps(self, **kwargs):
-        async with self._lock:
-            steps = self.sync._generate(
-                kwargs.pop("max_new_tokens", 256), kwargs.pop("temperature", 0.0), kwargs.pop("top_p", 1.0),
-                kwargs.pop("top_k", 0), kwargs.pop("stop", None), kwargs.pop("seed", None),
-            )
+    async def steps(self, **kwargs) -> AsyncIterator[tuple[str, GenerationResult]]:
+        """(new text, result so far) per generated token."""
+        generation: Generation = await self._run(self.sync.start_generation, **kwargs)
+        loop = asyncio.get_running_loop()
+        self._idle.clear()
+        try:
+            while True:
+                item, cancelled = await _finish(loop.run_in_executor(self._worker, generation.step))
+                if cancelled is not None:
+                    await _finish(loop.run_in_executor(self._worker, generation.undo_last))
+                    raise cancelled
+                if item is None:
+                    return
+                yield item
+        finally:
             try:
-                while True:
-                    item = await asyncio.to_thread(next, steps, _DONE)
-                    if item is _DONE:
-                        return
-                    yield item
+                await _finish(loop.run_in_executor(self._worker, generation.close))
             finally:
-                await asyncio.to_thread(steps.close)
+                self._idle.set()

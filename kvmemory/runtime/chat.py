@@ -11,7 +11,7 @@ import json
 import re
 import uuid
 
-from kvmemory.errors import ToolCallParseError
+from kvmemory.errors import InvalidArgumentError, ToolCallParseError
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -38,9 +38,10 @@ class ChatRenderer:
 
     def __init__(self, tokenizer):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use append_text / append_tokens")
+            raise InvalidArgumentError("this model's tokenizer has no chat template; use append_text / append_tokens")
         self.tokenizer = tokenizer
         self.native_tools = "tools" in tokenizer.chat_template
+        self._turn_end: list[int] | None = None
 
     def prepare(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
         """Normalise messages so the template can render them (tools folded in when it cannot)."""
@@ -73,6 +74,18 @@ class ChatRenderer:
         if not isinstance(ids, list):
             ids = ids["input_ids"]
         return list(ids)
+
+
+    def turn_end(self) -> list[int]:
+        """The tokens the template writes after an assistant message's content (ChatML: ``<|im_end|>`` and a
+        newline): what closes a generated reply before the next message."""
+        if self._turn_end is None:
+            sentinel = "\u2063kvmemory\u2063"
+            convo = self.prepare([{"role": "user", "content": "x"}, {"role": "assistant", "content": sentinel}], None)
+            text = self.tokenizer.apply_chat_template(convo, tokenize=False)
+            tail = text[text.rfind(sentinel) + len(sentinel):] if sentinel in text else ""
+            self._turn_end = self.tokenizer.encode(tail, add_special_tokens=False) if tail else []
+        return list(self._turn_end)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:

@@ -101,10 +101,12 @@ class Engine:
 
     # ---- sessions ------------------------------------------------------------------------------
     def session(self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512, show_progress: bool = False) -> Session:
-        """A new session. ``with engine.session() as s`` is sync; ``async with engine.session() as s`` is async."""
+        """A new session (``with engine.session() as s``); for asyncio use ``engine.async_session()``."""
         return Session(self, session_id=session_id, memory=memory, prefill_chunk_size=prefill_chunk_size, show_progress=show_progress)
 
     def async_session(self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512, show_progress: bool = False):
+        """A new session for asyncio (``async with engine.async_session() as s``): every blocking call is
+        awaited in the session's worker thread."""
         from kvmemory.runtime.async_session import AsyncSession
 
         return AsyncSession(self.session(session_id, memory, prefill_chunk_size, show_progress))

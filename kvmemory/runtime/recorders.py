@@ -96,10 +96,12 @@ class QueryRecorder:
         return [torch.cat(c, dim=1) if c else None for c in captured]
 
     def state(self):
-        return list(self.recent)
+        """What ``restore`` needs (tensors are never written in place, so references suffice)."""
+        return list(self.recent), {k: list(v) for k, v in self.context.items()}, self.current_segment
 
     def restore(self, state) -> None:
-        self.recent = list(state)
+        recent, context, self.current_segment = state
+        self.recent, self.context = list(recent), {k: list(v) for k, v in context.items()}
 
 
 class HiddenRecorder:

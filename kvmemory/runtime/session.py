@@ -1,39 +1,56 @@
 """Session: one conversation's resident, compactable KV cache plus its lossless transcript.
 
-Appends prefill only tokens the cache does not hold yet; generation continues from the cache; a
-compaction plan rewrites the cache in place. Every public call either completes or leaves the cache,
-the transcript and the segments exactly as they were.
+The Session contract:
+
+* Nothing appended or generated is lost. Every appended text, token list or message and every generated
+  reply is in the transcript (``transcript()``, ``search``, ``recall``) and, until compacted, in the cache,
+  in order. A generated chat reply becomes the assistant message of the conversation, so the next
+  ``append_messages`` keeps it. ``append_messages`` appends after everything the session holds (raw text
+  included); only ``set_messages`` with a conversation that differs from the held one rewrites history,
+  from the first message that differs.
+* Every call either completes or raises and leaves the transcript, segments, cache (every layer's keys,
+  values, β and positions, whatever its length) and memory-manager state bit-identical: each mutating
+  call runs on a copy-on-write snapshot (``snapshot``/``restore``, also used by scratch forwards, forks
+  and cancelled generation steps). Bad input raises a ``KVMemoryError`` naming the problem before
+  anything runs.
+* A stream that stops early (``break``, ``close()``, ``aclose()``, a cancelled task) leaves exactly the
+  tokens of the text the caller received.
+* Calls on one Session from several threads are serialised (each waits for the one before). While a
+  stream is open, any other call on the session raises ``SessionBusyError`` instead of waiting, since a
+  stream may stay open indefinitely.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
+import functools
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from numbers import Integral
 from dataclasses import dataclass, field
 
 import torch
 
 from kvmemory.cache import CompactCache, CompactionPlan
-from kvmemory.errors import ContextLengthError, InvalidTokenError, SessionClosedError
+from kvmemory.errors import (
+    ContextLengthError,
+    InvalidArgumentError,
+    InvalidMessageError,
+    InvalidTokenError,
+    SessionBusyError,
+    SessionClosedError,
+)
 from kvmemory.memory.segments import Segment
 from kvmemory.memory.search import rank_segments
 from kvmemory.runtime.chat import ChatRenderer
+from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
 ProgressCallback = Callable[[int, int], None]
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (stop token or string), "length" (max tokens or context end)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens reused from the cache instead of prefilled
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -51,6 +68,28 @@ class SessionStats:
     @property
     def compression(self) -> float:
         return self.uncompacted_kv_bytes / self.kv_bytes if self.kv_bytes else 1.0
+
+
+@dataclass
+class SessionState:
+    """Everything a Session's calls can change, captured cheaply (the cache part is copy-on-write)."""
+
+    cache: object
+    tokens: list[int]
+    pending: list[int]
+    last_logits: torch.Tensor | None
+    segments: list[Segment]
+    next_segment_id: int
+    messages: list[dict]
+    message_spans: list[tuple[str, int, int]]
+    tools_key: str | None
+    reply: tuple[int, int] | None
+    compaction_log: int
+    prefilled_tokens: int
+    turn_prefilled: int
+    queries: object
+    hidden: dict | None
+    memory: tuple | None
 
 
 def _tqdm_progress(total: int, inner: ProgressCallback | None) -> ProgressCallback:
@@ -80,8 +119,29 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def _copy_segment(seg: Segment) -> Segment:
+    twin = copy.copy(seg)
+    twin.meta = dict(seg.meta)
+    return twin
+
+
+def _exclusive(method):
+    """A public call: serialised with other threads' calls, refused while a stream is open, atomic."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            self._check_open()
+            self._check_no_stream()
+            with self._atomic():
+                return method(self, *args, **kwargs)
+
+    return call
+
+
 class Session:
-    """A conversation on an Engine. Create with ``engine.session()``.
+    """A conversation on an Engine. Create with ``engine.session()``; see the module docstring for the
+    contract every call keeps.
 
     ``memory`` is an optional manager (see ``kvmemory.memory``) that decides when and how to compact;
     without one the cache is only compacted by explicit ``compact(plan)`` calls.
@@ -94,7 +154,7 @@ class Session:
         self.cache = CompactCache(engine.num_layers)
         self.tokens: list[int] = []  # the logical transcript: tokens[i] sits at position i
         self.segments: list[Segment] = []
-        self.messages: list[dict] = []
+        self._messages: list[dict] = []
         self.prefill_chunk_size = prefill_chunk_size
         self.show_progress = show_progress  # tqdm bars for long prefills (quiet by default in library use)
         self.memory = memory
@@ -103,12 +163,16 @@ class Session:
         self._last_logits: torch.Tensor | None = None
         self._message_spans: list[tuple[str, int, int]] = []  # (fingerprint, start, end) per message
         self._tools_key: str | None = None
+        self._reply: tuple[int, int] | None = None  # open chat reply: (prompt start, content start)
         self._renderer: ChatRenderer | None = None
         self._next_segment_id = 0
         self.query_recorder: QueryRecorder | None = None
         self.hidden_recorder: HiddenRecorder | None = None
         self.compaction_log: list[dict] = []
         self.prefilled_tokens = 0  # tokens run through the model by appends (cache reuse shows here)
+        self._turn_prefilled = 0  # of those, since the last reply (what a reply's prompt did not find cached)
+        self._lock = threading.RLock()
+        self._stream: Generation | None = None
         if memory is not None:
             memory.attach(self)
 
@@ -119,13 +183,44 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    async def __aenter__(self):
-        from kvmemory.runtime.async_session import AsyncSession
+    # ---- state -----------------------------------------------------------------------------------
+    def snapshot(self) -> SessionState:
+        """The session's whole state, for ``restore``: O(segments) Python objects, no tensor copies."""
+        rec, hidden = self.query_recorder, self.hidden_recorder
+        return SessionState(
+            self.cache.snapshot(), list(self.tokens), list(self._pending), self._last_logits,
+            [_copy_segment(s) for s in self.segments], self._next_segment_id, list(self._messages),
+            list(self._message_spans), self._tools_key, self._reply, len(self.compaction_log),
+            self.prefilled_tokens, self._turn_prefilled, rec.state() if rec is not None else None,
+            dict(hidden.store) if hidden is not None else None,
+            self.memory.state() if self.memory is not None else None,
+        )
 
-        return AsyncSession(self)
+    def restore(self, state: SessionState) -> None:
+        """Put the session back exactly as it was when ``state`` was taken."""
+        self.cache.restore(state.cache)
+        self.tokens, self._pending, self._last_logits = list(state.tokens), list(state.pending), state.last_logits
+        self.segments = [_copy_segment(s) for s in state.segments]
+        self._next_segment_id = state.next_segment_id
+        self._messages, self._message_spans = list(state.messages), list(state.message_spans)
+        self._tools_key, self._reply = state.tools_key, state.reply
+        del self.compaction_log[state.compaction_log:]
+        self.prefilled_tokens, self._turn_prefilled = state.prefilled_tokens, state.turn_prefilled
+        if self.query_recorder is not None and state.queries is not None:
+            self.query_recorder.restore(state.queries)
+        if self.hidden_recorder is not None and state.hidden is not None:
+            self.hidden_recorder.store = dict(state.hidden)
+        if self.memory is not None and state.memory is not None:
+            self.memory.restore(state.memory)
 
-    async def __aexit__(self, *exc) -> None:
-        self.close()
+    @contextlib.contextmanager
+    def _atomic(self):
+        state = self.snapshot()
+        try:
+            yield
+        except BaseException:
+            self.restore(state)
+            raise
 
     def record_queries(self, window: int = 64, context: int = 0) -> QueryRecorder:
         """Keep post-RoPE queries: of the last ``window`` tokens (the selector window for compaction) and,
@@ -143,11 +238,15 @@ class Session:
             self.hidden_recorder = HiddenRecorder(self.engine.model)
         return self.hidden_recorder
 
+    @_exclusive
     def rebase_positions(self) -> int:
         """Re-rotate the cache so that each head's RoPE positions are the ranks of its cached slots (closing
         the gaps compaction left). Runs by itself when the next token would pass ``engine.rebase_at`` (the
         trained positions by default), so a compacted session never asks the model for distances it was not
         trained on."""
+        return self._rebase()
+
+    def _rebase(self) -> int:
         with self.engine.lock, torch.no_grad():
             shift = self.cache.rebase(self.engine.rope_inv_freq)
             if self.query_recorder is not None:
@@ -159,31 +258,30 @@ class Session:
 
         ``with_memory`` gives the copy its own copy of the memory manager (same policy and cap, separate
         history), so what is appended to it is compacted as the original would be."""
-        self._check_open()
-        child = Session(self.engine, session_id, memory=None, prefill_chunk_size=self.prefill_chunk_size)
-        if with_memory and self.memory is not None:
-            child.memory = copy.deepcopy(self.memory)
-        child.cache = copy.deepcopy(self.cache)
-        child.tokens, child.messages = list(self.tokens), copy.deepcopy(self.messages)
-        child.segments = [dataclasses.replace(s, meta=dict(s.meta)) for s in self.segments]
-        child._pending, child._last_logits = list(self._pending), self._last_logits
-        child._message_spans, child._tools_key = list(self._message_spans), self._tools_key
-        child._next_segment_id = self._next_segment_id
-        child.compaction_log = list(self.compaction_log)
-        if self.query_recorder is not None:
-            child.query_recorder = copy.deepcopy(self.query_recorder)
-        if self.hidden_recorder is not None:
-            child.record_last_layer_inputs().store = dict(self.hidden_recorder.store)
-        return child
+        with self._lock:
+            self._check_open()
+            self._check_no_stream()
+            child = Session(self.engine, session_id, memory=None, prefill_chunk_size=self.prefill_chunk_size)
+            if with_memory and self.memory is not None:
+                child.memory = copy.deepcopy(self.memory)
+            if self.query_recorder is not None:
+                child.query_recorder = copy.deepcopy(self.query_recorder)
+            if self.hidden_recorder is not None:
+                child.record_last_layer_inputs()
+            child.restore(self.snapshot())
+            child.cache = self.cache.clone()  # nothing shared: both sessions append into their own buffers
+            child.compaction_log = list(self.compaction_log)
+            return child
 
     def close(self) -> None:
         """Free the cache. The transcript stays readable."""
-        self.closed = True
-        if self.hidden_recorder is not None:
-            self.hidden_recorder.close()
-            self.hidden_recorder = None
-        self.cache = CompactCache(self.engine.num_layers)
-        self._last_logits = None
+        with self._lock:
+            self.closed = True
+            if self.hidden_recorder is not None:
+                self.hidden_recorder.close()
+                self.hidden_recorder = None
+            self.cache = CompactCache(self.engine.num_layers)
+            self._last_logits = None
 
     # ---- properties ----------------------------------------------------------------------------
     @property
@@ -197,62 +295,135 @@ class Session:
         """Positions consumed: cached tokens plus sampled tokens still pending."""
         return len(self.tokens)
 
+    @property
+    def messages(self) -> list[dict]:
+        """The conversation so far, the reply being generated (or last generated) included."""
+        with self._lock:
+            reply = self._reply_message()
+            return [dict(m) for m in self._messages] + ([reply] if reply is not None else [])
+
     def segment(self, segment_id: int) -> Segment:
         for seg in self.segments:
             if seg.id == segment_id:
                 return seg
-        raise KeyError(f"no segment {segment_id} in session {self.id}")
+        raise InvalidArgumentError(f"no segment {segment_id} in session {self.id}")
 
     def transcript(self) -> list[dict]:
         """The full text of every segment, compacted or not."""
-        self._refresh_open_segment_text()
-        return [seg.to_dict() for seg in self.segments]
+        with self._lock:
+            self._refresh_open_segment_text()
+            return [seg.to_dict() for seg in self.segments]
 
     # ---- appends ---------------------------------------------------------------------------------
+    @_exclusive
     def append_text(self, text: str, kind: str = "text", role: str | None = None, progress: ProgressCallback | None = None, **meta) -> Segment:
-        """Tokenize ``text`` (no special tokens added) and append it as one segment."""
-        self._check_open()
+        """Tokenize ``text`` (no special tokens added) and append it as one segment, after everything held."""
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"append_text takes a string, got {type(text).__name__}")
         if self.engine.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: use append_tokens")
+            raise InvalidArgumentError("this engine has no tokenizer: use append_tokens")
         ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
-        return self.append_tokens(ids, kind=kind, role=role, progress=progress, text=text, **meta)
+        return self._append_tokens(ids, kind=kind, role=role, progress=progress, text=text, **meta)
 
-    def append_tokens(
-        self,
-        token_ids,
-        kind: str = "text",
-        role: str | None = None,
-        progress: ProgressCallback | None = None,
-        text: str | None = None,
-        tool_name: str | None = None,
-        tags: tuple[str, ...] = (),
-        **meta,
-    ) -> Segment:
-        """Append token ids as a new segment; they are prefilled in chunks."""
-        self._check_open()
+    @_exclusive
+    def append_tokens(self, token_ids, kind: str = "text", role: str | None = None, progress: ProgressCallback | None = None,
+                      text: str | None = None, tool_name: str | None = None, tags: tuple[str, ...] = (), **meta) -> Segment:
+        """Append token ids as a new segment, after everything held; they are prefilled in chunks."""
+        return self._append_tokens(token_ids, kind, role, progress, text, tool_name, tags, **meta)
+
+    def _append_tokens(self, token_ids, kind="text", role=None, progress=None, text=None, tool_name=None, tags=(), **meta):
+        from kvmemory.memory.segments import SEGMENT_KINDS
+
+        if kind not in SEGMENT_KINDS:
+            raise InvalidArgumentError(f"unknown segment kind {kind!r}; kinds are {', '.join(SEGMENT_KINDS)}")
         ids = self._validate_tokens(token_ids)
-        probe = Segment(-1, kind, len(self.tokens), len(self.tokens) + len(ids), role, tool_name, tuple(tags),
-                        text=text if text is not None else self._decode(ids))
+        text = text if text is not None else self._decode(ids)
+        probe = Segment(-1, kind, len(self.tokens), len(self.tokens) + len(ids), role, tool_name, tuple(tags), text=text)
         self._check_room(len(ids), [probe])
         segment = self._new_segment(kind, role=role, tool_name=tool_name, tags=tuple(tags), meta=meta)
         self._extend_segment(segment, ids, progress)
-        segment.text = text if text is not None else self._decode(ids)
+        segment.text = text
         self._after_append()
         return segment
 
-    def append_messages(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False, progress: ProgressCallback | None = None) -> list[Segment]:
-        """Append chat messages after the ones already in the session."""
-        return self.set_messages(self.messages + list(messages), tools, add_generation_prompt, progress)
+    @_exclusive
+    def append_messages(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False,
+                        progress: ProgressCallback | None = None) -> list[Segment]:
+        """Append chat messages after everything the session holds (earlier messages, generated replies, raw
+        text): only the new messages are rendered and prefilled. Returns the segments created.
 
-    def set_messages(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False, progress: ProgressCallback | None = None) -> list[Segment]:
+        Changing ``tools`` changes how the conversation's start renders, so it re-renders the conversation
+        like ``set_messages``."""
+        held = self._close_reply()
+        new = self._validate_messages(messages, held)
+        tools_key = self._tools_key_of(tools)
+        if held and tools_key != self._tools_key:
+            return self._set_messages(held + new, tools, add_generation_prompt, progress)
+        return self._append_rendered(held, new, tools, add_generation_prompt, progress)
+
+    @_exclusive
+    def set_messages(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False,
+                     progress: ProgressCallback | None = None) -> list[Segment]:
         """Make the session hold exactly this conversation, prefilling only what the cache lacks.
 
-        The rendered tokens are diffed against the cached ones; when a template re-renders an earlier
-        turn, the cache is cut back to the start of the first message that differs and re-prefilled
-        from there. Returns the segments created or extended.
+        A conversation that extends the held one is appended (as ``append_messages``). Otherwise the
+        rendered tokens are diffed against the held ones and the session is cut back to the start of the
+        first segment that differs, then re-prefilled from there: this is how history is edited, and what
+        followed the cut (messages, replies, raw text) is replaced. Returns the segments created or extended.
         """
-        self._check_open()
-        messages = [dict(m) for m in messages]
+        if (add_generation_prompt and self._reply is not None and self._reply[1] == len(self.tokens)
+                and self._tools_key == self._tools_key_of(tools) and self._same_messages(messages, self._messages)):
+            return []  # already holds exactly this conversation and its generation prompt
+        held = self._close_reply()
+        messages = self._validate_messages(messages, [])
+        if self._tools_key_of(tools) == self._tools_key and self._same_messages(messages[: len(held)], held) \
+                and len(messages) >= len(held):
+            return self._append_rendered(held, messages[len(held):], tools, add_generation_prompt, progress)
+        return self._set_messages(messages, tools, add_generation_prompt, progress)
+
+    def _append_rendered(self, held, new, tools, add_generation_prompt, progress) -> list[Segment]:
+        """Render ``new`` in the context of ``held`` and append only their tokens after the session's end."""
+        renderer = self.renderer
+        base = renderer.render(held, tools) if held else []
+        full = renderer.render(held + new, tools, add_generation_prompt)
+        if full[: len(base)] != base:  # a template that re-renders earlier turns: fall back to diffing
+            return self._set_messages(held + new, tools, add_generation_prompt, progress)
+        ends = [len(renderer.render(held + new[: i + 1], tools)) for i in range(len(new))]
+        starts = [len(base)] + ends[:-1]
+        delta = len(full) - len(base)
+        probes = [Segment(-1, self._message_kind(m), len(self.tokens) + s - len(base), len(self.tokens) + e - len(base),
+                          m["role"], m.get("name"), tuple(m.get("tags", ())), text=m["content"])
+                  for m, s, e in zip(new, starts, ends)]
+        self._check_room(delta, probes)
+        touched = []
+        for i, (msg, s, e) in enumerate(zip(new, starts, ends)):
+            seg = self._new_segment(self._message_kind(msg), role=msg["role"], tool_name=msg.get("name"),
+                                    tags=tuple(msg.get("tags", ())), message_index=len(held) + i)
+            start = len(self.tokens)
+            if e > s:
+                self._extend_segment(seg, full[s:e], progress)
+            seg.text = msg["content"]
+            self._messages.append(msg)
+            self._message_spans.append((_fingerprint(msg), start, len(self.tokens)))
+            touched.append(seg)
+            self._after_append()
+        if add_generation_prompt:
+            touched.append(self._open_prompt(full[ends[-1] if ends else len(base):], progress))
+        self._tools_key = self._tools_key_of(tools)
+        return touched
+
+    def _open_prompt(self, ids: list[int], progress) -> Segment:
+        """Append the template's generation prompt as the start of an assistant segment."""
+        seg = self._new_segment("assistant", role="assistant")
+        start = len(self.tokens)
+        if ids:
+            self._extend_segment(seg, ids, progress)
+        seg.text = self._decode(ids)
+        self._reply = (start, len(self.tokens))
+        self._after_append()
+        return seg
+
+    def _set_messages(self, messages, tools, add_generation_prompt, progress) -> list[Segment]:
         target, spans = self._render_with_spans(messages, tools, add_generation_prompt)
         if len(target) > self.engine.position_limit:
             raise ContextLengthError(
@@ -261,128 +432,227 @@ class Session:
         self._flush_pending()
         keep = _common_prefix(self.tokens, target)
         cut = self._cut_point(keep)
-        added = len(target) - cut
         if cut == len(self.tokens):
             probes = [
                 Segment(-1, self._message_kind(m), max(s, cut), e, m.get("role"), m.get("name"), tuple(m.get("tags", ())),
-                        text=str(m.get("content") or ""))
+                        text=m["content"])
                 for m, (s, e) in zip(messages, spans) if e > cut
             ]
-            self._check_room(added, probes)
+            self._check_room(len(target) - cut, probes)
+        elif cut < len(self.tokens):
+            self._truncate(cut)
+        cut = len(self.tokens)  # truncation may have had to go further back
         touched = []
-        state = self._save_state()
-        try:
-            if cut < len(self.tokens):
-                self._truncate(cut)
-            cut = len(self.tokens)  # truncation may have had to go further back
-            for index, (start, end) in enumerate(spans + ([(spans[-1][1] if spans else 0, len(target))] if add_generation_prompt else [])):
-                if end <= cut:
-                    continue
-                is_prompt = index == len(messages)
-                msg = None if is_prompt else messages[index]
-                seg = self._segment_starting_at(start)
-                if seg is None:
-                    seg = self._new_segment(
-                        "assistant" if is_prompt else self._message_kind(msg),
-                        role="assistant" if is_prompt else msg["role"],
-                        tool_name=None if is_prompt else msg.get("name"),
-                        tags=() if is_prompt else tuple(msg.get("tags", ())),
-                        message_index=None if is_prompt else index,
-                    )
-                elif not is_prompt:
-                    seg.message_index = index
-                self._extend_segment(seg, target[max(start, cut) : end], progress)
-                seg.text = self._decode(self.tokens[seg.start : seg.end])
-                touched.append(seg)
-                self._after_append()
-        except BaseException:
-            self._restore_state(state)
-            raise
-        self.messages = messages
+        prompt = [(spans[-1][1] if spans else 0, len(target))] if add_generation_prompt else []
+        for index, (start, end) in enumerate(spans + prompt):
+            if end <= cut:
+                continue
+            is_prompt = index == len(messages)
+            msg = None if is_prompt else messages[index]
+            seg = self._segment_starting_at(start)
+            if seg is None:
+                seg = self._new_segment(
+                    "assistant" if is_prompt else self._message_kind(msg),
+                    role="assistant" if is_prompt else msg["role"],
+                    tool_name=None if is_prompt else msg.get("name"),
+                    tags=() if is_prompt else tuple(msg.get("tags", ())),
+                    message_index=None if is_prompt else index,
+                )
+            elif not is_prompt:
+                seg.message_index = index
+            self._extend_segment(seg, target[max(start, cut) : end], progress)
+            seg.text = self._decode(self.tokens[seg.start : seg.end])
+            touched.append(seg)
+            self._after_append()
+        self._messages = messages
         self._message_spans = [(_fingerprint(m), s, e) for m, (s, e) in zip(messages, spans)]
+        self._reply = (spans[-1][1] if spans else 0, len(target)) if add_generation_prompt else None
         return touched
 
+    # ---- chat replies ----------------------------------------------------------------------------
+    def _reply_message(self) -> dict | None:
+        """The open reply (text after the generation prompt) as an assistant message, if it has any."""
+        if self._reply is None or self._reply[1] >= len(self.tokens):
+            return None
+        ids = self.tokens[self._reply[1]:]
+        if ids and ids[-1] in self.engine.eos_token_ids:
+            ids = ids[:-1]
+        return {"role": "assistant", "content": self._decode(ids)}
+
+    def _close_reply(self) -> list[dict]:
+        """Before new messages: the open reply becomes the conversation's assistant message (with the
+        template's end-of-turn tokens), or an unused generation prompt is taken back. Returns the messages."""
+        if self._reply is None:
+            return self._messages
+        prompt_start, content_start = self._reply
+        message = self._reply_message()
+        self._reply = None
+        if message is None:
+            if prompt_start < len(self.tokens):
+                self._truncate(prompt_start)
+            return self._messages
+        ended = self.tokens[-1] in self.engine.eos_token_ids
+        closing = self.renderer.turn_end()
+        if ended and closing[:1] == self.tokens[-1:]:
+            closing = closing[1:]
+        if closing:
+            self._check_room(len(closing))
+            self._extend_segment(self._reply_segment(), closing, None)
+        self._refresh_open_segment_text()
+        self._messages.append(message)
+        self._message_spans.append((_fingerprint(message), prompt_start, len(self.tokens)))
+        return self._messages
+
+    def _same_messages(self, a: list[dict], b: list[dict]) -> bool:
+        return len(a) == len(b) and all(_fingerprint(dict(x)) == _fingerprint(y) for x, y in zip(a, b))
+
+    @staticmethod
+    def _tools_key_of(tools) -> str:
+        return json.dumps(tools, sort_keys=True, default=str) if tools else ""
+
+    def _validate_messages(self, messages, earlier: list[dict]) -> list[dict]:
+        """Copies of ``messages``, checked: known role, text content, tool messages that name their tool."""
+        if isinstance(messages, Mapping) or not isinstance(messages, (list, tuple)):
+            raise InvalidMessageError(f"messages must be a list of message dicts, got {type(messages).__name__}")
+        calls = {c.get("id"): (c.get("function") or c).get("name") for m in earlier for c in m.get("tool_calls") or []}
+        out = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise InvalidMessageError(f"message {i} is a {type(message).__name__}, not a dict")
+            msg = dict(message)
+            role = msg.get("role")
+            if role not in ROLES:
+                raise InvalidMessageError(f"message {i} has role {role!r}; roles are {', '.join(ROLES)}")
+            content = msg.get("content")
+            if content is None:
+                msg["content"] = ""
+            elif not isinstance(content, str):
+                raise InvalidMessageError(f"message {i} content must be a string, got {type(content).__name__}")
+            for call in msg.get("tool_calls") or []:
+                if not isinstance(call, Mapping) or not isinstance((call.get("function") or call).get("name"), str):
+                    raise InvalidMessageError(f"message {i} has a tool call without a name: {call!r}")
+                calls[call.get("id")] = (call.get("function") or call)["name"]
+            if role == "tool" and not isinstance(msg.get("name"), str):
+                name = calls.get(msg.get("tool_call_id")) if msg.get("tool_call_id") is not None else None
+                if name is None:
+                    raise InvalidMessageError(
+                        f"tool message {i} names no tool: give 'name', or a 'tool_call_id' of an earlier tool call")
+                msg["name"] = name
+            out.append(msg)
+        return out
+
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop: list[str] | None = None, seed: int | None = None) -> GenerationResult:
-        """Generate a continuation of the session (greedy when temperature is 0)."""
-        pieces = list(self._generate(max_new_tokens, temperature, top_p, top_k, stop, seed))
-        return pieces[-1][1] if pieces else GenerationResult("", [], "length")
+    def generate(self, max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, stop: list[str] | str | None = None, seed: int | None = None,
+                 params: SamplingParams | None = None) -> GenerationResult:
+        """Generate a continuation of the session (greedy unless ``temperature`` > 0)."""
+        with self._lock:
+            generation = self.start_generation(params, max_new_tokens=max_new_tokens, temperature=temperature,
+                                               top_p=top_p, top_k=top_k, stop=stop, seed=seed)
+            for _ in generation:
+                pass
+            return generation.result
 
-    def stream(self, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop: list[str] | None = None, seed: int | None = None) -> Iterator[str]:
-        """Yield text pieces as tokens are generated. Stopping early leaves the session consistent."""
-        for piece, _ in self._generate(max_new_tokens, temperature, top_p, top_k, stop, seed):
-            if piece:
-                yield piece
+    def stream(self, max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+               top_k: int | None = None, stop: list[str] | str | None = None, seed: int | None = None,
+               params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text pieces as tokens are generated. Stopping early keeps exactly the text received."""
+        generation = self.start_generation(params, max_new_tokens=max_new_tokens, temperature=temperature,
+                                           top_p=top_p, top_k=top_k, stop=stop, seed=seed)
+        return (piece for piece, _ in generation if piece)
 
-    def _generate(self, max_new_tokens, temperature, top_p, top_k, stop, seed):
-        """Yields (new text piece, result so far). Each step is atomic, so a consumer may stop anywhere."""
-        self._check_open()
-        if not self.tokens:
-            raise ValueError("the session is empty: append a prompt before generating")
-        self._ensure_logits()
-        generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-        segment = self.segments[-1] if self.segments and self.segments[-1].kind == "assistant" and self.segments[-1].end == len(self.tokens) else None
-        if segment is None:
-            segment = self._new_segment("assistant", role="assistant")
-        generated: list[int] = []
-        emitted = ""
-        finish = "length"
-        eos = self.engine.eos_token_ids
+    def start_generation(self, params: SamplingParams | None = None, **overrides) -> Generation:
+        """A reply to drive step by step (``Generation.step``) or by iteration; the session is busy until it
+        closes. Parameters are checked here, before anything runs."""
+        return Generation(self, SamplingParams.of(params, **overrides))
+
+    def _begin_generation(self, generation: Generation) -> tuple[int, int]:
+        with self._lock:
+            self._check_open()
+            self._check_no_stream()
+            if not self.tokens:
+                raise InvalidArgumentError("the session is empty: append a prompt before generating")
+            with self._atomic():
+                self._ensure_logits()
+            self._stream = generation
+            return len(self.tokens), max(0, len(self.tokens) - self._turn_prefilled)
+
+    def _room_for_one_more(self) -> bool:
+        return len(self.tokens) < self.engine.position_limit and self._longest_after(1) <= self.engine.max_context
+
+    def _reply_segment(self) -> Segment:
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last.kind == "assistant" and last.end == len(self.tokens):
+            return last
+        return self._new_segment("assistant", role="assistant")
+
+    def _sample_next(self, params: SamplingParams, generator, generation: Generation) -> int:
+        """Run pending tokens, sample the next one and append it (pending until the next step runs it)."""
+        self._flush_pending()
+        token = params.pick(self._last_logits, generator)
+        segment = self._reply_segment()
+        self.tokens.append(token)
+        self._pending.append(token)
+        segment.end = len(self.tokens)
+        return token
+
+    def _end_generation(self, generation: Generation) -> None:
+        """Keep exactly the tokens of the text the caller received; free the session for other calls."""
         try:
-            for _ in range(max_new_tokens):
-                if len(self.tokens) >= self.engine.position_limit or self._physical_after(1) > self.engine.max_context:
-                    break
-                if self._pending:
-                    self._flush_pending()
-                token = self._pick(self._last_logits, temperature, top_p, top_k, generator)
-                self.tokens.append(token)
-                self._pending.append(token)
-                segment.end = len(self.tokens)
-                if token in eos:
-                    finish = "stop"
-                    break
-                generated.append(token)
-                text = self._decode(generated)
-                hit = min((i for i in (text.find(s) for s in stop or []) if i >= 0), default=-1)
-                if hit >= 0:
-                    text, finish = text[:hit], "stop"
-                if not text.endswith("\ufffd") or finish == "stop":
-                    piece, emitted = text[len(emitted):], text
-                    yield piece, GenerationResult(emitted, list(generated), finish)
-                if finish == "stop":
-                    return
+            if not self.closed:
+                self._settle(generation.generated, generation.emitted)
+                self._refresh_open_segment_text()
         finally:
-            segment.text = self._decode(self.tokens[segment.start : segment.end])
-        yield "", GenerationResult(emitted if finish != "length" else self._decode(generated), list(generated), finish)
+            if self._stream is generation:
+                self._stream = None
+            self._turn_prefilled = 0
 
-    def _pick(self, logits, temperature, top_p, top_k, generator) -> int:
-        if temperature <= 0:
-            return int(torch.argmax(logits))
-        logits = logits.float() / temperature
-        if top_k > 0:
-            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            drop = sorted_probs.cumsum(0) - sorted_probs > top_p
-            sorted_probs[drop] = 0
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    def _settle(self, generated: list[int], text: str) -> None:
+        """Make the reply's last ``len(generated)`` tokens decode to ``text`` (a prefix of their text)."""
+        if self._decode(generated) == text:
+            return
+        k = len(generated)
+        while k > 0 and not text.startswith(self._decode(generated[:k])):
+            k -= 1
+        rest = text[len(self._decode(generated[:k])):]
+        self._drop_tail(len(generated) - k)
+        ids = self.engine.tokenizer.encode(rest, add_special_tokens=False) if rest else []
+        if ids:
+            segment = self._reply_segment()
+            self.tokens.extend(ids)
+            self._pending.extend(ids)
+            segment.end = len(self.tokens)
+
+    def _drop_tail(self, n: int) -> None:
+        """Forget the session's last ``n`` tokens (the end of a reply)."""
+        if n <= 0:
+            return
+        keep = len(self.tokens) - n
+        if n <= len(self._pending):  # never run through the model: nothing to undo in the cache
+            del self._pending[len(self._pending) - n:]
+            del self.tokens[keep:]
+            self.segments = [s for s in self.segments if s.start < keep]
+            for seg in self.segments:
+                seg.end = min(seg.end, keep)
+        else:
+            self._truncate(keep)
 
     # ---- scoring ---------------------------------------------------------------------------------
+    @_exclusive
     def logprobs(self, token_ids) -> torch.Tensor:
-        """Teacher-forced log-probabilities of ``token_ids`` as the continuation; the session is unchanged.
+        """Teacher-forced log-probabilities of ``token_ids`` as the continuation; the session is unchanged
+        (the cache bit for bit, whatever its shape).
 
         The first token is scored from the logits of the session's last token, computed when that token
         was appended.
         """
-        self._check_open()
         ids = self._validate_tokens(token_ids)
-        if self._physical_after(len(ids) - 1) > self.engine.max_context:
-            raise ContextLengthError(f"continuation runs past the model's {self.engine.max_context} positions")
         if not self.tokens:
-            raise ValueError("the session is empty: nothing to condition on")
+            raise InvalidArgumentError("the session is empty: nothing to condition on")
+        if self._longest_after(len(ids) - 1) > self.engine.max_context:
+            raise ContextLengthError(f"continuation runs past the model's {self.engine.max_context} positions")
+        if len(self.tokens) + len(ids) > self.engine.position_limit:
+            raise ContextLengthError(f"continuation runs past the engine's position limit of {self.engine.position_limit}")
         self._ensure_logits()
         first = torch.log_softmax(self._last_logits.float(), -1)[ids[0]].reshape(1).cpu()
         if len(ids) == 1:
@@ -394,26 +664,27 @@ class Session:
 
     @contextlib.contextmanager
     def scratch(self):
-        """Run forwards past the end of the session, then forget them (cache, logits, recorders)."""
-        snapshot = self.cache.snapshot_lengths()
-        last_logits = self._last_logits
-        recorder_state = self.query_recorder.state() if self.query_recorder is not None else None
-        hidden, self.hidden_recorder = self.hidden_recorder, None
-        try:
-            yield
-        finally:
-            self.cache.rollback(snapshot)
-            self._last_logits = last_logits
-            self.hidden_recorder = hidden
-            if recorder_state is not None:
-                self.query_recorder.restore(recorder_state)
+        """Run forwards past the end of the session, then forget them: the whole session state is restored
+        (every layer's slots bit for bit), and the last-layer recorder sees none of them."""
+        with self._lock:
+            state = self.snapshot()
+            hidden, self.hidden_recorder = self.hidden_recorder, None
+            try:
+                yield
+            finally:
+                self.hidden_recorder = hidden
+                self.restore(state)
 
     # ---- compaction ------------------------------------------------------------------------------
-    def compact(self, plan: CompactionPlan) -> None:
-        """Apply a compaction plan to the cache (validated first: a bad plan changes nothing)."""
-        self._check_open()
-        with self.engine.lock:
-            self.cache.apply_plan(plan)
+    def apply_plan(self, plan: CompactionPlan) -> None:
+        """Apply a compaction plan to the cache (validated first: a bad plan changes nothing). Allowed while
+        a stream is open: this is how the memory manager makes room mid-reply."""
+        with self._lock:
+            self._check_open()
+            with self._atomic(), self.engine.lock:
+                self.cache.apply_plan(plan)
+
+    compact = apply_plan
 
     def segment_slots(self) -> dict[int, float]:
         """Physical slots each segment holds, per KV head (mean over layers and heads)."""
@@ -425,25 +696,26 @@ class Session:
         return {seg.id: float(counts[seg.id]) / per_head if seg.id < counts.numel() else 0.0 for seg in self.segments}
 
     def stats(self) -> SessionStats:
-        slots = self.segment_slots()
-        per_token = self.cache.bytes_per_token()
-        per_segment = [
-            {"id": seg.id, "kind": seg.kind, "role": seg.role, "tool_name": seg.tool_name, "tokens": seg.length,
-             "slots": slots.get(seg.id, 0.0), "bytes": int(slots.get(seg.id, 0.0) * per_token),
-             "ratio": seg.length / slots[seg.id] if slots.get(seg.id) else float("inf"), "compactions": seg.compactions}
-            for seg in self.segments
-        ]
-        return SessionStats(
-            logical_tokens=len(self.tokens),
-            physical_slots=[layer.length for layer in self.cache.layers],
-            kv_bytes=self.cache.kv_bytes(),
-            allocated_bytes=self.cache.allocated_bytes(),
-            uncompacted_kv_bytes=self.cache.logical_length * per_token,
-            padding_overhead=self.cache.padding_overhead(),
-            compactions=self.cache.compactions,
-            segments=per_segment,
-            query_bytes=self.query_recorder.nbytes() if self.query_recorder is not None else 0,
-        )
+        with self._lock:
+            slots = self.segment_slots()
+            per_token = self.cache.bytes_per_token()
+            per_segment = [
+                {"id": seg.id, "kind": seg.kind, "role": seg.role, "tool_name": seg.tool_name, "tokens": seg.length,
+                 "slots": slots.get(seg.id, 0.0), "bytes": int(slots.get(seg.id, 0.0) * per_token),
+                 "ratio": seg.length / slots[seg.id] if slots.get(seg.id) else float("inf"), "compactions": seg.compactions}
+                for seg in self.segments
+            ]
+            return SessionStats(
+                logical_tokens=len(self.tokens),
+                physical_slots=[layer.length for layer in self.cache.layers],
+                kv_bytes=self.cache.kv_bytes(),
+                allocated_bytes=self.cache.allocated_bytes(),
+                uncompacted_kv_bytes=self.cache.logical_length * per_token,
+                padding_overhead=self.cache.padding_overhead(),
+                compactions=self.cache.compactions,
+                segments=per_segment,
+                query_bytes=self.query_recorder.nbytes() if self.query_recorder is not None else 0,
+            )
 
     # ---- transcript and recall -------------------------------------------------------------------
     def export_transcript(self, path=None) -> list[dict]:
@@ -460,10 +732,16 @@ class Session:
 
         ``kinds`` narrows the search (e.g. ``["tool_output"]``); earlier recalls are never returned, so
         recalling a search hit does not make it its own best match."""
-        self._refresh_open_segment_text()
-        pool = [s for s in self.segments if s.kind != "recall" and (kinds is None or s.kind in kinds)]
-        return [seg for _, seg in rank_segments(query, pool)[:limit]]
+        if not isinstance(query, str):
+            raise InvalidArgumentError(f"search takes a string query, got {type(query).__name__}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise InvalidArgumentError(f"limit must be an integer ≥ 0, got {limit!r}")
+        with self._lock:
+            self._refresh_open_segment_text()
+            pool = [s for s in self.segments if s.kind != "recall" and (kinds is None or s.kind in kinds)]
+            return [seg for _, seg in rank_segments(query, pool)[:limit]]
 
+    @_exclusive
     def recall(self, segment_id: int) -> Segment:
         """Re-insert a segment's full text verbatim at the end of the context, saying what it is.
 
@@ -471,11 +749,14 @@ class Session:
         otherwise as a text segment of kind ``recall``.
         """
         seg = self.segment(segment_id)
+        self._refresh_open_segment_text()
         label = seg.kind + (f" from tool {seg.tool_name}" if seg.tool_name else "")
         header, footer = f"[recalled segment {seg.id}: {label}, verbatim]\n", f"\n[end of recalled segment {seg.id}]"
-        if self.messages:
+        if self._messages or self._reply is not None:
             message = {"role": "user", "content": header + seg.text + footer, "recall_of": seg.id}
-            return self.append_messages([message])[-1]
+            held = self._close_reply()
+            return self._append_rendered(held, [message], None if not self._tools_key else json.loads(self._tools_key),
+                                         False, None)[-1]
         ids = self.tokens[seg.start : seg.end]  # the exact tokens, whatever the cache kept of them
         if self.engine.tokenizer is not None:
             encode = self.engine.tokenizer.encode
@@ -483,17 +764,29 @@ class Session:
             text = header + seg.text + footer
         else:
             text = seg.text
-        return self.append_tokens(ids, kind="recall", role="user", text=text, recall_of=seg.id)
+        return self._append_tokens(ids, kind="recall", role="user", text=text, recall_of=seg.id)
 
     # ---- internals -------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self.closed:
             raise SessionClosedError(f"session {self.id} is closed")
 
+    def _check_no_stream(self) -> None:
+        if self._stream is not None:
+            raise SessionBusyError(f"session {self.id} has an open stream: finish or close it first")
+
     def _validate_tokens(self, token_ids) -> list[int]:
         if isinstance(token_ids, torch.Tensor):
-            token_ids = token_ids.flatten().tolist()
-        ids = [int(t) for t in token_ids]
+            if token_ids.dim() > 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+                raise InvalidTokenError(f"token ids must be a 1-D integer tensor, got {token_ids.dim()}-D {token_ids.dtype}")
+            token_ids = token_ids.tolist()
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+            raise InvalidTokenError(f"token ids must be a list of integers, got {type(token_ids).__name__}")
+        ids = list(token_ids)
+        wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
+        if wrong:
+            raise InvalidTokenError(f"token ids must be integers, got {wrong[:5]}")
+        ids = [int(t) for t in ids]
         if not ids:
             raise InvalidTokenError("no tokens given")
         bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
@@ -508,17 +801,17 @@ class Session:
                 f"limit of {self.engine.position_limit}"
             )
         capped = self.memory is not None and self.memory.slot_cap(self) is not None
-        if not capped and self._physical_after(n_new) > self.engine.max_context:
+        if not capped and self._longest_after(n_new) > self.engine.max_context:
             raise ContextLengthError(
-                f"appending {n_new} tokens to a cache of {self._physical_after(0)} would exceed the model's "
+                f"appending {n_new} tokens to a cache of {self._longest_after(0)} slots would exceed the model's "
                 f"{self.engine.max_context} positions (attach a MemoryManager with a cap to compact instead)"
             )
         if self.memory is not None:
             self.memory.check_fits(self, n_new, list(new_segments))
 
-    def _physical_after(self, n_new: int) -> int:
-        """Physical slots once ``n_new`` more tokens (and any pending ones) are in the cache."""
-        return self.cache.physical_length + len(self._pending) + n_new
+    def _longest_after(self, n_new: int) -> int:
+        """Slots of the longest layer once ``n_new`` more tokens (and any pending ones) are in the cache."""
+        return (self.cache.longest_layer if self.cache.layers[0].is_initialized else 0) + len(self._pending) + n_new
 
     def _new_segment(self, kind: str, role=None, tool_name=None, tags=(), message_index=None, meta=None) -> Segment:
         seg = Segment(
@@ -531,26 +824,22 @@ class Session:
 
     def _extend_segment(self, segment: Segment, ids: list[int], progress: ProgressCallback | None) -> None:
         """Prefill ``ids`` into ``segment`` chunk by chunk, giving the memory manager room before each chunk."""
-        state = self._save_state()
-        try:
-            self._flush_pending()
-            done, total = 0, len(ids)
-            step = self.memory.chunk_size(self) if self.memory is not None else self.prefill_chunk_size
-            if self.show_progress and total > step:
-                progress = _tqdm_progress(total, progress)
-            while done < total:
-                chunk = ids[done : done + step]
-                if self.memory is not None:
-                    self.memory.make_room(self, len(chunk))
-                self._forward(chunk, segment.id, positions_from=len(self.tokens))
-                self.tokens.extend(chunk)
-                segment.end = len(self.tokens)
-                done += len(chunk)
-                if progress is not None:
-                    progress(done, total)
-        except BaseException:
-            self._restore_state(state)
-            raise
+        self._flush_pending()
+        done, total = 0, len(ids)
+        step = self.memory.chunk_size(self) if self.memory is not None else self.prefill_chunk_size
+        if self.show_progress and total > step:
+            progress = _tqdm_progress(total, progress)
+        while done < total:
+            chunk = ids[done : done + step]
+            if self.memory is not None:
+                self.memory.make_room(self, len(chunk))
+            self._forward(chunk, segment.id, positions_from=len(self.tokens))
+            self.tokens.extend(chunk)
+            segment.end = len(self.tokens)
+            self._turn_prefilled += len(chunk)
+            done += len(chunk)
+            if progress is not None:
+                progress(done, total)
 
     def _flush_pending(self) -> None:
         """Run sampled-but-unprocessed tokens through the model (they belong to the last segment)."""
@@ -563,63 +852,37 @@ class Session:
         self._pending = []
 
     def _forward(self, ids: list[int], segment_id: int, positions_from: int, all_logits: bool = False) -> torch.Tensor:
+        """Run ``ids`` through the model at ``positions_from`` into the cache. Callers own the rollback
+        (``_atomic`` or ``scratch``)."""
         engine = self.engine
         input_ids = torch.tensor([ids], device=engine.device)
         positions = torch.arange(positions_from, positions_from + len(ids), device=engine.device)
         if (segment_id >= 0 and engine.rebase_positions and self.cache.rope_length + len(ids) > engine.rebase_at
                 and self.cache.rope_length > self.cache.physical_length + len(ids)):  # only when there are gaps to close
-            self.rebase_positions()
+            self._rebase()
         rope = self.cache.rope_positions(positions)
-        snapshot = self.cache.snapshot_lengths()
         extra = {"query_recorder": self.query_recorder} if self.query_recorder is not None else {}
         with engine.lock, torch.no_grad():
-            try:
-                self.cache.begin_append(positions, segment_id)
-                if self.hidden_recorder is not None:
-                    self.hidden_recorder.expect(positions)
-                if self.query_recorder is not None:
-                    self.query_recorder.current_segment = segment_id
-                out = engine.model(
-                    input_ids=input_ids,
-                    position_ids=rope[None],
-                    cache=self.cache,
-                    use_cache=True,
-                    logits_to_keep=0 if all_logits else 1,
-                    compact_cache=self.cache,
-                    **extra,
-                )
-            except BaseException:
-                self.cache.rollback(snapshot)
-                raise
+            self.cache.begin_append(positions, segment_id)
+            if self.hidden_recorder is not None:
+                self.hidden_recorder.expect(positions)
+            if self.query_recorder is not None:
+                self.query_recorder.current_segment = segment_id
+            out = engine.model(
+                input_ids=input_ids,
+                position_ids=rope[None],
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=0 if all_logits else 1,
+                compact_cache=self.cache,
+                **extra,
+            )
         logits = out.logits[0]
         if segment_id >= 0:
             self.prefilled_tokens += len(ids)
         if not all_logits:
             self._last_logits = logits[-1]
         return logits
-
-    def _save_state(self):
-        return (
-            len(self.tokens), list(self._pending), self._last_logits, self.cache.snapshot_lengths(),
-            [(s.id, s.end, s.text, s.message_index) for s in self.segments], self._next_segment_id,
-        )
-
-    def _restore_state(self, state) -> None:
-        n_tokens, pending, last_logits, snapshot, segs, next_id = state
-        if self.cache.compactions == snapshot[2]:
-            self.cache.rollback(snapshot)
-        else:  # compactions ran mid-append (they stay: older segments are legitimately smaller now)
-            self.cache.truncate_positions(n_tokens - len(pending))
-            last_logits = None  # recomputed from the last token on the next generate
-            if self.hidden_recorder is not None:
-                self.hidden_recorder.drop_from(n_tokens - len(pending))
-        del self.tokens[n_tokens:]
-        self._pending, self._last_logits = pending, last_logits
-        by_id = {s.id: s for s in self.segments}
-        self.segments = [by_id[i] for i, *_ in segs]
-        for (i, end, text, mi) in segs:
-            by_id[i].end, by_id[i].text, by_id[i].message_index = end, text, mi
-        self._next_segment_id = next_id
 
     def _after_append(self) -> None:
         if self.memory is not None:
@@ -632,20 +895,21 @@ class Session:
     def _refresh_open_segment_text(self) -> None:
         if self.segments:
             seg = self.segments[-1]
-            seg.text = self._decode(self.tokens[seg.start : seg.end])
+            if seg.kind == "assistant" or not seg.text:
+                seg.text = self._decode(self.tokens[seg.start : seg.end])
 
     # ---- chat internals --------------------------------------------------------------------------
     def _render_with_spans(self, messages, tools, add_generation_prompt):
         """Token ids of the conversation and each message's [start, end) span in them."""
         renderer = self.renderer
-        tools_key = json.dumps(tools, sort_keys=True, default=str) if tools else ""
+        tools_key = self._tools_key_of(tools)
         full = renderer.render(messages, tools, add_generation_prompt)
         spans: list[tuple[int, int]] = []
         reusable = self._tools_key == tools_key
         for i, msg in enumerate(messages):
             if reusable and i < len(self._message_spans) and self._message_spans[i][0] == _fingerprint(msg):
                 s, e = self._message_spans[i][1:]
-                if full[s:e] == self.tokens[s:e]:
+                if (not spans or spans[-1][1] == s) and full[s:e] == self.tokens[s:e]:
                     spans.append((s, e))
                     continue
             reusable = False
@@ -671,15 +935,21 @@ class Session:
 
     def _truncate(self, position: int) -> None:
         """Cut the session back to ``position`` (cache, transcript and segments)."""
+        self._pending = []
         left = self.cache.truncate_positions(position)
         if self.hidden_recorder is not None:
             self.hidden_recorder.drop_from(position)
         del self.tokens[position:]
-        self._pending = []
         self._last_logits = None
         self.segments = [s for s in self.segments if s.start < position]
         for seg in self.segments:
             seg.end = min(seg.end, position)
+            if seg is self.segments[-1] and seg.kind == "assistant":
+                seg.text = self._decode(self.tokens[seg.start : seg.end])
+        self._message_spans = [span for span in self._message_spans if span[2] <= position]
+        self._messages = self._messages[: len(self._message_spans)]
+        if self._reply is not None and self._reply[1] > position:
+            self._reply = None
         if left < position:  # a compacted head lost every slot: rebuild the prefix from the transcript
             for seg in self.segments:
                 for i in range(seg.start, seg.end, self.prefill_chunk_size):

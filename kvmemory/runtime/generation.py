@@ -1,0 +1,203 @@
+"""Generation: sampling parameters as one validated value, and a reply generated one atomic step at a time.
+
+A ``Generation`` is what ``Session.generate``, ``Session.stream`` and the async and LangChain front ends
+all drive. Each ``step`` samples one token and either completes or leaves the session as it was; the
+step before can be undone (``undo_last``) when its text never reached the caller, as when an asyncio
+task is cancelled while the step runs. Text that might be the start of a stop string, or half of a
+multi-byte character, is held back; when the generation ends (finished, closed early, cancelled) the
+session keeps exactly the tokens of the text the caller received.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+
+import torch
+
+from kvmemory.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample a reply. Greedy when ``temperature`` is 0; ``stop`` strings end the reply and are not
+    part of it. Every field is checked when the value is made, so a bad one fails before anything runs."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = field(default=())
+    seed: int | None = None
+
+    def __post_init__(self):
+        def whole(name, value, low):
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
+                raise InvalidArgumentError(f"{name} must be an integer ≥ {low}, got {value!r}")
+
+        def real(name, value):
+            if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+                raise InvalidArgumentError(f"{name} must be a finite number, got {value!r}")
+
+        whole("max_new_tokens", self.max_new_tokens, 0)
+        whole("top_k", self.top_k, 0)
+        real("temperature", self.temperature)
+        real("top_p", self.top_p)
+        if self.temperature < 0:
+            raise InvalidArgumentError(f"temperature must be ≥ 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            whole("seed", self.seed, 0)
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise InvalidArgumentError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in stop):
+            raise InvalidArgumentError("stop strings must not be empty (an empty string would match at once)")
+        object.__setattr__(self, "stop", tuple(stop))
+
+    @classmethod
+    def of(cls, params: "SamplingParams | None" = None, **overrides) -> "SamplingParams":
+        """``params`` with ``overrides`` (keyword arguments left as None keep their value)."""
+        from dataclasses import replace
+
+        base = params or cls()
+        given = {k: v for k, v in overrides.items() if v is not None or k == "seed" and "seed" in overrides}
+        unknown = set(given) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InvalidArgumentError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        return replace(base, **given)
+
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        if self.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits.float() / self.temperature
+        if self.top_k > 0:
+            kth = torch.topk(logits, min(self.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            drop = sorted_probs.cumsum(0) - sorted_probs > self.top_p
+            sorted_probs[drop] = 0
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (stop token or string), "length" (max tokens or context end), "cancelled"
+    prompt_tokens: int = 0  # tokens the reply was conditioned on
+    cached_tokens: int = 0  # of those, tokens that were already in the cache before this turn's appends
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters of ``text`` must wait: a possible start of a stop string, or a
+    replacement character from a multi-byte character cut between tokens."""
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                hold = max(hold, k)
+                break
+    if text.endswith("\ufffd"):
+        hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
+    return hold
+
+
+class Generation:
+    """One reply in progress on a session. Iterate it for ``(piece, result so far)`` pairs, or call ``step``.
+
+    While it is open the session refuses other calls (``SessionBusyError``); it closes when the reply is
+    finished, when the iteration stops early, or on ``close()``.
+    """
+
+    def __init__(self, session, params: SamplingParams):
+        self.session, self.params = session, params
+        self.generated: list[int] = []  # sampled tokens, the end-of-turn token excluded
+        self.emitted = ""  # text handed to the caller
+        self.finish: str | None = None
+        self.closed = False
+        self._undo = None
+        self._generator = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
+        self.prompt_tokens, self.cached_tokens = session._begin_generation(self)
+
+    @property
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.emitted, list(self.generated), self.finish or "length", self.prompt_tokens,
+                                self.cached_tokens)
+
+    def __iter__(self):
+        try:
+            while (item := self.step()) is not None:
+                yield item
+        finally:
+            self.close()
+
+    def step(self) -> tuple[str, GenerationResult] | None:
+        """Sample one token; returns the newly releasable text and the result so far, or None when done."""
+        session, params = self.session, self.params
+        with session._lock:
+            if self.finish is not None or self.closed:
+                return None
+            session._check_open()
+            if len(self.generated) >= params.max_new_tokens or not session._room_for_one_more():
+                self.finish = "length"
+                return self._release(self._text())
+            state = session.snapshot(), (list(self.generated), self.emitted, self.finish)
+            try:
+                token = session._sample_next(params, self._generator, self)
+            except BaseException:
+                session.restore(state[0])
+                self.close()
+                raise
+            self._undo = state
+            if token in session.engine.eos_token_ids:
+                self.finish = "stop"
+                return self._release(self._text())
+            self.generated.append(token)
+            text = self._text()
+            hits = [i for i in (text.find(s, max(0, len(self.emitted) - len(s))) for s in params.stop) if i >= 0]
+            if hits:
+                self.finish = "stop"
+                return self._release(text[: min(hits)])
+            if len(self.generated) >= params.max_new_tokens:
+                self.finish = "length"
+                return self._release(text)
+            return self._release(text[: len(text) - held_back(text, params.stop)])
+
+    def undo_last(self) -> None:
+        """Undo the last step (its text never reached the caller), then close."""
+        with self.session._lock:
+            if self._undo is not None and not self.session.closed:
+                self.session.restore(self._undo[0])
+                self.generated, self.emitted, self.finish = self._undo[1]
+                self._undo = None
+            if self.finish is None:
+                self.finish = "cancelled"
+        self.close()
+
+    def close(self) -> None:
+        """End the reply: the session keeps the tokens of exactly the text handed out."""
+        with self.session._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self.finish is None:
+                self.finish = "cancelled"
+            self.session._end_generation(self)
+
+    def _text(self) -> str:
+        return self.session._decode(self.generated)
+
+    def _release(self, text: str) -> tuple[str, GenerationResult]:
+        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted += piece
+        return piece, self.result
