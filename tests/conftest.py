@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -63,9 +64,15 @@ def tiny_engine():
     return Engine(tiny_model("llama"))
 
 
+@functools.cache
+def load_default_engine() -> Engine:
+    """The default model, loaded once per test run (fixtures and state machines share it)."""
+    return Engine.from_pretrained("default")
+
+
 @pytest.fixture(scope="session")
 def default_engine():
-    return Engine.from_pretrained("default")
+    return load_default_engine()
 
 
 def random_tokens(n: int, seed: int = 1, vocab: int = TINY["vocab_size"]) -> list[int]:

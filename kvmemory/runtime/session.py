@@ -376,8 +376,8 @@ class Session:
             return []  # already holds exactly this conversation and its generation prompt
         held = self._close_reply()
         messages = self._validate_messages(messages, [])
-        if self._tools_key_of(tools) == self._tools_key and self._same_messages(messages[: len(held)], held) \
-                and len(messages) >= len(held):
+        same_tools = not held or self._tools_key_of(tools) == self._tools_key
+        if same_tools and len(messages) >= len(held) and self._same_messages(messages[: len(held)], held):
             return self._append_rendered(held, messages[len(held):], tools, add_generation_prompt, progress)
         return self._set_messages(messages, tools, add_generation_prompt, progress)
 

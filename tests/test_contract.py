@@ -1,0 +1,550 @@
+"""The Session contract: nothing appended or generated is lost; a failed call changes nothing (bit for bit,
+every cache shape); cancellation keeps exactly what the caller received; calls are serialised."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvmemory import (
+    CompactionPlan,
+    ContextLengthError,
+    Engine,
+    InvalidArgumentError,
+    InvalidMessageError,
+    InvalidPlanError,
+    InvalidTokenError,
+    KVMemoryError,
+    LayerPlan,
+    MemoryCapError,
+    SessionBusyError,
+    SessionClosedError,
+)
+from kvmemory.compaction.compactor import compact_span
+from kvmemory.compaction.registry import get_method
+from kvmemory.memory import MemoryManager, MemoryPolicy
+from tests.conftest import load_default_engine, random_tokens, tiny_model
+
+
+
+def state_of(session) -> dict:
+    """Everything a failed call must leave as it was, with the cache's live slots copied."""
+    layers = []
+    for layer in session.cache.layers:
+        n = layer.length
+        layers.append(None if layer.keys is None else (
+            n, layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone(), layer.bias[:, :, :n].clone(),
+            layer.positions[:, :n].clone(), layer.rope[:, :n].clone(), layer.segments[:, :n].clone()))
+    return {
+        "tokens": list(session.tokens), "pending": list(session._pending),
+        "segments": [(s.id, s.kind, s.start, s.end, s.text, s.message_index, s.compactions) for s in session.segments],
+        "messages": session.messages, "layers": layers,
+        "counters": (session.cache.logical_length, session.cache.rope_length, session.cache.compactions),
+        "log": len(session.compaction_log),
+        "memory": session.memory.state() if session.memory is not None else None,
+        "logits": None if session._last_logits is None else session._last_logits.clone(),
+    }
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    for key in ("tokens", "pending", "segments", "messages", "counters", "log", "memory"):
+        assert a[key] == b[key], key
+    assert (a["logits"] is None) == (b["logits"] is None)
+    if a["logits"] is not None:
+        assert torch.equal(a["logits"], b["logits"])
+    assert len(a["layers"]) == len(b["layers"])
+    for la, lb in zip(a["layers"], b["layers"]):
+        assert (la is None) == (lb is None)
+        if la is not None:
+            assert la[0] == lb[0]
+            for ta, tb in zip(la[1:], lb[1:]):
+                assert torch.equal(ta, tb)
+
+
+def uneven_plan(session, seed: int = 0) -> CompactionPlan:
+    """Every layer and head keeps a different number of slots (sinks and the last 8 always)."""
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for li, layer in enumerate(session.cache.layers):
+        n = layer.length
+        keeps = []
+        for h in range(layer.num_heads):
+            middle = torch.arange(4, n - 8)
+            count = max(1, int(len(middle) * (0.2 + 0.7 * ((li * 7 + h * 3) % 5) / 4)))
+            chosen = middle[torch.randperm(len(middle), generator=g)[:count]].sort().values
+            keeps.append(torch.cat([torch.arange(4), chosen, torch.arange(n - 8, n)]))
+        layers.append(LayerPlan(keep=keeps, bias=torch.nn.utils.rnn.pad_sequence(
+            [torch.rand(len(k), generator=g) - 0.5 for k in keeps], batch_first=True)))
+    return CompactionPlan(layers, method="uneven")
+
+
+# ---- cache shapes ------------------------------------------------------------------------------------
+
+
+def test_scratch_and_failed_appends_leave_uneven_layers_bit_identical():
+    engine = Engine(tiny_model("llama", num_hidden_layers=3))
+    session = engine.session()
+    session.append_tokens(random_tokens(80, seed=2))
+    session.compact(uneven_plan(session))
+    lengths = [layer.length for layer in session.cache.layers]
+    assert len(set(lengths)) > 1
+    before = state_of(session)
+    cont = random_tokens(30, seed=3)
+    first = session.logprobs(cont)
+    assert_same_state(before, state_of(session))
+    assert torch.equal(session.logprobs(cont), first)
+    with pytest.raises(InvalidTokenError):
+        session.append_tokens(random_tokens(5, seed=4) + [10**6])
+    with pytest.raises(InvalidPlanError):
+        session.compact(CompactionPlan([LayerPlan(keep=torch.zeros(l.num_heads, 1, dtype=torch.long), bias=torch.full(
+            (l.num_heads, 1), float("inf"))) for l in session.cache.layers]))
+    assert_same_state(before, state_of(session))
+
+
+def test_a_failed_append_after_mid_append_compactions_restores_the_cache_exactly(tiny_engine):
+    policy = {"default": {"method": "snapkv", "ratio": 4}, "budget": {"max_slots": 96, "recent_tokens": 8}}
+    session = tiny_engine.session(memory=MemoryManager(policy))
+    session.append_tokens(random_tokens(150, seed=5))
+    before = state_of(session)
+    calls = []
+
+    def fail_late(done, total):
+        calls.append(done)
+        if done >= 100:
+            raise KeyboardInterrupt  # an interrupt after the manager compacted on the way
+
+    with pytest.raises(KeyboardInterrupt):
+        session.append_tokens(random_tokens(200, seed=6), progress=fail_late)
+    assert len(calls) >= 2
+    assert_same_state(before, state_of(session))
+
+
+def test_a_fork_shares_no_buffers_with_its_parent(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(40, seed=7))
+    child = session.fork()
+    before = state_of(session)
+    child.append_tokens(random_tokens(10, seed=8))
+    child.generate(max_new_tokens=3)
+    assert_same_state(before, state_of(session))
+    session.append_tokens(random_tokens(10, seed=9))
+    assert child.tokens[:40] == session.tokens[:40] and child.tokens[40:] != session.tokens[40:]
+
+
+# ---- chat: nothing lost ------------------------------------------------------------------------------
+
+
+@pytest.mark.default_model
+def test_a_generated_reply_and_raw_text_survive_the_next_messages(default_engine):
+    s = default_engine.session()
+    s.append_messages([{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True)
+    reply = s.generate(max_new_tokens=8)
+    s.append_messages([{"role": "user", "content": "And their sum?"}], add_generation_prompt=True)
+    assert s.messages[1] == {"role": "assistant", "content": reply.text}
+    s.generate(max_new_tokens=2)
+    s.append_messages([])  # closes the reply
+    s.append_text("NOTE: the database port is 5433.")
+    s.append_messages([{"role": "user", "content": "Which port?"}], add_generation_prompt=True)
+    text = default_engine.tokenizer.decode(s.tokens)
+    assert text.count(reply.text) == 1 and "NOTE: the database port is 5433." in text
+    assert text.index(reply.text) < text.index("And their sum?") < text.index("5433") < text.index("Which port?")
+    assert s.search("database port")[0].text == "NOTE: the database port is 5433."
+    fresh = default_engine.session()  # what is cached is what a fresh prefill of the transcript gives
+    fresh.append_tokens(s.tokens)
+    assert torch.allclose(fresh._last_logits, s._last_logits, atol=1e-4)
+
+
+@pytest.mark.default_model
+def test_every_append_path_checks_length_and_cap_first(default_engine):
+    s = default_engine.session()
+    s.append_text("A short note.")
+    before = state_of(s)
+    with pytest.raises(ContextLengthError):
+        s.append_messages([{"role": "user", "content": "word " * 8300}])
+    assert_same_state(before, state_of(s))
+
+    policy = {"rules": [{"match": {"role": "user"}, "protected": True}], "budget": {"max_slots": 64, "recent_tokens": 8}}
+    s = default_engine.session(memory=MemoryManager(policy))
+    s.append_messages([{"role": "user", "content": "Hi."}], add_generation_prompt=True)
+    s.generate(max_new_tokens=4)
+    before = state_of(s)
+    with pytest.raises(MemoryCapError):
+        s.append_messages([{"role": "user", "content": "a long question " * 12}], add_generation_prompt=True)
+    assert_same_state(before, state_of(s))
+
+
+@pytest.mark.default_model
+def test_stop_strings_keep_only_the_text_returned(default_engine):
+    s = default_engine.session()
+    s.append_text("The cat sat on the mat. The dog sat on the log. The")
+    start = len(s.tokens)
+    result = s.generate(max_new_tokens=24, stop="sat")
+    assert "sat" not in result.text and result.finish_reason == "stop"
+    assert default_engine.tokenizer.decode(s.tokens[start:]) == result.text
+    s.generate(max_new_tokens=2)  # the session goes on from the kept text
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("bad, error", [
+    (dict(temperature=-1), "temperature"), (dict(top_k=-5), "top_k"), (dict(top_p=1.5), "top_p"),
+    (dict(temperature=float("nan")), "temperature"), (dict(stop=[""]), "stop"), (dict(max_new_tokens=1.5), "max_new_tokens"),
+])
+def test_bad_sampling_parameters_are_named(default_engine, bad, error):
+    s = default_engine.session()
+    s.append_text("Hello")
+    before = state_of(s)
+    with pytest.raises(InvalidArgumentError, match=error):
+        s.generate(**bad)
+    assert_same_state(before, state_of(s))
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("message, error", [
+    ({"role": "robot", "content": "x"}, "role"), ({"role": "tool", "content": "x"}, "names no tool"),
+    ({"role": "user", "content": ["x"]}, "string"), ("hello", "not a dict"),
+])
+def test_bad_messages_are_named(default_engine, message, error):
+    s = default_engine.session()
+    with pytest.raises(InvalidMessageError, match=error):
+        s.append_messages([message])
+    assert s.tokens == [] and s.messages == []
+
+
+@pytest.mark.parametrize("tokens", [[1.5], torch.tensor([[1, 2]]), "abc", [True], []])
+def test_bad_token_ids_are_named(tiny_engine, tokens):
+    with pytest.raises(InvalidTokenError):
+        tiny_engine.session().append_tokens(tokens)
+
+
+def test_a_tool_message_takes_its_name_from_the_tool_call(default_engine):
+    s = default_engine.session()
+    call = {"id": "c1", "function": {"name": "run_tests", "arguments": {}}}
+    s.append_messages([{"role": "user", "content": "Run the tests."}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "content": "2 passed", "tool_call_id": "c1"}])
+    assert s.segments[-1].tool_name == "run_tests"
+
+
+# ---- cancellation and threads ------------------------------------------------------------------------
+
+
+@pytest.mark.default_model
+async def test_a_cancelled_task_keeps_exactly_the_text_received(default_engine):
+    session = default_engine.async_session()
+    await session.append_text("Once upon a time, in a small village by the sea,")
+    start = len(session.sync.tokens)
+    received: list[str] = []
+
+    async def consume():
+        async for piece in session.stream(max_new_tokens=200):
+            received.append(piece)
+
+    task = asyncio.create_task(consume())
+    while len(received) < 4:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)
+    assert default_engine.tokenizer.decode(session.sync.tokens[start:]) == "".join(received)
+    assert session.sync._stream is None
+    result = await session.generate(max_new_tokens=3)  # the session goes on
+    assert len(result.token_ids) == 3
+    await session.close()
+
+
+def test_threads_are_serialised_and_an_open_stream_refuses_other_calls(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(20, seed=10))
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(session.generate(max_new_tokens=6).token_ids)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert session.tokens[20:] == results[0] + results[1]  # one reply after the other, never interleaved
+    generation = session.start_generation(max_new_tokens=5)
+    generation.step()
+    with pytest.raises(SessionBusyError):
+        session.append_tokens([1, 2])
+    errors = []
+    other = threading.Thread(target=lambda: errors.append(pytest.raises(SessionBusyError, session.generate)))
+    other.start()
+    other.join()
+    assert errors
+    generation.close()
+    session.append_tokens([1, 2])
+
+
+def test_a_closed_session_refuses_calls(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens([1, 2, 3])
+    session.close()
+    for call in (lambda: session.append_tokens([1]), session.generate, lambda: session.logprobs([1]), session.fork):
+        with pytest.raises(SessionClosedError):
+            call()
+    assert session.transcript()  # still readable
+
+
+# ---- the stateful property-based test ------------------------------------------------------------------
+
+SENTENCES = ["The database port is 5433.", "Tests: 3 passed, 1 failed in test_restock.", "def f(x):\n    return x * 2",
+             "Traceback (most recent call last): KeyError: 'sku'", "The codename is blue-heron.", "ok"]
+TOOLS = ["run_tests", "read_file", "grep"]
+
+
+@functools.cache
+def tiny_chat_engine() -> Engine:
+    """A tiny random model (3 layers) with the default model's tokenizer and chat template: the chat paths at
+    a thousandth of the cost, so hundreds of call sequences run in CI."""
+    tokenizer = load_default_engine().tokenizer
+    model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=3, max_position_embeddings=2048)
+    return Engine(model, tokenizer)
+
+
+CAP = 320
+
+
+def contract_policy(engine: Engine) -> MemoryPolicy:
+    """A small cap with uneven per-layer and per-head budgets (REAL) on tool outputs, uniform elsewhere."""
+    shape = (engine.num_layers, engine.num_kv_heads)
+    scores = (torch.arange(shape[0] * shape[1]).reshape(shape).float() % 5 + 0.5).tolist()
+    return MemoryPolicy.from_dict({
+        "rules": [{"name": "system", "match": {"kind": "system"}, "protected": True},
+                  {"name": "tools", "match": {"kind": "tool_output"}, "method": "real", "ratio": 3,
+                   "params": {"scores": scores}}],
+        "default": {"method": "snapkv", "ratio": 2},
+        "budget": {"max_slots": CAP, "recent_tokens": 16, "sink_tokens": 4},
+    })
+
+
+class SessionContract(RuleBasedStateMachine):
+    """Random call sequences over the public API, good and bad, checked against a reference of what went in."""
+
+    with_memory = False
+    make_engine = staticmethod(tiny_chat_engine)
+
+    @initialize()
+    def start(self):
+        self.engine = self.make_engine()
+        self.memory = MemoryManager(contract_policy(self.engine)) if self.with_memory else None
+        self.s = self.engine.session(memory=self.memory)
+        self.s.record_queries(32)
+        self.expected: list[str] = []  # every text appended or received, in order
+        self.closed = False
+
+    # -- helpers
+    def attempt(self, call, *errors):
+        """Run a call that may fail; if it fails, nothing may have changed."""
+        before = state_of(self.s)
+        try:
+            return call(), True
+        except errors or KVMemoryError:
+            assert_same_state(before, state_of(self.s))
+            return None, False
+
+    def fits(self, text: str) -> bool:
+        return len(self.s.tokens) + 3 * len(text) + 64 < self.engine.max_context - 100
+
+    # -- appends
+    @precondition(lambda self: not self.closed)
+    @rule(text=st.sampled_from(SENTENCES))
+    def append_text(self, text):
+        if self.fits(text):
+            _, ok = self.attempt(lambda: self.s.append_text(text))
+            if ok:
+                self.expected.append(text)
+
+    @precondition(lambda self: not self.closed)
+    @rule(ids=st.one_of(st.lists(st.integers(0, 49151), min_size=1, max_size=12),
+                        st.lists(st.integers(-5, 60000), min_size=0, max_size=4), st.just([1.5])))
+    def append_tokens(self, ids):
+        if len(self.s.tokens) + len(ids) < self.engine.max_context - 100:
+            _, ok = self.attempt(lambda: self.s.append_tokens(ids))
+            if ok:
+                self.expected.append(self.engine.tokenizer.decode(ids))
+
+    @precondition(lambda self: not self.closed)
+    @rule(role=st.sampled_from(["user", "tool", "robot", "system"]), text=st.sampled_from(SENTENCES),
+          tool=st.sampled_from(TOOLS + [None]), prompt=st.booleans(), via_set=st.booleans())
+    def append_message(self, role, text, tool, prompt, via_set):
+        if not self.fits(text):
+            return
+        message = {"role": role, "content": text} | ({"name": tool} if tool else {})
+        if via_set:
+            call = lambda: self.s.set_messages(self.s.messages + [message], add_generation_prompt=prompt)  # noqa: E731
+        else:
+            call = lambda: self.s.append_messages([message], add_generation_prompt=prompt)  # noqa: E731
+        _, ok = self.attempt(call)
+        if ok:
+            self.expected.append(text)
+
+    # -- generation
+    @precondition(lambda self: not self.closed)
+    @rule(n=st.integers(1, 5), stop=st.sampled_from([None, "e", ".", [""], -1]), temperature=st.sampled_from([0.0, 0.8, -1.0]))
+    def generate(self, n, stop, temperature):
+        if stop == -1:
+            stop = None
+            n = -n
+        result, ok = self.attempt(lambda: self.s.generate(max_new_tokens=n, stop=stop, temperature=temperature, seed=0))
+        if ok and result.text:
+            self.expected.append(result.text)
+
+    @precondition(lambda self: not self.closed)
+    @rule(k=st.integers(0, 3))
+    def stream_then_break(self, k):
+        if not self.s.tokens:
+            return
+        received = []
+        for piece in self.s.stream(max_new_tokens=6, seed=1, temperature=0.7):
+            received.append(piece)
+            if len(received) >= k:
+                break
+        text = "".join(received)
+        if text:
+            self.expected.append(text)
+        assert self.s._stream is None
+
+    # -- memory
+    @precondition(lambda self: not self.closed)
+    @rule(method=st.sampled_from(["real", "snapkv", "uneven"]), bad=st.booleans())
+    def compact(self, method, bad):
+        s = self.s
+        if not s.cache.layers[0].is_initialized or len(s.tokens) < 40:
+            return
+        if bad:
+            plan = CompactionPlan([LayerPlan(keep=torch.full((l.num_heads, 1), l.length, dtype=torch.long))
+                                   for l in s.cache.layers])
+            self.attempt(lambda: s.compact(plan))
+        elif method == "uneven":
+            self.attempt(lambda: s.compact(uneven_plan(s, seed=len(s.tokens))))
+        elif self.memory is not None:
+            self.attempt(lambda: self.memory.compact(s))
+        else:
+            self.attempt(lambda: compact_span(s, torch.arange(4, len(s.tokens) - 16), get_method(method), 24))
+
+    @precondition(lambda self: not self.closed)
+    @rule(index=st.integers(-1, 40))
+    def recall(self, index):
+        ids = [seg.id for seg in self.s.segments if seg.text]
+        segment_id = ids[index % len(ids)] if ids and index >= 0 else 10**6
+        text = self.s.segment(segment_id).text if segment_id in ids else ""
+        if not self.fits(text):
+            return
+        _, ok = self.attempt(lambda: self.s.recall(segment_id))
+        if ok:
+            self.expected.append(text)
+
+    @precondition(lambda self: not self.closed)
+    @rule(query=st.sampled_from(["database port", "codename", "KeyError", "zzz"]))
+    def search(self, query):
+        hits = self.s.search(query)
+        assert all(query.split()[0].lower() in h.text.lower() for h in hits[:1]) or query == "zzz" or not hits
+
+    @precondition(lambda self: not self.closed)
+    @rule(ids=st.lists(st.integers(0, 49151), min_size=1, max_size=8))
+    def logprobs_leave_everything_bit_identical(self, ids):
+        if not self.s.tokens:
+            return
+        before = state_of(self.s)
+        first = self.s.logprobs(ids)
+        after = state_of(self.s)
+        # the first call may compute missing next-token logits; from then on nothing changes
+        assert_same_state(after, state_of(self.s))
+        assert torch.equal(self.s.logprobs(ids), first)
+        assert_same_state(after, state_of(self.s))
+        assert before["tokens"] == after["tokens"]
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def fork(self):
+        if not self.s.tokens:
+            return
+        before = state_of(self.s)
+        child = self.s.fork(with_memory=True)
+        assert child.tokens == self.s.tokens and child.messages == self.s.messages
+        child.append_text("fork only")
+        assert_same_state(before, state_of(self.s))
+        child.close()
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def close(self):
+        self.s.close()
+        self.closed = True
+        with pytest.raises(SessionClosedError):
+            self.s.append_text("late")
+
+    @precondition(lambda self: self.closed)
+    @rule(text=st.sampled_from(SENTENCES))
+    def calls_on_a_closed_session_fail(self, text):
+        for call in (lambda: self.s.append_text(text), self.s.generate, self.s.fork):
+            with pytest.raises(SessionClosedError):
+                call()
+        assert self.s.search(text) is not None
+
+    # -- invariants
+    @invariant()
+    def nothing_lost(self):
+        if not hasattr(self, "s"):
+            return
+        text = "".join(seg["text"] for seg in self.s.transcript())
+        position = 0
+        for item in self.expected:
+            found = text.find(item, position)
+            assert found >= 0, f"lost {item!r}"
+            position = found + len(item)
+
+    @invariant()
+    def transcript_is_contiguous(self):
+        if not hasattr(self, "s"):
+            return
+        end = 0
+        for seg in self.s.segments:
+            assert seg.start == end and seg.end >= seg.start
+            end = seg.end
+        assert end == len(self.s.tokens)
+
+    @invariant()
+    def cap_held(self):
+        if hasattr(self, "s") and self.memory is not None and not self.closed:
+            assert self.s.cache.physical_length <= CAP
+
+    @invariant()
+    def uncompacted_cache_equals_a_fresh_prefill(self):
+        s = getattr(self, "s", None)
+        if s is None or self.closed or not s.tokens or s.cache.compactions or s._last_logits is None or s._pending:
+            return
+        fresh = self.engine.session()
+        fresh.append_tokens(s.tokens)
+        assert torch.allclose(fresh._last_logits, s._last_logits, atol=2e-3)
+
+
+class SessionContractUnderCap(SessionContract):
+    with_memory = True
+
+
+class DefaultModelContractUnderCap(SessionContract):
+    with_memory = True
+    make_engine = staticmethod(load_default_engine)
+
+
+def _settings(examples: str, steps: str = "12"):
+    return settings(max_examples=int(os.environ.get("KVMEMORY_CONTRACT_EXAMPLES", examples)),
+                    stateful_step_count=int(os.environ.get("KVMEMORY_CONTRACT_STEPS", steps)), deadline=None,
+                    suppress_health_check=list(HealthCheck))
+
+
+TestSessionContract = pytest.mark.default_model(SessionContract.TestCase)
+TestSessionContract.settings = _settings("300")
+TestSessionContractUnderCap = pytest.mark.default_model(SessionContractUnderCap.TestCase)
+TestSessionContractUnderCap.settings = _settings("300")
+TestDefaultModelContractUnderCap = pytest.mark.default_model(DefaultModelContractUnderCap.TestCase)
+TestDefaultModelContractUnderCap.settings = _settings("20")
