@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
@@ -20,31 +21,89 @@ def workspace(tmp_path):
     return Workspace(create_sample_project(tmp_path / "project"), command_timeout=60)
 
 
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda w: w.read_file("../outside.txt"),
-        lambda w: w.read_file("/etc/passwd"),
-        lambda w: w.write_file("../../evil.py", "x"),
-        lambda w: w.list_files("/"),
-        lambda w: w.grep("root", "/etc"),
-        lambda w: w.run_command("cat /etc/passwd"),
-        lambda w: w.run_command("cat ../../etc/hostname"),
-        lambda w: w.run_command("rm -rf ."),
-        lambda w: w.run_command("python -c 'import os; os.system(\"ls /\")'"),
-        lambda w: w.run_command("curl http://example.com"),
-    ],
-)
-def test_sandbox_escapes_are_refused(workspace, call):
-    with pytest.raises(SandboxError):
-        call(workspace)
+SECRET = "TOPSECRET-4242"
 
 
-def test_symlink_out_of_the_workspace_is_refused(workspace, tmp_path):
-    (tmp_path / "secret.txt").write_text("secret")
-    os.symlink(tmp_path / "secret.txt", workspace.root / "link.txt")
+@pytest.fixture
+def outside(tmp_path):
+    """A directory next to the workspace holding a secret, and a link to it from inside the workspace."""
+    path = tmp_path / "outside"
+    path.mkdir()
+    (path / "secret").write_text(SECRET + "\n")
+    return path
+
+
+def test_file_tools_refuse_paths_out_of_the_workspace(workspace):
+    for call in (lambda w: w.read_file("../outside.txt"), lambda w: w.read_file("/etc/passwd"),
+                 lambda w: w.write_file("../../evil.py", "x"), lambda w: w.list_files("/"), lambda w: w.grep("root", "/etc"),
+                 lambda w: w.run_command("rm -rf ."), lambda w: w.run_command("curl http://example.com")):
+        with pytest.raises(SandboxError):
+            call(workspace)
+
+
+@pytest.mark.parametrize("command", [
+    "python -Ic \"print(open('{secret}').read())\"",
+    "cat {secret}",
+    "diff --from-file={secret} README.md",
+    "cat link/secret",
+    "cat secret_link",
+    "find . -name secret -exec cat {{}} ;",
+    "find -L . -name secret -exec cat {{}} ;",
+    "grep -r TOPSECRET .",
+    "grep -R TOPSECRET .",
+    "head -c 100 /etc/shadow",
+    "python -c \"import os; print(os.listdir('/root'), os.listdir('/work'))\"",
+])
+def test_commands_cannot_read_outside_the_workspace(workspace, outside, command):
+    os.symlink(outside, workspace.root / "link")
+    os.symlink(outside / "secret", workspace.root / "secret_link")
+    out = workspace.run_command(command.format(secret=outside / "secret"))
+    assert SECRET not in out and "[exit code 0]\n[" not in out
+
+
+def test_commands_cannot_write_outside_the_workspace(workspace, outside):
+    os.symlink(outside, workspace.root / "link")
+    workspace.run_command(f"sort -o{outside / 'written'} README.md")
+    workspace.run_command("sort -olink/written2 README.md")
+    workspace.run_command(f"python -c \"open('{outside / 'written3'}', 'w').write('x')\"")
+    assert sorted(p.name for p in outside.iterdir()) == ["secret"]
+
+
+def test_commands_have_no_network(workspace):
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        out = workspace.run_command(f"python -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('CONN' + 'ECTED')\"")
+    finally:
+        server.close()
+    assert "CONNECTED" not in out and "exit code 1" in out
+
+
+def test_file_tools_never_follow_a_link_out(workspace, outside):
+    os.symlink(outside, workspace.root / "link")
+    os.symlink(outside / "secret", workspace.root / "secret_link")
     with pytest.raises(SandboxError, match="outside the workspace"):
-        workspace.read_file("link.txt")
+        workspace.read_file("secret_link")
+    with pytest.raises(SandboxError, match="outside the workspace"):
+        workspace.patch_file("link/secret", SECRET, "x")
+    assert SECRET not in workspace.grep("TOPSECRET")
+    assert "secret" not in workspace.list_files().replace("secret_link", "")
+
+
+def test_time_out_kills_every_process_the_command_started(tmp_path):
+    ws = Workspace(create_sample_project(tmp_path / "p"), command_timeout=1, max_output_chars=300)
+    (ws.root / "spawn.py").write_text(
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(2); open(\"late.txt\", \"w\").write(\"x\")'],"
+        " start_new_session=True)\n"
+        "time.sleep(30)\n")
+    assert "timed out" in ws.run_command("python spawn.py")
+    time.sleep(3)
+    assert not (ws.root / "late.txt").exists()
 
 
 def test_command_timeout_and_output_limit(tmp_path):
@@ -54,6 +113,24 @@ def test_command_timeout_and_output_limit(tmp_path):
     (ws.root / "loud.py").write_text("print('x' * 5000)\n")
     out = ws.run_command("python loud.py")
     assert "characters cut" in out and len(out) < 600
+    (ws.root / "hog.py").write_text("x = bytearray(8 << 30)\n")
+    assert "MemoryError" in ws.run_command("python hog.py")
+
+
+def test_grep_has_a_time_limit_and_binary_files_get_a_clear_message(workspace):
+    (workspace.root / "long.txt").write_text("a" * 30 + "!\n")
+    out_or_error = None
+    try:
+        out_or_error = workspace.grep("(a+)+$", ".")
+    except SandboxError as err:
+        out_or_error = str(err)
+    assert out_or_error is not None  # finished (PCRE's backtracking limit or the time limit), never hung
+    (workspace.root / "blob.bin").write_bytes(b"\x00\xff\xfe binary")
+    with pytest.raises(SandboxError, match="binary file"):
+        workspace.read_file("blob.bin")
+    with pytest.raises(SandboxError, match="binary file"):
+        workspace.patch_file("blob.bin", "binary", "x")
+    assert "blob.bin" not in workspace.grep("binary")
 
 
 def test_tools_do_real_work(workspace):

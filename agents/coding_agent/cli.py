@@ -8,21 +8,31 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from pathlib import Path
 
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langgraph.checkpoint.memory import InMemorySaver
 
-from agents.coding_agent.agent import build_coding_agent
+from agents.coding_agent.agent import SYSTEM_PROMPT, build_coding_agent, recall_tool
 from agents.coding_agent.sample_project import create_sample_project
 from agents.coding_agent.scripted_session import TASK
-from agents.coding_agent.workspace import Workspace
+from agents.coding_agent.workspace import SandboxError, Workspace
 from integrations import ChatKVMemory
+from kvmemory import KVMemoryError
 from kvmemory.memory import default_policy
 
 
 def short(text: str, n: int = 160) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def protected_prompt_tokens(chat: ChatKVMemory, workspace: Workspace, task: str) -> int:
+    """Tokens of what the default policy never compacts: system prompt with the tool schemas, and the task."""
+    from langchain_core.messages import SystemMessage
+
+    tools = workspace.tools() + [recall_tool(chat)]
+    return chat.get_num_tokens_from_messages([SystemMessage(SYSTEM_PROMPT), HumanMessage(task)], tools=tools)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,10 +47,28 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.workspace and not args.sample:
         parser.error("give --workspace DIR or --sample")
+    if args.workspace and not Path(args.workspace).is_dir():
+        parser.error(f"--workspace {args.workspace}: no such directory")
+    for name in ("max_slots", "max_steps", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     root = args.workspace or create_sample_project(tempfile.mkdtemp(prefix="kvmemory-sample-"))
+    try:
+        workspace = Workspace(root)
+    except SandboxError as err:
+        parser.error(str(err))
     print(f"workspace: {root}")
-    chat = ChatKVMemory.from_pretrained(args.model, policy=default_policy(max_slots=args.max_slots), max_new_tokens=args.max_new_tokens)
-    agent = build_coding_agent(chat, Workspace(root), checkpointer=InMemorySaver())
+    try:
+        chat = ChatKVMemory.from_pretrained(args.model, policy=default_policy(max_slots=args.max_slots),
+                                            max_new_tokens=args.max_new_tokens)
+    except KVMemoryError as err:
+        parser.error(f"--model {args.model}: {err}")
+    agent = build_coding_agent(chat, workspace, checkpointer=InMemorySaver())
+    prompt = protected_prompt_tokens(chat, workspace, args.task)
+    if prompt + args.max_new_tokens + 256 > args.max_slots:  # 256: the policy's recent window
+        parser.error(f"--max-slots {args.max_slots} cannot hold the agent's protected prompt: the system prompt, the "
+                     f"tool schemas and the task take {prompt} tokens, plus {args.max_new_tokens} for a reply and 256 "
+                     f"recent tokens; use --max-slots {prompt + args.max_new_tokens + 256} or more")
     config = {"configurable": {"thread_id": "cli"}, "recursion_limit": 2 * args.max_steps + 1}
     try:
         for update in agent.stream({"messages": [HumanMessage(args.task)]}, config=config, stream_mode="updates"):
