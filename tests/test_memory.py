@@ -234,3 +234,23 @@ _ENGINE = Engine(tiny_model("llama", max_position_embeddings=4096))
 def test_rule_target_slots():
     rule = CompactionRule(ratio=8, max_slots=50, min_slots=3)
     assert rule.target_slots(80) == 10 and rule.target_slots(1000) == 50 and rule.target_slots(8) == 3
+
+
+def test_recompaction_keeps_each_segments_rule_ratio_unless_the_cap_forces_more():
+    engine = Engine(tiny_model("llama", max_position_embeddings=4096))
+    rules = {"rules": [{"match": {"kind": "tool_output"}, "method": "snapkv", "ratio": 20}],
+             "default": {"method": "snapkv", "ratio": 4}}
+    session = engine.session(memory=MemoryManager({**rules, "budget": {"interval": 200, "recent_tokens": 32}}))
+    for i in range(10):
+        session.append_tokens(random_tokens(150, seed=i), kind="tool_output" if i % 2 else "text")
+        session.generate(max_new_tokens=5)
+    segments = [s for s in session.stats().segments if s["compactions"]]
+    assert len(segments) > 10
+    for seg in segments:  # periodic passes never go below a rule's budget (one slot of rounding)
+        limit = 20 if seg["kind"] == "tool_output" else 4
+        assert seg["slots"] >= min(seg["tokens"], seg["tokens"] / limit) - 1 and seg["cap_forced"] == 0
+    capped = engine.session(memory=MemoryManager({**rules, "budget": {"max_slots": 160, "recent_tokens": 16}}))
+    for i in range(6):
+        capped.append_tokens(random_tokens(150, seed=i), kind="tool_output" if i % 2 else "text")
+    assert capped.cache.physical_length <= 160
+    assert any(seg["cap_forced"] for seg in capped.stats().segments)

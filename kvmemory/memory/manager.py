@@ -136,10 +136,13 @@ class MemoryManager:
                 from tqdm.auto import tqdm
 
                 items = tqdm(plan, desc=f"compacting ({trigger})", leave=False)
-            for positions, rule, slots in items:
+            for segment, positions, rule, slots, forced in items:
                 method = self._method(rule)
                 sources = rule.query_source if method.uses_queries else "window"
                 records.append(compact_span(session, positions, method, slots, sources, trigger=trigger))
+                if forced:
+                    segment = session.segment(segment.id)
+                    segment.cap_forced += 1
                 if session.query_recorder is not None:  # segments compacted to their end: context queries served
                     end = int(positions[-1]) + 1
                     session.query_recorder.drop_context(
@@ -207,7 +210,7 @@ class MemoryManager:
         return (mass / mass.sum().clamp_min(1e-12)).tolist()
 
     def _budgets(self, session, goal_slots: int | None):
-        """[(positions, rule, slots per head)] for the ranges that must shrink."""
+        """[(segment, positions, rule, slots per head, forced by the cap)] for the ranges that must shrink."""
         ranges = self._compactable_ranges(session)
         current = [self._slots_in(session, p) for _, _, p in ranges]
         targets = [min(c, r.target_slots(len(p))) for (_, r, p), c in zip(ranges, current)]
@@ -222,27 +225,10 @@ class MemoryManager:
                     max(min(r.min_slots, len(p)), min(t, math.floor(x * scale)))
                     for (_, r, p), t, x in zip(ranges, targets, raw)
                 ]
-        jobs = [(p, r, int(t)) for (_, r, p), c, t in zip(ranges, current, targets) if t < c - 0.5]
-        return self._batch_small(jobs)
-
-    @staticmethod
-    def _batch_small(jobs, small: int = 256):
-        """Compact small ranges that share a rule together (one pass over the cache instead of many).
-
-        Attention over any set of slots is the mass-weighted mixture of its parts, so matching a union of
-        segments is as valid as matching each; the union keeps the sum of their budgets."""
-        merged, out = {}, []
-        for positions, rule, slots in jobs:
-            if len(positions) >= small:
-                out.append((positions, rule, slots))
-                continue
-            key = rule.model_dump_json(include={"method", "params", "query_source"})
-            if key in merged:
-                p, r, t = merged[key]
-                merged[key] = (torch.cat([p, positions]), r, t + slots)
-            else:
-                merged[key] = (positions, rule, slots)
-        return out + list(merged.values())
+        # each segment on its own: compacting a union lets its selection starve one member to feed another,
+        # which breaks the members' rule ratios. ``forced``: the cap pushed it below its rule's budget.
+        return [(seg, p, r, int(t), t < min(c, r.target_slots(len(p))))
+                for (seg, r, p), c, t in zip(ranges, current, targets) if t < c - 0.5]
 
     # ---- telemetry -------------------------------------------------------------------------------
     def _record(self, session, event: str) -> None:

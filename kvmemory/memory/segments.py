@@ -31,6 +31,7 @@ class Segment:
     message_index: int | None = None
     text: str = ""
     compactions: int = 0
+    cap_forced: int = 0  # compactions that went below the segment's rule budget because the cap required it
     meta: dict = field(default_factory=dict)
 
     @property

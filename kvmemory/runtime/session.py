@@ -702,7 +702,8 @@ class Session:
             per_segment = [
                 {"id": seg.id, "kind": seg.kind, "role": seg.role, "tool_name": seg.tool_name, "tokens": seg.length,
                  "slots": slots.get(seg.id, 0.0), "bytes": int(slots.get(seg.id, 0.0) * per_token),
-                 "ratio": seg.length / slots[seg.id] if slots.get(seg.id) else float("inf"), "compactions": seg.compactions}
+                 "ratio": seg.length / slots[seg.id] if slots.get(seg.id) else float("inf"), "compactions": seg.compactions,
+                 "cap_forced": seg.cap_forced}
                 for seg in self.segments
             ]
             return SessionStats(
