@@ -255,9 +255,32 @@ async def test_a_cancelled_task_keeps_exactly_the_text_received(default_engine):
     await asyncio.sleep(0)
     assert default_engine.tokenizer.decode(session.sync.tokens[start:]) == "".join(received)
     assert session.sync._stream is None
+    start = len(session.sync.tokens)
+    pieces = []
+    stream = session.stream(max_new_tokens=50)
+    async for piece in stream:
+        pieces.append(piece)
+        if len(pieces) == 2:
+            break
+    await stream.aclose()
+    assert default_engine.tokenizer.decode(session.sync.tokens[start:]) == "".join(pieces)
     result = await session.generate(max_new_tokens=3)  # the session goes on
     assert len(result.token_ids) == 3
     await session.close()
+
+
+@pytest.mark.default_model
+def test_usage_counts_prompt_and_cached_tokens(default_engine):
+    s = default_engine.session()
+    s.append_messages([{"role": "user", "content": "Hi there."}], add_generation_prompt=True)
+    first = s.generate(max_new_tokens=3)
+    assert first.prompt_tokens == len(s.tokens) - len(first.token_ids) - (1 if first.finish_reason == "stop" else 0) > 0
+    assert first.cached_tokens == 0
+    held = len(s.tokens)
+    s.append_messages([{"role": "user", "content": "And again?"}], add_generation_prompt=True)
+    second = s.generate(max_new_tokens=3)
+    assert second.prompt_tokens == len(s.tokens) - len(second.token_ids) - (1 if second.finish_reason == "stop" else 0)
+    assert second.cached_tokens == held
 
 
 def test_threads_are_serialised_and_an_open_stream_refuses_other_calls(tiny_engine):
@@ -281,6 +304,19 @@ def test_threads_are_serialised_and_an_open_stream_refuses_other_calls(tiny_engi
     assert errors
     generation.close()
     session.append_tokens([1, 2])
+
+
+@pytest.mark.default_model
+def test_a_dropped_stream_is_settled_at_the_next_call(default_engine):
+    s = default_engine.session()
+    s.append_text("Once upon a time")
+    start = len(s.tokens)
+    s.stream(max_new_tokens=5)  # never iterated
+    generation = s.start_generation(max_new_tokens=30, stop="zzzz")
+    received = "".join(piece for piece, _ in (generation.step() for _ in range(6)))
+    del generation  # dropped open, possibly holding back text
+    s.append_text(" The end.")
+    assert default_engine.tokenizer.decode(s.tokens[start:]) == received + " The end."
 
 
 def test_a_closed_session_refuses_calls(tiny_engine):

@@ -112,22 +112,46 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
+@dataclass
+class ReplyProgress:
+    generated: list[int] = field(default_factory=list)
+    emitted: str = ""
+
+
 class Generation:
     """One reply in progress on a session. Iterate it for ``(piece, result so far)`` pairs, or call ``step``.
 
     While it is open the session refuses other calls (``SessionBusyError``); it closes when the reply is
-    finished, when the iteration stops early, or on ``close()``.
+    finished, when the iteration stops early, on ``close()``, or (if dropped unclosed) at the session's
+    next call.
     """
 
     def __init__(self, session, params: SamplingParams):
         self.session, self.params = session, params
-        self.generated: list[int] = []  # sampled tokens, the end-of-turn token excluded
-        self.emitted = ""  # text handed to the caller
+        self.progress = ReplyProgress()  # the session keeps this, so an abandoned generation can be settled
         self.finish: str | None = None
         self.closed = False
         self._undo = None
         self._generator = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
         self.prompt_tokens, self.cached_tokens = session._begin_generation(self)
+
+    @property
+    def generated(self) -> list[int]:
+        """Sampled tokens, the end-of-turn token excluded."""
+        return self.progress.generated
+
+    @generated.setter
+    def generated(self, value: list[int]) -> None:
+        self.progress.generated = value
+
+    @property
+    def emitted(self) -> str:
+        """Text handed to the caller."""
+        return self.progress.emitted
+
+    @emitted.setter
+    def emitted(self, value: str) -> None:
+        self.progress.emitted = value
 
     @property
     def result(self) -> GenerationResult:
@@ -192,7 +216,7 @@ class Generation:
             self.closed = True
             if self.finish is None:
                 self.finish = "cancelled"
-            self.session._end_generation(self)
+            self.session._end_generation(self.progress)
 
     def _text(self) -> str:
         return self.session._decode(self.generated)

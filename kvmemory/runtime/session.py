@@ -28,6 +28,7 @@ import functools
 import hashlib
 import json
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from numbers import Integral
 from dataclasses import dataclass, field
@@ -172,7 +173,7 @@ class Session:
         self.prefilled_tokens = 0  # tokens run through the model by appends (cache reuse shows here)
         self._turn_prefilled = 0  # of those, since the last reply (what a reply's prompt did not find cached)
         self._lock = threading.RLock()
-        self._stream: Generation | None = None
+        self._stream: tuple[weakref.ref, object] | None = None  # the open generation and its progress
         if memory is not None:
             memory.attach(self)
 
@@ -574,7 +575,7 @@ class Session:
                 raise InvalidArgumentError("the session is empty: append a prompt before generating")
             with self._atomic():
                 self._ensure_logits()
-            self._stream = generation
+            self._stream = (weakref.ref(generation), generation.progress)
             return len(self.tokens), max(0, len(self.tokens) - self._turn_prefilled)
 
     def _room_for_one_more(self) -> bool:
@@ -596,14 +597,14 @@ class Session:
         segment.end = len(self.tokens)
         return token
 
-    def _end_generation(self, generation: Generation) -> None:
+    def _end_generation(self, progress) -> None:
         """Keep exactly the tokens of the text the caller received; free the session for other calls."""
         try:
             if not self.closed:
-                self._settle(generation.generated, generation.emitted)
+                self._settle(progress.generated, progress.emitted)
                 self._refresh_open_segment_text()
         finally:
-            if self._stream is generation:
+            if self._stream is not None and self._stream[1] is progress:
                 self._stream = None
             self._turn_prefilled = 0
 
@@ -773,7 +774,12 @@ class Session:
             raise SessionClosedError(f"session {self.id} is closed")
 
     def _check_no_stream(self) -> None:
-        if self._stream is not None:
+        if self._stream is None:
+            return
+        generation, progress = self._stream[0](), self._stream[1]
+        if generation is None:  # dropped without being closed: settle it now
+            self._end_generation(progress)
+        elif not generation.closed:
             raise SessionBusyError(f"session {self.id} has an open stream: finish or close it first")
 
     def _validate_tokens(self, token_ids) -> list[int]:
