@@ -7,7 +7,7 @@ After every turn it checks that the cap held, that every text appended or receiv
 transcript in order, and that the transcript covers the session contiguously; it records the process's
 resident memory, the KV bytes and the slots. Writes ``results/soak.json`` and ``results/soak.png``.
 
-    python -m benchmarks.soak [--turns 300] [--cap 1024] [--seed 0]
+    python -m benchmarks.soak [--turns 200] [--cap 1024] [--seed 0]
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class Soak:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--turns", type=int, default=300)
+    parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--cap", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                          "slots": soak.session.cache.physical_length, "kv_bytes": stats.kv_bytes,
                          "allocated_bytes": stats.allocated_bytes, "rss_bytes": resident_bytes(),
                          "seconds": time.time() - started, "violations": len(soak.violations)})
-        if turn % 25 == 0 or turn == 1:
+        if turn % 10 == 0 or turn == 1:
             row = timeline[-1]
             print(f"turn {turn:4d}  tokens {row['logical_tokens']:7d}  slots {row['slots']:5d}  KV {row['kv_bytes'] / 2**20:6.1f} MiB"
                   f"  RSS {row['rss_bytes'] / 2**20:7.1f} MiB  violations {row['violations']}  {row['seconds']:.0f} s", flush=True)

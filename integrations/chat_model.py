@@ -27,6 +27,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvmemory import ContextLengthError, Engine, MemoryCapError, Session, ToolCallParseError
 from kvmemory.memory import MemoryManager, MemoryPolicy, default_policy
+from kvmemory.runtime.async_session import finish_step
 from kvmemory.runtime.chat import TOOL_CALL_RE, parse_tool_calls
 
 DEFAULT_THREAD = "default"
@@ -252,14 +253,17 @@ class ChatKVMemory(BaseChatModel):
         done = object()
         try:
             while True:  # one token per worker-thread step: other coroutines and sessions interleave
-                chunk = await asyncio.to_thread(next, iterator, done)
+                # a cancelled task still waits for the step in flight, so the iterator is never closed mid-step
+                chunk, cancelled = await finish_step(asyncio.to_thread(next, iterator, done))
+                if cancelled is not None:
+                    raise cancelled
                 if chunk is done:
                     return
                 if run_manager is not None and chunk.text:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
         finally:
-            await asyncio.to_thread(iterator.close)
+            await finish_step(asyncio.to_thread(iterator.close))
 
 
 def _without_thread(kwargs: dict) -> dict:

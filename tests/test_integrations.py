@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from langchain.agents import create_agent
 from langchain_core.exceptions import ContextOverflowError
@@ -160,3 +162,21 @@ async def test_create_agent_middleware_async(chat):
     agent = create_agent(chat, tools=[lookup_port], middleware=[KVMemoryMiddleware(compact_every=1)])
     out = await agent.ainvoke({"messages": [HumanMessage("Hi")]}, config=config("amw"))
     assert out["kvmemory"]["logical_tokens"] > 0
+
+
+async def test_a_cancelled_astream_leaves_the_thread_usable(default_engine):
+    chat = ChatKVMemory(engine=default_engine, max_new_tokens=40)
+    chunks = []
+
+    async def consume():
+        async for chunk in chat.astream([HumanMessage("Tell me a long story.")], config=config("cancel")):
+            chunks.append(chunk)
+
+    task = asyncio.create_task(consume())
+    while len(chunks) < 3:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    reply = await chat.ainvoke([HumanMessage("Say hi.")], config=config("cancel"))
+    assert reply.usage_metadata["output_tokens"] > 0

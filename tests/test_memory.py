@@ -57,7 +57,7 @@ def test_default_policy_protects_system_and_task_and_squeezes_logs():
     "data, field",
     [
         ({"default": {"method": "no_such_method"}}, "unknown method"),
-        ({"default": {"method": "snapkv", "params": {"window": 0}}}, "invalid params for snapkv"),
+        ({"default": {"method": "snapkv", "params": {"window": 0}}}, "invalid parameters for compaction method .snapkv."),
         ({"default": {"ratio": 0.5}}, "default.ratio"),
         ({"rules": [{"match": {"kind": "banana"}}]}, "unknown segment kind"),
         ({"rules": [{"match": {"content": "(unclosed"}}]}, "invalid regular expression"),

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmemory.errors import InvalidPlanError
+
 
 def pad_selection(keep: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(H, t_max) indices (padding → 0) and (H, t_max) validity mask from per-head index lists."""
@@ -35,7 +37,7 @@ class LayerPlan:
     def keep_per_head(self) -> list[torch.Tensor]:
         if isinstance(self.keep, torch.Tensor):
             if self.keep.dim() != 2:
-                raise ValueError(f"keep must be (heads, slots), got shape {tuple(self.keep.shape)}")
+                raise InvalidPlanError(f"keep must be (heads, slots), got shape {tuple(self.keep.shape)}")
             return list(self.keep.unbind(0))
         return list(self.keep)
 

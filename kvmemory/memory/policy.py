@@ -114,10 +114,7 @@ class CompactionRule(BaseModel):
 
         if self.method not in available_methods():
             raise ValueError(f"unknown method {self.method!r}; methods are {', '.join(available_methods())}")
-        try:
-            get_method(self.method, **self.params)
-        except (ValidationError, TypeError) as err:
-            raise ValueError(f"invalid params for {self.method}: {err}") from err
+        get_method(self.method, **self.params)  # names the bad parameter (InvalidArgumentError is a ValueError)
         if self.max_slots is not None and self.max_slots < self.min_slots:
             raise ValueError(f"max_slots ({self.max_slots}) is below min_slots ({self.min_slots})")
         return self

@@ -19,8 +19,12 @@ from kvmemory.runtime.session import Session
 STREAM_CLOSE_WAIT = 2.0
 
 
-async def _finish(future: asyncio.Future):
-    """Await ``future`` to its end even if the awaiting task is cancelled meanwhile; re-raise that cancel."""
+async def finish_step(future) -> tuple:
+    """Await ``future`` to its end even if the awaiting task is cancelled meanwhile.
+
+    Returns (result, the CancelledError to re-raise or None): the caller undoes what the step did, if
+    its result never reached anyone, before letting the cancellation propagate."""
+    future = asyncio.ensure_future(future)
     cancelled = None
     while True:
         try:
@@ -61,7 +65,7 @@ class AsyncSession:
             except TimeoutError:
                 pass
         future = asyncio.get_running_loop().run_in_executor(self._worker, lambda: fn(*args, **kwargs))
-        result, cancelled = await _finish(future)
+        result, cancelled = await finish_step(future)
         if cancelled is not None:
             raise cancelled
         return result
@@ -118,15 +122,15 @@ class AsyncSession:
         self._idle.clear()
         try:
             while True:
-                item, cancelled = await _finish(loop.run_in_executor(self._worker, generation.step))
+                item, cancelled = await finish_step(loop.run_in_executor(self._worker, generation.step))
                 if cancelled is not None:
-                    await _finish(loop.run_in_executor(self._worker, generation.undo_last))
+                    await finish_step(loop.run_in_executor(self._worker, generation.undo_last))
                     raise cancelled
                 if item is None:
                     return
                 yield item
         finally:
             try:
-                await _finish(loop.run_in_executor(self._worker, generation.close))
+                await finish_step(loop.run_in_executor(self._worker, generation.close))
             finally:
                 self._idle.set()
