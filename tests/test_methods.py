@@ -300,3 +300,22 @@ def test_scratch_query_sources_leave_the_session_unchanged(default_engine):
     assert (list(session.tokens), session.cache.physical_length) == before[:2]
     assert torch.equal(session._last_logits, before[2])
     assert all(torch.equal(a, b) for a, b in zip(session.query_recorder.recent, before[3]))
+
+
+def test_registering_a_method_keeps_the_builtins_and_bad_names_are_named():
+    from kvmemory import InvalidArgumentError
+    from kvmemory.compaction.methods.snapkv import SnapKV
+    from kvmemory.compaction.registry import METHODS, get_method, register
+
+    class Mine(SnapKV):
+        name = "mine"
+
+    try:
+        register(Mine)
+        assert type(get_method("tam")).__name__ == "TAM" and isinstance(get_method("mine"), Mine)
+    finally:
+        METHODS.pop("mine", None)
+    with pytest.raises(InvalidArgumentError, match="unknown compaction method 'nope'"):
+        get_method("nope")
+    with pytest.raises(InvalidArgumentError, match="snapkv"):
+        get_method("snapkv", window=0)

@@ -132,7 +132,7 @@ class MemoryBudget(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_slots: int | None = Field(None, ge=1, description="cap on physical KV slots per layer")
+    max_slots: int | None = Field(None, ge=1, description="cap on physical KV slots per layer (the mean over layers when per-layer budgets differ, so the cap bounds bytes)")
     max_bytes: int | None = Field(None, ge=1, description="cap on KV bytes of the whole cache")
     interval: int | None = Field(None, ge=1, description="P: compact every P new tokens")
     recent_tokens: int = Field(256, ge=0, description="τ: the last τ tokens are never compacted")
