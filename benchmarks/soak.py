@@ -7,7 +7,7 @@ After every turn it checks that the cap held, that every text appended or receiv
 transcript in order, and that the transcript covers the session contiguously; it records the process's
 resident memory, the KV bytes and the slots. Writes ``results/soak.json`` and ``results/soak.png``.
 
-    python -m benchmarks.soak [--turns 200] [--cap 1024] [--seed 0]
+    python -m benchmarks.soak [--turns 200] [--cap 1024] [--seed 0] [--method snapkv]
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import time
 
 from agents.coding_agent.sample_project import create_sample_project
 from agents.coding_agent.workspace import Workspace
+from benchmarks.agent_session import policy_with
 from benchmarks.common import RESULTS, save, table
 from kvmemory import AsyncSession, Engine, KVMemoryError
-from kvmemory.memory import MemoryManager, default_policy
+from kvmemory.memory import MemoryManager
 
 QUESTIONS = ["What does the failing test check?", "Which file defines the database port?", "Summarise the last output.",
              "What should we try next?", "Is the ledger consistent?"]
@@ -39,9 +40,9 @@ def resident_bytes() -> int:
 
 
 class Soak:
-    def __init__(self, engine: Engine, cap: int, seed: int, workspace: Workspace):
+    def __init__(self, engine: Engine, cap: int, seed: int, workspace: Workspace, method: str | None = None):
         self.engine, self.cap, self.rng, self.workspace = engine, cap, random.Random(seed), workspace
-        self.session = engine.session(memory=MemoryManager(default_policy(max_slots=cap)))
+        self.session = engine.session(memory=MemoryManager(policy_with(method, cap)))
         self.expected: list[str] = []
         self.violations: list[str] = []
         self.tool_calls = 0
@@ -163,11 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--cap", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--method", default=None, help="switch every compacted rule of the default policy to this method")
     args = parser.parse_args(argv)
 
     engine = Engine.from_pretrained("default")
     workspace = Workspace(create_sample_project(tempfile.mkdtemp(prefix="kvmemory-soak-")))
-    soak = Soak(engine, args.cap, args.seed, workspace)
+    soak = Soak(engine, args.cap, args.seed, workspace, args.method)
     soak.session.append_messages([{"role": "system", "content": "You are a coding agent working on an inventory project."},
                                   {"role": "user", "content": "Find out why the tests fail and fix it."}])
     kinds = {"tool": soak.tool_turn, "user": soak.user_turn, "stream": soak.abandoned_stream,
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     warm = timeline[min(len(timeline) - 1, max(0, args.turns // 6))]
     cap_bytes = args.cap * engine.kv_bytes_per_token
     summary = {
-        "turns": args.turns, "cap_slots": args.cap, "cap_kv_bytes": cap_bytes, "turn_kinds": counts,
+        "turns": args.turns, "cap_slots": args.cap, "method": args.method or "default policy", "cap_kv_bytes": cap_bytes, "turn_kinds": counts,
         "logical_tokens": timeline[-1]["logical_tokens"], "compactions": soak.session.cache.compactions,
         "max_slots": max(r["slots"] for r in timeline), "peak_slots": soak.session.memory.peak_slots,
         "max_kv_bytes": max(r["kv_bytes"] for r in timeline),
