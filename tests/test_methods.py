@@ -319,3 +319,22 @@ def test_registering_a_method_keeps_the_builtins_and_bad_names_are_named():
         get_method("nope")
     with pytest.raises(InvalidArgumentError, match="snapkv"):
         get_method("snapkv", window=0)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "attention_matching", "tam"])
+def test_one_plan_for_several_spans_equals_compacting_them_one_by_one(tiny_engine, name):
+    from kvmemory.compaction.compactor import SpanJob, compact_spans
+
+    one_by_one, batched = tiny_engine.session(), tiny_engine.session()
+    for session in (one_by_one, batched):
+        session.record_queries(16)
+        session.append_tokens(random_tokens(200, seed=3))
+    spans = [torch.arange(4, 60), torch.arange(60, 130), torch.arange(130, 180)]
+    for positions in spans:
+        compact_span(one_by_one, positions, get_method(name), 10)
+    compact_spans(batched, [SpanJob(positions, get_method(name), 10) for positions in spans])
+    assert batched.cache.compactions == 1
+    for a, b in zip(one_by_one.cache.layers, batched.cache.layers):
+        assert a.length == b.length and torch.equal(a.positions[:, : a.length], b.positions[:, : b.length])
+        assert torch.allclose(a.values[:, :, : a.length], b.values[:, :, : b.length], atol=1e-5)
+        assert torch.allclose(a.bias[:, :, : a.length], b.bias[:, :, : b.length], atol=1e-5)

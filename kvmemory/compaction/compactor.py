@@ -36,64 +36,91 @@ class CompactionRecord:
         return asdict(self)
 
 
-def compact_span(
-    session,
-    positions: torch.Tensor,
-    method: CompactionMethod | str,
-    slots: int | torch.Tensor,
-    query_source: str | list[str] = "window",
-    protected_positions: set[int] | None = None,
-    trigger: str = "manual",
-    measure_error: bool = True,
-) -> CompactionRecord:
+@dataclass
+class SpanJob:
+    """One span to compact: its logical positions, the method, and slots per head (int) or an (L, H) budget."""
+
+    positions: torch.Tensor
+    method: CompactionMethod | str
+    slots: int | torch.Tensor
+    query_source: str | list[str] = "window"
+    protected_positions: set[int] | None = None
+
+
+def compact_span(session, positions: torch.Tensor, method: CompactionMethod | str, slots: int | torch.Tensor,
+                 query_source: str | list[str] = "window", protected_positions: set[int] | None = None,
+                 trigger: str = "manual", measure_error: bool = True) -> CompactionRecord:
     """Compact the slots holding ``positions`` to ``slots`` per head (int) or to an (L, H) budget tensor."""
+    job = SpanJob(positions, method, slots, query_source, protected_positions)
+    return compact_spans(session, [job], trigger, measure_error)[0]
+
+
+def compact_spans(session, jobs: list[SpanJob], trigger: str = "manual", measure_error: bool = True) -> list[CompactionRecord]:
+    """Compact several disjoint spans in one plan: each span is selected and fitted against the cache as it
+    is, then the cache is rebuilt once (a pass over many segments costs one rebuild, not one per segment)."""
     session._check_open()
-    method = get_method(method) if isinstance(method, str) else method
     engine, cache = session.engine, session.cache
-    started = time.perf_counter()
-    positions = torch.as_tensor(positions, dtype=torch.long)
+    spans, drafts = [], []
     with engine.lock, torch.no_grad():
-        per_head = span_slots(cache, positions)
-        capacity = torch.tensor([[s.numel() for s in layer] for layer in per_head])
-        if isinstance(slots, int):
-            budgets = uniform_budgets(slots * capacity.numel(), capacity)
-        else:
-            budgets = torch.minimum(slots.long(), capacity)
-        queries = reference_queries(session, query_source, positions) if method.uses_queries or measure_error else None
-        scale = engine.head_dim ** -0.5
-        span = extract_span(cache, per_head, queries, scale)
-        span.token_of_position = {p: session.tokens[p] for p in positions.tolist()}
-        tokenizer = engine.tokenizer
-        span.text_of_token = (lambda t: tokenizer.decode([t]) if t >= 0 else "") if tokenizer is not None else (lambda t: "")
-        span.model = ModelAccess.from_session(session)
-        span.protected_positions = set(protected_positions or ())
-        span.query_group_size = engine.config.num_attention_heads // engine.num_kv_heads
-        results = method.compact(span, budgets)
-        error = None
-        if measure_error and queries is not None:
-            errors = []
-            for layer, res in zip(span.layers, results):
-                logits = layer.logits()
-                shift = None
-                if res.bias is not None:
-                    index, _ = pad_selection(res.keep, layer.bias.device)
-                    shift = res.bias - torch.gather(layer.bias, 1, index)
-                errors.append(attention_output_error(logits, layer.values, res.keep, shift, res.values))
-            error = float(sum(errors) / len(errors))
-        plan = to_plan(cache, per_head, results, method.name)
-        before = float(capacity.float().mean())
-        after = float(torch.tensor([[k.numel() for k in r.keep] for r in results]).float().mean())
+        for job in jobs:
+            started = time.perf_counter()
+            method = get_method(job.method) if isinstance(job.method, str) else job.method
+            positions = torch.as_tensor(job.positions, dtype=torch.long)
+            per_head, results, error, before, after = _select(session, positions, method, job, measure_error)
+            spans.append((per_head, results))
+            drafts.append((method.name, positions, before, after, error, time.perf_counter() - started))
+        if not jobs:
+            return []
+        started = time.perf_counter()
+        plan = to_plan(cache, spans, "+".join(sorted({d[0] for d in drafts})))
     session.apply_plan(plan)
-    ordered = torch.unique(positions)
-    seg_ids = [s.id for s in session.segments
-               if int(torch.searchsorted(ordered, s.end)) > int(torch.searchsorted(ordered, s.start))]
-    for seg in session.segments:
-        if seg.id in seg_ids:
-            seg.compactions += 1
-    if session.query_recorder is not None:
-        for i in seg_ids:
-            session.query_recorder.context.pop(i, None)
-    record = CompactionRecord(method.name, trigger, seg_ids, int(positions.numel()), round(before), round(after),
-                              (time.perf_counter() - started) * 1e3, error)
-    session.compaction_log.append(record.to_dict())
-    return record
+    shared = (time.perf_counter() - started) / len(jobs)  # the one rebuild, shared among the spans
+    records = []
+    for name, positions, before, after, error, seconds in drafts:
+        ordered = torch.unique(positions)
+        seg_ids = [s.id for s in session.segments
+                   if int(torch.searchsorted(ordered, s.end)) > int(torch.searchsorted(ordered, s.start))]
+        for seg in session.segments:
+            if seg.id in seg_ids:
+                seg.compactions += 1
+        if session.query_recorder is not None:
+            for i in seg_ids:
+                session.query_recorder.context.pop(i, None)
+        record = CompactionRecord(name, trigger, seg_ids, int(positions.numel()), round(before), round(after),
+                                  (seconds + shared) * 1e3, error)
+        session.compaction_log.append(record.to_dict())
+        records.append(record)
+    return records
+
+
+def _select(session, positions, method, job: SpanJob, measure_error: bool):
+    """Run ``method`` on the span: (span slots, results, reconstruction error, slots before, slots after)."""
+    engine, cache = session.engine, session.cache
+    per_head = span_slots(cache, positions)
+    capacity = torch.tensor([[s.numel() for s in layer] for layer in per_head])
+    if isinstance(job.slots, int):
+        budgets = uniform_budgets(job.slots * capacity.numel(), capacity)
+    else:
+        budgets = torch.minimum(job.slots.long(), capacity)
+    queries = reference_queries(session, job.query_source, positions) if method.uses_queries or measure_error else None
+    span = extract_span(cache, per_head, queries, engine.head_dim ** -0.5)
+    span.token_of_position = {p: session.tokens[p] for p in positions.tolist()}
+    tokenizer = engine.tokenizer
+    span.text_of_token = (lambda t: tokenizer.decode([t]) if t >= 0 else "") if tokenizer is not None else (lambda t: "")
+    span.model = ModelAccess.from_session(session)
+    span.protected_positions = set(job.protected_positions or ())
+    span.query_group_size = engine.config.num_attention_heads // engine.num_kv_heads
+    results = method.compact(span, budgets)
+    error = None
+    if measure_error and queries is not None:
+        errors = []
+        for layer, res in zip(span.layers, results):
+            shift = None
+            if res.bias is not None:
+                index, _ = pad_selection(res.keep, layer.bias.device)
+                shift = res.bias - torch.gather(layer.bias, 1, index)
+            errors.append(attention_output_error(layer.logits(), layer.values, res.keep, shift, res.values))
+        error = float(sum(errors) / len(errors))
+    before = float(capacity.float().mean())
+    after = float(torch.tensor([[k.numel() for k in r.keep] for r in results]).float().mean())
+    return per_head, results, error, before, after

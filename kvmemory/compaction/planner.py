@@ -57,32 +57,40 @@ def extract_span(cache: CompactCache, slots: list[list[torch.Tensor]], queries: 
     return CacheSpan(layers=layers)
 
 
-def to_plan(cache: CompactCache, slots: list[list[torch.Tensor]], results: list[LayerResult], method: str) -> CompactionPlan:
-    """Keep every slot outside the span; inside it, keep the method's choice with its new values and β.
+def to_plan(cache: CompactCache, spans: list[tuple[list[list[torch.Tensor]], list[LayerResult]]], method: str) -> CompactionPlan:
+    """Keep every slot outside the spans; inside each (disjoint) span, keep its method's choice with its new
+    values and β. ``spans``: (span slots per layer and head, the method's results) for each span.
 
     Per layer, whole-head tensor ops (a keep mask, its running count for the rows the chosen slots land
-    on): a compaction touches every layer, so per-head Python loops would cost more than small methods."""
+    on): a compaction touches every layer, so per-head Python loops would cost more than small methods.
+    Several spans make one plan, so the cache is rebuilt once however many segments a pass compacts."""
     plans = []
-    for layer, per_head, result in zip(cache.layers, slots, results):
+    for li, layer in enumerate(cache.layers):
         heads, length, dev = layer.num_heads, layer.length, layer.device
-        span, span_valid = pad_selection(per_head, dev)
-        local, chosen_valid = pad_selection(result.keep, dev)
-        chosen = torch.gather(span, 1, local) if span.shape[1] else local
-        # padding never survives; the span's slots survive only if chosen
-        keep_mask = (layer.positions[:, :length] >= 0) & ~_mark(span, span_valid, length) | _mark(chosen, chosen_valid, length)
+        keep_mask = layer.positions[:, :length] >= 0  # padding never survives
+        chosen_per_span = []
+        for slots, results in spans:
+            span, span_valid = pad_selection(slots[li], dev)
+            local, chosen_valid = pad_selection(results[li].keep, dev)
+            chosen = torch.gather(span, 1, local) if span.shape[1] else local
+            keep_mask &= ~_mark(span, span_valid, length)  # the span's slots survive only if chosen
+            chosen_per_span.append((chosen, chosen_valid, results[li]))
+        for chosen, chosen_valid, _ in chosen_per_span:
+            keep_mask |= _mark(chosen, chosen_valid, length)
         keeps = list(torch.nonzero(keep_mask)[:, 1].split(keep_mask.sum(1).tolist()))
         values = bias = None
-        if result.values is not None or result.bias is not None:
+        if any(r.values is not None or r.bias is not None for _, _, r in chosen_per_span):
             index, _ = pad_selection(keeps, dev)
-            # where each chosen slot lands in its head's kept slots
-            heads_chosen = torch.arange(heads, device=dev)[:, None].expand_as(chosen)[chosen_valid]
-            rows = torch.gather(keep_mask.cumsum(1) - 1, 1, chosen)[chosen_valid]
             values = torch.gather(layer.values[0], 1, index[..., None].expand(-1, -1, layer.values.shape[-1]))
             bias = torch.gather(layer.bias[0], 1, index).float()
-            if result.values is not None:
-                values[heads_chosen, rows] = result.values[:, : chosen.shape[1]][chosen_valid].to(values.dtype)
-            if result.bias is not None:
-                bias[heads_chosen, rows] = result.bias[:, : chosen.shape[1]][chosen_valid].float()
+            rank = keep_mask.cumsum(1) - 1  # where each kept slot lands in its head's kept slots
+            for chosen, chosen_valid, result in chosen_per_span:
+                heads_chosen = torch.arange(heads, device=dev)[:, None].expand_as(chosen)[chosen_valid]
+                rows = torch.gather(rank, 1, chosen)[chosen_valid]
+                if result.values is not None:
+                    values[heads_chosen, rows] = result.values[:, : chosen.shape[1]][chosen_valid].to(values.dtype)
+                if result.bias is not None:
+                    bias[heads_chosen, rows] = result.bias[:, : chosen.shape[1]][chosen_valid].float()
         plans.append(LayerPlan(keep=keeps, values=values, bias=bias))
     return CompactionPlan(plans, method=method)
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvmemory.compaction.compactor import compact_span
+from kvmemory.compaction.compactor import SpanJob, compact_spans
 from kvmemory.compaction.registry import get_method
 from kvmemory.errors import MemoryCapError
 from kvmemory.memory.policy import CompactionRule, MemoryPolicy, _as_list, default_policy
@@ -25,13 +25,12 @@ from kvmemory.memory.segments import Segment
 class MemoryManager:
     """Attach to a session with ``engine.session(memory=MemoryManager(policy))``."""
 
-    def __init__(self, policy: MemoryPolicy | dict | str | None = None, show_progress: bool = False):
+    def __init__(self, policy: MemoryPolicy | dict | str | None = None):
         if isinstance(policy, dict):
             policy = MemoryPolicy.from_dict(policy)
         elif isinstance(policy, str):
             policy = MemoryPolicy.from_file(policy)
         self.policy = policy or default_policy()
-        self.show_progress = show_progress
         self.timeline: list[dict] = []
         self.peak_slots = 0
         self.peak_kv_bytes = 0
@@ -129,20 +128,15 @@ class MemoryManager:
             return []
         self._busy = True
         try:
-            plan = self._budgets(session, goal_slots)
-            records = []
-            items = plan
-            if self.show_progress and len(plan) > 1:
-                from tqdm.auto import tqdm
-
-                items = tqdm(plan, desc=f"compacting ({trigger})", leave=False)
-            for segment, positions, rule, slots, forced in items:
+            items = self._budgets(session, goal_slots)
+            jobs = []
+            for _, positions, rule, slots, _ in items:
                 method = self._method(rule)
-                sources = rule.query_source if method.uses_queries else "window"
-                records.append(compact_span(session, positions, method, slots, sources, trigger=trigger))
+                jobs.append(SpanJob(positions, method, slots, rule.query_source if method.uses_queries else "window"))
+            records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
+            for segment, positions, _, _, forced in items:
                 if forced:
-                    segment = session.segment(segment.id)
-                    segment.cap_forced += 1
+                    session.segment(segment.id).cap_forced += 1
                 if session.query_recorder is not None:  # segments compacted to their end: context queries served
                     end = int(positions[-1]) + 1
                     session.query_recorder.drop_context(
