@@ -254,3 +254,19 @@ def test_recompaction_keeps_each_segments_rule_ratio_unless_the_cap_forces_more(
         capped.append_tokens(random_tokens(150, seed=i), kind="tool_output" if i % 2 else "text")
     assert capped.cache.physical_length <= 160
     assert any(seg["cap_forced"] for seg in capped.stats().segments)
+
+
+def test_hundreds_of_segments_share_floors_when_one_floor_each_no_longer_fits():
+    engine = Engine(tiny_model("llama", max_position_embeddings=4096))
+    policy = small_policy(max_slots=120, recent=16, min_slots=2)
+    session = engine.session(memory=MemoryManager(policy))
+    session.append_tokens(random_tokens(12), kind="system")
+    appended = list(session.tokens)
+    for i in range(90):  # 90 segments × 2-slot floors = 180 slots per head: more than the cap holds
+        tokens = random_tokens(6, seed=i)
+        session.append_tokens(tokens, kind="text")
+        appended += tokens
+        assert session.cache.physical_length <= 120
+    assert session.tokens == appended
+    old = [s for s in session.stats().segments[1:60]]
+    assert all(s["cap_forced"] for s in old) and sum(s["slots"] for s in old) < 2 * len(old)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -130,17 +131,17 @@ class MemoryManager:
         try:
             items = self._budgets(session, goal_slots)
             jobs = []
-            for _, positions, rule, slots, _ in items:
-                method = self._method(rule)
-                jobs.append(SpanJob(positions, method, slots, rule.query_source if method.uses_queries else "window"))
+            for span, slots, _ in items:
+                method = self._method(span.rule)
+                query_source = span.rule.query_source if method.uses_queries else "window"
+                jobs.append(SpanJob(span.positions, method, slots, query_source))
             records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
-            for segment, positions, _, _, forced in items:
-                if forced:
-                    session.segment(segment.id).cap_forced += 1
+            for span, _, forced in items:
+                for segment in span.segments:
+                    segment.cap_forced += forced
                 if session.query_recorder is not None:  # segments compacted to their end: context queries served
-                    end = int(positions[-1]) + 1
-                    session.query_recorder.drop_context(
-                        [s.id for s in session.segments if s.end > int(positions[0]) and s.end <= end])
+                    first, end = int(span.positions[0]), int(span.positions[-1]) + 1
+                    session.query_recorder.drop_context([s.id for s in session.segments if first < s.end <= end])
             self._last_compaction_at = len(session.tokens)
             if records:
                 self._record(session, trigger)
@@ -154,8 +155,8 @@ class MemoryManager:
             self._methods[key] = get_method(rule.method, **rule.params)
         return self._methods[key]
 
-    def _compactable_ranges(self, session, recent_tokens: int | None = None):
-        """(segment, rule, positions) for the part of each unprotected segment outside sinks and recent window."""
+    def _spans(self, session, recent_tokens: int | None = None) -> list["_Span"]:
+        """One span per unprotected segment: its part outside the sinks and the recent window."""
         budget = self.policy.budget
         limit = len(session.tokens) - (budget.recent_tokens if recent_tokens is None else recent_tokens)
         out = []
@@ -164,7 +165,9 @@ class MemoryManager:
             start, end = max(seg.start, budget.sink_tokens), min(seg.end, limit)
             if rule.protected or end - start < 2:
                 continue
-            out.append((seg, rule, torch.arange(start, end)))
+            positions = torch.arange(start, end)
+            current = self._slots_in(session, positions)
+            out.append(_Span([seg], positions, rule, current, min(current, rule.target_slots(end - start))))
         return out
 
     def _slots_in(self, session, positions: torch.Tensor) -> float:
@@ -177,21 +180,21 @@ class MemoryManager:
         return total / (len(session.cache.layers) * session.cache.layers[0].num_heads)
 
     def _incompressible_slots(self, session, n_new: int) -> int:
-        """Slots no compaction can free once ``n_new`` tokens arrive (the recent window slides over them)."""
+        """Slots no compaction can free once ``n_new`` tokens arrive (the recent window slides over them):
+        everything outside the spans, plus one floor per run of adjacent spans (see ``_merge_oldest``)."""
         if not session.cache.layers[0].is_initialized:
             return 0
         still_recent = max(0, self.policy.budget.recent_tokens - n_new)
-        compactable = self._compactable_ranges(session, recent_tokens=still_recent)
-        reducible = sum(max(0.0, self._slots_in(session, p) - min(r.min_slots, len(p))) for _, r, p in compactable)
-        return math.ceil(session.cache.physical_length - reducible)
+        runs = _merge_oldest(self._spans(session, recent_tokens=still_recent), room=0)
+        return math.ceil(session.cache.physical_length - sum(max(0.0, r.current - r.floor) for r in runs))
 
-    def _importance(self, session, ranges) -> list[float]:
-        """Attention mass the selector-window queries give each range (mean over layers and heads)."""
+    def _importance(self, session, spans: list["_Span"]) -> list[float]:
+        """Attention mass the selector-window queries give each span (mean over layers and heads)."""
         recorder = session.query_recorder
         if recorder is None or recorder.recent[0] is None:
-            return [1.0] * len(ranges)
+            return [1.0] * len(spans)
         scale = session.engine.head_dim ** -0.5
-        mass = torch.zeros(len(ranges))
+        mass = torch.zeros(len(spans))
         with torch.no_grad():
             for li, layer in enumerate(session.cache.layers):
                 q = recorder.window_queries(li).float()
@@ -199,30 +202,28 @@ class MemoryManager:
                 logits = torch.einsum("hmd,hsd->hms", q, keys) * scale + layer.bias[0, :, None, : layer.length]
                 attn = torch.softmax(logits, -1).mean(1)  # (H, S)
                 pos = layer.positions[:, : layer.length]
-                for i, (_, _, p) in enumerate(ranges):
-                    mass[i] += float(attn[(pos >= int(p[0])) & (pos <= int(p[-1]))].sum())
+                for i, span in enumerate(spans):
+                    mass[i] += float(attn[(pos >= int(span.positions[0])) & (pos <= int(span.positions[-1]))].sum())
         return (mass / mass.sum().clamp_min(1e-12)).tolist()
 
-    def _budgets(self, session, goal_slots: int | None):
-        """[(segment, positions, rule, slots per head, forced by the cap)] for the ranges that must shrink."""
-        ranges = self._compactable_ranges(session)
-        current = [self._slots_in(session, p) for _, _, p in ranges]
-        targets = [min(c, r.target_slots(len(p))) for (_, r, p), c in zip(ranges, current)]
-        if goal_slots is not None and ranges:
-            excess = session.cache.physical_length - sum(c - t for c, t in zip(current, targets)) - goal_slots
+    def _budgets(self, session, goal_slots: int | None) -> list[tuple["_Span", int, bool]]:
+        """[(span, slots per head, forced by the cap)] for the spans that must shrink.
+
+        Each segment is its own span: compacting a union lets its selection starve one member to feed
+        another, which breaks the members' rule ratios. Only when the cap leaves less room than one floor
+        per segment do the oldest adjacent segments share one span (and one floor)."""
+        spans = self._spans(session)
+        if goal_slots is not None and spans:
+            excess = session.cache.physical_length - sum(s.current - s.wanted for s in spans) - goal_slots
             if excess > 0:  # the rules' budgets are not enough: share what is left by importance
-                room = max(sum(targets) - excess, 0)
-                weights = self._importance(session, ranges)
-                raw = [r.weight * math.sqrt(max(w, 1e-9)) * len(p) for (_, r, p), w in zip(ranges, weights)]
+                room = max(sum(s.wanted for s in spans) - excess, 0)
+                spans = _merge_oldest(spans, room)
+                weights = self._importance(session, spans)
+                raw = [s.rule.weight * math.sqrt(max(w, 1e-9)) * len(s.positions) for s, w in zip(spans, weights)]
                 scale = room / max(sum(raw), 1e-12)
-                targets = [
-                    max(min(r.min_slots, len(p)), min(t, math.floor(x * scale)))
-                    for (_, r, p), t, x in zip(ranges, targets, raw)
-                ]
-        # each segment on its own: compacting a union lets its selection starve one member to feed another,
-        # which breaks the members' rule ratios. ``forced``: the cap pushed it below its rule's budget.
-        return [(seg, p, r, int(t), t < min(c, r.target_slots(len(p))))
-                for (seg, r, p), c, t in zip(ranges, current, targets) if t < c - 0.5]
+                return [(s, t, t < s.wanted) for s, x in zip(spans, raw)
+                        if (t := int(max(s.floor, min(s.wanted, math.floor(x * scale))))) < s.current - 0.5]
+        return [(s, int(s.wanted), False) for s in spans if s.wanted < s.current - 0.5]
 
     # ---- telemetry -------------------------------------------------------------------------------
     def _record(self, session, event: str) -> None:
@@ -233,3 +234,35 @@ class MemoryManager:
             "time": time.time(), "event": event, "logical": len(session.tokens),
             "physical": session.cache.physical_length, "kv_bytes": kv, "segments": session.segment_slots(),
         })
+
+
+@dataclass
+class _Span:
+    """Compactable positions of one segment, or of adjacent segments that share one budget."""
+
+    segments: list[Segment]
+    positions: torch.Tensor
+    rule: CompactionRule
+    current: float  # slots per head now (mean over layers and heads)
+    wanted: float  # what the rules ask for when they fire
+
+    @property
+    def floor(self) -> int:
+        return min(self.rule.min_slots, len(self.positions))
+
+
+def _merge_oldest(spans: list[_Span], room: float) -> list[_Span]:
+    """Merge the oldest adjacent spans until their floors fit in ``room``: a session of hundreds of segments
+    cannot keep one slot per head for each under a small cap, so old segments come to share one floor. The
+    merged span is compacted by the rule of its largest member."""
+    spans = list(spans)
+    i = 0
+    while sum(s.floor for s in spans) > room and i + 1 < len(spans):
+        a, b = spans[i], spans[i + 1]
+        if int(a.positions[-1]) + 1 != int(b.positions[0]):  # something protected or recent lies between
+            i += 1
+            continue
+        largest = max((a, b), key=lambda s: len(s.positions))
+        spans[i: i + 2] = [_Span(a.segments + b.segments, torch.cat([a.positions, b.positions]), largest.rule,
+                                 a.current + b.current, a.wanted + b.wanted)]
+    return spans
