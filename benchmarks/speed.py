@@ -76,7 +76,7 @@ def main() -> None:
     full, small = engine.session(), engine.session()
     for s in (full, small):
         s.append_tokens(text_ids[:ctx])
-    small.compact(evenly_spaced_plan(small, 400))
+    small.apply_plan(evenly_spaced_plan(small, 400))
 
     def decode(session):
         state = session.snapshot()

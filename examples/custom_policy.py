@@ -21,9 +21,9 @@ def main() -> None:
     for round_ in range(3):
         session.append_messages([{"role": "tool", "name": "run_tests", "content": LOG},
                                  {"role": "tool", "name": "read_file", "content": SOURCE}])
-    session.memory.compact(session)
+    session.memory.compact()
     for seg in session.stats().segments:
-        rule = session.memory.rule_for(session.segment(seg["id"]), session).name
+        rule = session.memory.rule_for(session.segment(seg["id"])).name
         print(f"segment {seg['id']:2d} {seg['kind']:<12} {str(seg['tool_name']):<10} rule {rule:<12} "
               f"{seg['tokens']:5d} tokens → {seg['slots']:7.1f} slots")
 

@@ -107,6 +107,11 @@ class ChatKVMemory(BaseChatModel):
         """The thread's session (created on first use; after a restart it is rebuilt from the messages)."""
         return self._thread(thread_id)[0]
 
+    def set_thread_policy(self, thread_id: str | None, policy: MemoryPolicy) -> None:
+        """Serve one thread with its own policy; the other threads keep the model's ``policy``."""
+        with self.thread(thread_id) as session:
+            session.memory.set_policy(policy)
+
     @contextlib.contextmanager
     def thread(self, thread_id: str | None = None) -> Iterator[Session]:
         """The thread's session, held for a sequence of calls no other call on that thread interleaves with."""
@@ -118,8 +123,7 @@ class ChatKVMemory(BaseChatModel):
         thread_id = thread_id or DEFAULT_THREAD
         with self._guard:
             if thread_id not in self._sessions:
-                memory = MemoryManager(self.policy) if self.policy is not None else None
-                self._sessions[thread_id] = self.engine.session(session_id=thread_id, memory=memory)
+                self._sessions[thread_id] = self.engine.session(session_id=thread_id, memory=MemoryManager(self.policy))
                 self._locks[thread_id] = threading.Lock()
             return self._sessions[thread_id], self._locks[thread_id]
 

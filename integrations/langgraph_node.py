@@ -44,11 +44,8 @@ class CompactionNode:
     def _run(self, config: RunnableConfig) -> dict[str, Any]:
         thread = (config or {}).get("configurable", {}).get("thread_id")
         with self.chat_model.thread(thread) as session:
-            if session.memory is None:
-                session.memory = MemoryManager(self.chat_model.policy)
-                session.memory.attach(session)
             if self.only_over is None or session.cache.physical_length > self.only_over:
-                session.memory.compact(session, trigger="node")
+                session.memory.compact(trigger="node")
             return {"kvmemory": memory_stats(session)}
 
     def __call__(self, state: dict, config: RunnableConfig) -> dict[str, Any]:

@@ -7,8 +7,8 @@
     agent = create_agent(ChatKVMemory.from_pretrained(), tools=[run_tests, read_file],
                          middleware=[KVMemoryMiddleware(tool_policies={"read_file": {"ratio": 4}})])
 
-Rules are built from the agent's tools when the model is first called and placed ahead of the chat
-model's policy rules, so each tool's output is compacted its own way. After every model call the
+Rules are built from the agent's tools when a thread first calls the model and placed ahead of the chat
+model's policy rules in a new policy for that thread, so each tool's output is compacted its own way. After every model call the
 middleware writes the thread's memory stats into the agent state (key ``kvmemory``) and, with
 ``compact_every``, compacts every N model calls on top of the policy's own triggers.
 """
@@ -21,7 +21,7 @@ from langchain.agents.middleware import AgentMiddleware, AgentState
 from langgraph.runtime import Runtime
 
 from integrations.langgraph_node import _replace, memory_stats
-from kvmemory.memory import CompactionRule, MemoryManager, SegmentMatch, default_policy
+from kvmemory.memory import CompactionRule, SegmentMatch
 
 POLICY_KEY = "kvmemory_policy"
 
@@ -49,7 +49,7 @@ class KVMemoryMiddleware(AgentMiddleware):
         self.tool_policies = {k: v if isinstance(v, CompactionRule) else CompactionRule(**v) for k, v in (tool_policies or {}).items()}
         self.compact_every = compact_every
         self.chat_model = chat_model
-        self._installed: set[int] = set()
+        self._served: set[tuple[int, str]] = set()  # (chat model, thread) pairs given the tools' rules
         self._calls: dict[str, int] = {}
 
     # ---- per-tool rules ------------------------------------------------------------------------
@@ -67,13 +67,18 @@ class KVMemoryMiddleware(AgentMiddleware):
         return rules
 
     def _install(self, model, tools) -> None:
-        if id(model) in self._installed or not hasattr(model, "session_for"):
+        """Serve this call's thread with the chat model's policy plus the tools' rules (a new policy for
+        the threads this middleware serves; the chat model's own policy is left as it is)."""
+        if not hasattr(model, "set_thread_policy"):
             return
-        if model.policy is None:
-            model.policy = default_policy()
-        model.policy.rules[:0] = self._rules_for_tools(tools)
         self.chat_model = model
-        self._installed.add(id(model))
+        thread = model.current_thread_id({})
+        if (id(model), thread) in self._served:
+            return
+        rules = self._rules_for_tools(tools)
+        if rules:
+            model.set_thread_policy(thread, model.policy.model_copy(update={"rules": rules + model.policy.rules}))
+        self._served.add((id(model), thread))
 
     def wrap_model_call(self, request, handler):
         self._install(request.model, request.tools)
@@ -91,10 +96,7 @@ class KVMemoryMiddleware(AgentMiddleware):
         with self.chat_model.thread(thread) as session:
             self._calls[thread] = self._calls.get(thread, 0) + 1
             if self.compact_every and self._calls[thread] % self.compact_every == 0:
-                if session.memory is None:
-                    session.memory = MemoryManager(self.chat_model.policy)
-                    session.memory.attach(session)
-                session.memory.compact(session, trigger="middleware")
+                session.memory.compact(trigger="middleware")
             return {"kvmemory": memory_stats(session)}
 
     async def aafter_model(self, state: AgentState, runtime: Runtime) -> dict[str, Any] | None:

@@ -28,8 +28,6 @@ from kvmemory import (
     SessionBusyError,
     SessionClosedError,
 )
-from kvmemory.compaction.compactor import compact_span
-from kvmemory.compaction.registry import get_method
 from kvmemory.memory import MemoryManager, MemoryPolicy
 from tests.conftest import load_default_engine, random_tokens, tiny_model
 
@@ -93,7 +91,7 @@ def test_scratch_and_failed_appends_leave_uneven_layers_bit_identical():
     engine = Engine(tiny_model("llama", num_hidden_layers=3))
     session = engine.session()
     session.append_tokens(random_tokens(80, seed=2))
-    session.compact(uneven_plan(session))
+    session.apply_plan(uneven_plan(session))
     lengths = [layer.length for layer in session.cache.layers]
     assert len(set(lengths)) > 1
     before = state_of(session)
@@ -104,7 +102,7 @@ def test_scratch_and_failed_appends_leave_uneven_layers_bit_identical():
     with pytest.raises(InvalidTokenError):
         session.append_tokens(random_tokens(5, seed=4) + [10**6])
     with pytest.raises(InvalidPlanError):
-        session.compact(CompactionPlan([LayerPlan(keep=torch.zeros(l.num_heads, 1, dtype=torch.long), bias=torch.full(
+        session.apply_plan(CompactionPlan([LayerPlan(keep=torch.zeros(l.num_heads, 1, dtype=torch.long), bias=torch.full(
             (l.num_heads, 1), float("inf"))) for l in session.cache.layers]))
     assert_same_state(before, state_of(session))
 
@@ -458,13 +456,15 @@ class SessionContract(RuleBasedStateMachine):
         if bad:
             plan = CompactionPlan([LayerPlan(keep=torch.full((l.num_heads, 1), l.length, dtype=torch.long))
                                    for l in s.cache.layers])
-            self.attempt(lambda: s.compact(plan))
+            self.attempt(lambda: s.apply_plan(plan))
+            self.attempt(lambda: s.compact(method, slots=0))
+            self.attempt(lambda: s.compact("no-such-method", ratio=2))
         elif method == "uneven":
-            self.attempt(lambda: s.compact(uneven_plan(s, seed=len(s.tokens))))
+            self.attempt(lambda: s.apply_plan(uneven_plan(s, seed=len(s.tokens))))
         elif self.memory is not None:
-            self.attempt(lambda: self.memory.compact(s))
+            self.attempt(lambda: self.memory.compact())
         else:
-            self.attempt(lambda: compact_span(s, torch.arange(4, len(s.tokens) - 16), get_method(method), 24))
+            self.attempt(lambda: s.compact(method, slots=24, keep_last=16))
 
     @precondition(lambda self: not self.closed)
     @rule(index=st.integers(-1, 40))

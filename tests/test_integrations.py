@@ -147,21 +147,31 @@ def test_stategraph_with_a_fake_model_and_tools(chat):
     assert out["kvmemory"]["logical_tokens"] == 0  # the fake model never touched the KV session
 
 
-def test_create_agent_with_middleware_sync_and_async(chat):
+def tool_rules(session) -> dict[str, float]:
+    return {r.name: r.ratio for r in session.memory.policy.rules if r.name.startswith("tool:")}
+
+
+def test_middleware_gives_its_threads_the_tools_rules_and_leaves_the_model_policy_alone(chat):
+    shared = chat.policy.model_dump()
     middleware = KVMemoryMiddleware(tool_policies={"lookup_port": {"ratio": 4}})
     agent = create_agent(chat, tools=[lookup_port, run_tests], middleware=[middleware], checkpointer=InMemorySaver())
     out = agent.invoke({"messages": [HumanMessage("Hi")]}, config=config("mw"))
     assert out["kvmemory"]["logical_tokens"] > 0
-    names = [r.name for r in chat.policy.rules]
-    assert "tool:lookup_port" in names and "tool:run_tests" in names
-    rule = next(r for r in chat.policy.rules if r.name == "tool:run_tests")
-    assert rule.ratio == 10  # from the @kv_policy decorator
+    # the decorator's ratio for run_tests, the middleware's own for lookup_port
+    assert tool_rules(chat.session_for("mw")) == {"tool:lookup_port": 4, "tool:run_tests": 10}
+    assert chat.policy.model_dump() == shared and tool_rules(chat.session_for("elsewhere")) == {}
 
 
-async def test_create_agent_middleware_async(chat):
+async def test_middleware_async_compacts_every_call(default_engine):
+    chat = ChatKVMemory(engine=default_engine, max_new_tokens=4, policy=default_policy(max_slots=4096, recent_tokens=16))
     agent = create_agent(chat, tools=[lookup_port], middleware=[KVMemoryMiddleware(compact_every=1)])
-    out = await agent.ainvoke({"messages": [HumanMessage("Hi")]}, config=config("amw"))
+    history = [HumanMessage("Hi"), AIMessage("Here is what I found so far. " * 30), HumanMessage("Go on.")]
+    out = await agent.ainvoke({"messages": history}, config=config("amw"))
+    session = chat.session_for("amw")
+    assert tool_rules(session) == {}  # no per-tool rules given
     assert out["kvmemory"]["logical_tokens"] > 0
+    assert [e["trigger"] for e in session.compaction_log] == ["middleware"]
+    assert session.cache.physical_length < len(session.tokens)
 
 
 async def test_a_cancelled_astream_leaves_the_thread_usable(default_engine):

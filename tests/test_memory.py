@@ -142,7 +142,7 @@ def test_recall_restores_the_exact_text(tiny_engine):
     session.append_tokens(random_tokens(10), kind="system")
     out = session.append_tokens(random_tokens(200, seed=3), kind="tool_output", tool_name="run_tests", text="ORIGINAL LOG TEXT 42")
     session.append_tokens(random_tokens(30, seed=4))
-    session.memory.compact(session)
+    session.memory.compact()
     assert out.compactions == 1 and session.segment_slots()[out.id] < 200
     recalled = session.recall(out.id)
     assert recalled.kind == "recall" and "ORIGINAL LOG TEXT 42" in recalled.text
@@ -156,7 +156,7 @@ def test_search_ranks_segments_by_the_terms_they_share_with_the_query(tiny_engin
     outs = [session.append_tokens(random_tokens(40, seed=i), kind="tool_output", tool_name="read_file", text=t)
             for i, t in enumerate(texts)]
     session.append_tokens(random_tokens(40, seed=9), kind="assistant", text="the restock test failed")
-    session.memory.compact(session)
+    session.memory.compact()
     assert [s.id for s in session.search("Which test failed? test_restock", kinds=["tool_output"])] == [outs[1].id]
     assert session.search("who is the maintainer")[0].id == outs[2].id
     assert session.search("what is api_timeout_seconds")[0].id == outs[0].id
@@ -173,10 +173,10 @@ def test_context_queries_are_released_once_their_segment_is_compacted(tiny_engin
     held = session.stats().query_bytes
     assert held > 0
     session.append_tokens(random_tokens(40, seed=2))
-    session.memory.compact(session)
+    session.memory.compact()
     assert old.compactions == 1 and old.id not in recorder.context
     assert session.stats().query_bytes < held
-    session.memory.compact(session, goal_slots=60)  # re-compaction falls back to the selector window
+    session.memory.compact(goal_slots=60)  # re-compaction falls back to the selector window
     assert old.compactions == 2 and session.cache.physical_length <= 60
 
 

@@ -213,7 +213,7 @@ def test_span_positions_cover_every_head_and_layer():
     session = Engine(tiny_model("llama")).session()
     session.append_tokens(random_tokens(60))
     per_head = [torch.arange(0, 40, 2), torch.arange(1, 40, 3)]  # heads keep different positions
-    session.compact(CompactionPlan([LayerPlan(keep=per_head) for _ in session.cache.layers]))
+    session.apply_plan(CompactionPlan([LayerPlan(keep=per_head) for _ in session.cache.layers]))
     span = extract_span(session.cache, span_slots(session.cache, torch.arange(0, 60)), None, 1.0)
     want = torch.unique(torch.cat([layer.positions[layer.valid] for layer in span.layers]))
     assert torch.equal(span_positions(span), want)
@@ -227,14 +227,14 @@ def test_counter_causal_score_survives_a_rebase():
     session = engine.session()
     session.append_tokens(random_tokens(80, seed=5))
     drop_front = torch.arange(20, 80)
-    session.compact(CompactionPlan([LayerPlan(keep=drop_front.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    session.apply_plan(CompactionPlan([LayerPlan(keep=drop_front.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
     access = ModelAccess.from_session(session)
     before = own_token_logits(access, drop_front, fast=False)
     session.rebase_positions()
     assert torch.allclose(own_token_logits(access, drop_front, fast=False), before, atol=2e-3)  # bf16 matmuls on CPU
 
     per_head = [torch.arange(0, 60, 2), torch.arange(1, 60, 3)]  # slots of the 60 cached ones, per head
-    session.compact(CompactionPlan([LayerPlan(keep=per_head) for _ in session.cache.layers]))
+    session.apply_plan(CompactionPlan([LayerPlan(keep=per_head) for _ in session.cache.layers]))
     session.rebase_positions()
     layer = session.cache.layers[0]
     for h in range(layer.num_heads):

@@ -88,7 +88,7 @@ def test_keep_everything_plan_is_identity(tiny_engine):
     plain, compacted = tiny_engine.session(), tiny_engine.session()
     for s in (plain, compacted):
         s.append_tokens(prompt)
-    compacted.compact(CompactionPlan.keep_all(compacted.cache))
+    compacted.apply_plan(CompactionPlan.keep_all(compacted.cache))
     assert compacted.stats().compactions == 1
     cont = random_tokens(6, seed=6)
     assert torch.equal(plain.logprobs(cont), compacted.logprobs(cont))
@@ -107,7 +107,7 @@ def test_bias_log2_equals_duplicated_slot(tiny_engine):
         bias = torch.zeros(h, n)
         bias[:, j] = math.log(2.0)
         plan_layers.append(LayerPlan(keep=torch.arange(n).expand(h, n).clone(), bias=bias))
-    biased.compact(CompactionPlan(plan_layers))
+    biased.apply_plan(CompactionPlan(plan_layers))
     for layer in duplicated.cache.layers:  # store slot j twice (bypassing validation, which forbids repeats)
         n, h = layer.length, layer.num_heads
         keep = torch.cat([torch.arange(j + 1), torch.arange(j, n)])
@@ -123,7 +123,7 @@ def test_appends_after_compaction_keep_true_positions(tiny_pair):
     session.append_tokens(prompt)
     dropped = [3, 4, 5, 10, 20]
     keep = torch.tensor([i for i in range(32) if i not in dropped])
-    session.compact(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    session.apply_plan(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
     seg = session.append_tokens(new)
     layer = session.cache.layers[0]
     assert layer.length == 32 - len(dropped) + len(new)
@@ -146,7 +146,7 @@ def test_per_head_budgets_pad_and_free_memory(tiny_engine):
     plans = []
     for layer in session.cache.layers:
         plans.append(LayerPlan(keep=[torch.arange(0, 300, 3), torch.arange(0, 300, 10)]))  # 100 and 30 slots
-    session.compact(CompactionPlan(plans))
+    session.apply_plan(CompactionPlan(plans))
     after = session.stats()
     assert after.physical_slots == [100, 100]
     assert after.padding_overhead == pytest.approx(70 / 200)
@@ -176,7 +176,7 @@ def test_folded_path_in_a_session_matches(tiny_engine):
     for layer in session.cache.layers:
         n, h = layer.length, layer.num_heads
         plans.append(LayerPlan(keep=torch.arange(n).expand(h, n).clone(), bias=torch.randn(h, n)))
-    session.compact(CompactionPlan(plans))
+    session.apply_plan(CompactionPlan(plans))
     ids = torch.tensor([[5]])
     outs = []
     for path in ("mask", "folded"):
@@ -270,7 +270,7 @@ def test_bad_plans_raise_and_change_nothing(tiny_engine, make_plan, message):
     session.append_tokens(random_tokens(12))
     before = session_state(session)
     with pytest.raises(InvalidPlanError, match=message):
-        session.compact(make_plan(session.cache))
+        session.apply_plan(make_plan(session.cache))
     assert_same_state(before, session_state(session))
     assert session.cache.compactions == 0
 
@@ -281,7 +281,7 @@ def test_a_bad_layer_late_in_the_plan_changes_no_layer(tiny_engine):
     before = session_state(session)
     good = LayerPlan(keep=torch.arange(6).expand(2, 6).clone())
     with pytest.raises(InvalidPlanError):
-        session.compact(CompactionPlan([good, LayerPlan(keep=torch.tensor([[0, 50], [0, 1]]))]))
+        session.apply_plan(CompactionPlan([good, LayerPlan(keep=torch.tensor([[0, 50], [0, 1]]))]))
     assert_same_state(before, session_state(session))
 
 
@@ -378,7 +378,7 @@ def test_rebase_without_gaps_is_the_identity_and_a_uniform_shift_changes_nothing
     # dropping the first 20 tokens leaves one gap at the start: closing it shifts everything uniformly,
     # and RoPE attention depends only on relative positions
     keep = torch.arange(20, 60)
-    session.compact(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    session.apply_plan(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
     cont = random_tokens(8, seed=31)
     before = session.logprobs(cont)
     assert session.rebase_positions() == -20
@@ -396,7 +396,7 @@ def test_rebase_bounds_each_heads_distances_by_its_own_slot_count():
     plans = [[torch.sort(torch.cat([torch.randperm(100, generator=g)[: 10 + 15 * h], torch.arange(100, 120)])).values
               for h in range(layer.num_heads)] for layer in session.cache.layers]
     width = max(k.numel() for keeps in plans for k in keeps)
-    session.compact(CompactionPlan([LayerPlan(keep=keeps) for keeps in plans]))
+    session.apply_plan(CompactionPlan([LayerPlan(keep=keeps) for keeps in plans]))
     shift = session.rebase_positions()
     assert session.cache.rope_length == width and shift == width - 120
     for layer, keeps in zip(session.cache.layers, plans):
@@ -412,7 +412,7 @@ def test_rebase_runs_by_itself_past_the_trained_positions():
     session = engine.session()
     session.append_tokens(random_tokens(100, seed=32))
     keep = torch.cat([torch.arange(4), torch.arange(70, 100)])
-    session.compact(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    session.apply_plan(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
     seg = session.append_tokens(random_tokens(60, seed=33))
     layer = session.cache.layers[0]
     assert seg.end == 160 and session.cache.logical_length == 160

@@ -121,6 +121,12 @@ class CompactionMethod(ABC):
     def __init__(self, config: MethodConfig | None = None, **params):
         self.config = config if config is not None else self.Config(**params)
 
+    @property
+    def needs_last_layer_inputs(self) -> bool:
+        """Whether the method reads each position's input to the last decoder layer (the session records
+        them once a method that needs them is attached)."""
+        return False
+
     @abstractmethod
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         """``budgets``: (L, H) slots each head may keep of the span."""

@@ -3,7 +3,8 @@
 Sources (selectable per call, combinable):
 * ``window``: the last R tokens' queries, recorded as the session runs (free; what online compaction has);
 * ``context``: queries recorded while the span itself was prefilled (free, subsampled per segment, kept in
-  bf16 until the segment is first compacted; later re-compactions fall back to the window);
+  bf16 until the segment is first compacted; later re-compactions, and spans prefilled before recording
+  was switched on, fall back to the window);
 * ``repeat``: the model is told to repeat the context and the span is teacher-forced as its answer;
 * ``self_study``: the model writes a summary of the span and the questions it raises; its queries count.
 The scratch sources run past the end of the session and are rolled back: the session is unchanged.
@@ -35,7 +36,7 @@ def reference_queries(session, sources: str | list[str], positions: torch.Tensor
             per_source.append(_window(session))
         elif source == "context":
             found = _context(session, positions)
-            if found is None:  # compacted before: its context queries were released; the window stands in
+            if found is None:  # not recorded, or compacted before and released: the window stands in
                 if "window" not in sources:
                     per_source.append(_window(session))
                 continue
@@ -59,7 +60,7 @@ def _window(session) -> list[torch.Tensor]:
 def _context(session, positions: torch.Tensor) -> list[torch.Tensor] | None:
     recorder = session.query_recorder
     if recorder is None or not recorder.context_tokens:
-        raise KVMemoryError("no context-prefill queries for this span: enable session.record_queries(context=N) before appending it")
+        return None  # not recorded (``record_queries(context=N)``, which a policy using them switches on)
     lo, hi = int(positions.min()), int(positions.max()) + 1
     return recorder.context_queries([s.id for s in session.segments if s.start < hi and s.end > lo])
 

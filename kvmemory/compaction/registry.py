@@ -1,4 +1,9 @@
-"""Name → compaction method. ``get_method("attention_matching", selector="omp")`` builds one from params."""
+"""Name → compaction method. Each method module registers its class with ``@register``;
+``get_method("attention_matching", selector="omp")`` builds one from params.
+
+Importing ``kvmemory.compaction`` imports every built-in method module, so the built-ins are always
+registered before any lookup; a user's ``@register`` adds to them and never hides them.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +16,20 @@ METHODS: dict[str, type[CompactionMethod]] = {}
 
 
 def register(cls: type[CompactionMethod]) -> type[CompactionMethod]:
-    METHODS[cls.name] = cls
+    """Class decorator: make ``cls`` available by its ``name`` to ``get_method`` and memory policies."""
+    if not (isinstance(cls, type) and issubclass(cls, CompactionMethod)):
+        raise InvalidArgumentError(f"register takes a CompactionMethod subclass, got {cls!r}")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"{cls.__name__} needs a class attribute `name` to be registered")
+    if name in METHODS and METHODS[name].__module__.startswith("kvmemory.") and METHODS[name] is not cls:
+        raise InvalidArgumentError(f"{name!r} is a built-in compaction method; register yours under another name")
+    METHODS[name] = cls
     return cls
 
 
 def get_method(name: str, **params) -> CompactionMethod:
-    _load_builtin()
+    """A new instance of the method registered as ``name``, configured by ``params``."""
     if name not in METHODS:
         raise InvalidArgumentError(f"unknown compaction method {name!r}; known: {', '.join(sorted(METHODS))}")
     try:
@@ -26,22 +39,4 @@ def get_method(name: str, **params) -> CompactionMethod:
 
 
 def available_methods() -> list[str]:
-    _load_builtin()
     return sorted(METHODS)
-
-
-_builtin_loaded = False
-
-
-def _load_builtin() -> None:
-    """Register the built-in methods once (a user's own ``register`` before that never hides them)."""
-    global _builtin_loaded
-    if _builtin_loaded:
-        return
-    _builtin_loaded = True
-    from kvmemory.compaction import methods
-
-    for name in methods.__all__:
-        obj = getattr(methods, name)
-        if isinstance(obj, type) and issubclass(obj, CompactionMethod):
-            METHODS.setdefault(obj.name, obj)

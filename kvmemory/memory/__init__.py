@@ -2,7 +2,7 @@
 
 from kvmemory.memory.manager import MemoryManager
 from kvmemory.memory.policy import CompactionRule, MemoryBudget, MemoryPolicy, SegmentMatch, default_policy
-from kvmemory.memory.segments import Segment
+from kvmemory.runtime.segments import Segment
 from kvmemory.memory.telemetry import plot_memory_map
 
 __all__ = [

@@ -1,7 +1,7 @@
 """MemoryManager: the scheduler that keeps a session under its memory budget, segment by segment.
 
 Triggers: every P new tokens (periodic), whenever an append or a generated token would push the cache past
-its cap, and on demand (``manager.compact(session)``). When a trigger fires, each compactable segment gets
+its cap, and on demand (``session.memory.compact()``). When a trigger fires, each compactable segment gets
 the budget its rule asks for; under cap pressure the remaining room is then shared across segments by
 importance (the attention mass the selector window gives them, TAM-style: t_i ∝ √w_i · n_i × rule weight).
 Each segment is compacted with its own rule's method. Protected segments, the session's first tokens and
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmemory.compaction.compactor import SpanJob, compact_spans
+from kvmemory.compaction.compactor import CompactionRecord, SpanJob, compact_spans
 from kvmemory.compaction.registry import get_method
-from kvmemory.errors import MemoryCapError
+from kvmemory.errors import InvalidArgumentError, MemoryCapError
 from kvmemory.memory.policy import CompactionRule, MemoryPolicy, _as_list, default_policy
-from kvmemory.memory.segments import Segment
+from kvmemory.runtime.segments import Segment
 
 
 class MemoryManager:
@@ -38,6 +38,7 @@ class MemoryManager:
         self._last_compaction_at = 0
         self._busy = False
         self._methods: dict[str, object] = {}
+        self.session = None
 
     # ---- state (part of the session's snapshot, so a failed call leaves it as it was) ---------------
     def state(self) -> tuple:
@@ -49,38 +50,59 @@ class MemoryManager:
 
     # ---- session hooks ---------------------------------------------------------------------------
     def attach(self, session) -> None:
-        rules = self.policy.rules + [self.policy.default]
-        sources = {s for r in rules if not r.protected for s in _as_list(r.query_source)}
-        session.record_queries(self.policy.budget.window, context=256 if "context" in sources else 0)
-        if any(r.method == "counter_causal" or r.params.get("selector") == "counter_causal" for r in rules if not r.protected):
-            session.record_last_layer_inputs()
+        """Bind to ``session`` (a manager serves one session) and switch on what its methods read."""
+        if self.session is not None and self.session is not session:
+            raise InvalidArgumentError("this MemoryManager already serves another session; give each session its own")
+        self.session = session
+        self._enable_recorders()
 
-    def slot_cap(self, session) -> int | None:
+    def set_policy(self, policy: MemoryPolicy) -> None:
+        """Serve the session with another policy from now on (what is compacted stays compacted)."""
+        self.policy = policy
+        if self.session is not None:
+            self._enable_recorders()
+
+    def fork(self, session) -> "MemoryManager":
+        """Same policy, a copy of the history, attached to ``session`` (the fork of this manager's session)."""
+        twin = MemoryManager(self.policy)
+        twin.timeline = [dict(event) for event in self.timeline]
+        twin.restore(self.state())
+        twin.attach(session)
+        return twin
+
+    def _enable_recorders(self) -> None:
+        rules = [r for r in self.policy.rules + [self.policy.default] if not r.protected]
+        sources = {s for r in rules for s in _as_list(r.query_source)}
+        self.session.record_queries(self.policy.budget.window, context=256 if "context" in sources else 0)
+        if any(self._method(r).needs_last_layer_inputs for r in rules):
+            self.session.record_last_layer_inputs()
+
+    def slot_cap(self) -> int | None:
         budget = self.policy.budget
         if not (budget.max_slots or budget.max_bytes):
             return None
-        caps = [budget.max_slots or session.engine.max_context, session.engine.max_context]
+        caps = [budget.max_slots or self.session.engine.max_context, self.session.engine.max_context]
         if budget.max_bytes:
-            caps.append(budget.max_bytes // session.engine.kv_bytes_per_token)
+            caps.append(budget.max_bytes // self.session.engine.kv_bytes_per_token)
         return min(caps) if caps else None
 
-    def check_fits(self, session, n_new: int, new_segments: list[Segment]) -> None:
+    def check_fits(self, n_new: int, new_segments: list[Segment]) -> None:
         """Raise MemoryCapError, before anything changes, if the append cannot fit even after compaction.
 
         ``new_segments`` describe what is about to be appended (their lengths sum to ``n_new``): protected
         ones must fit whole; the rest only needs room for one prefill chunk plus the recent window."""
-        cap = self.slot_cap(session)
+        cap = self.slot_cap()
         if cap is None:
             return
-        floor = self._incompressible_slots(session, n_new)
-        seen = list(session.segments)
+        floor = self._incompressible_slots(n_new)
+        seen = list(self.session.segments)
         protected = 0
         for seg in new_segments:
             if self.policy.rule_for(seg, seen + [seg]).protected:
                 protected += seg.length
             seen.append(seg)
         rest = n_new - protected
-        need = protected + min(rest, self.chunk_size(session) + self.policy.budget.recent_tokens)
+        need = protected + min(rest, self.chunk_size() + self.policy.budget.recent_tokens)
         if floor + need > cap:
             what = "protected content" if protected else "the recent window and one prefill chunk"
             raise MemoryCapError(
@@ -88,66 +110,72 @@ class MemoryManager:
                 f"{floor} that no compaction can free; raise the cap or protect less"
             )
 
-    def chunk_size(self, session) -> int:
+    def chunk_size(self) -> int:
         """Prefill chunk under a cap: at most a quarter of it, so compaction always has room to work."""
-        cap = self.slot_cap(session)
-        return session.prefill_chunk_size if cap is None else max(16, min(session.prefill_chunk_size, cap // 4))
+        cap = self.slot_cap()
+        return self.session.prefill_chunk_size if cap is None else max(16, min(self.session.prefill_chunk_size, cap // 4))
 
-    def make_room(self, session, n_new: int) -> None:
+    def make_room(self, n_new: int) -> None:
         """Before ``n_new`` tokens enter the cache: compact if they would exceed the cap."""
-        cap = self.slot_cap(session)
+        cap = self.slot_cap()
         if cap is None or self._busy:
             return
-        self.peak_slots = max(self.peak_slots, min(session.cache.physical_length + n_new, cap))
-        if session.cache.physical_length + n_new > cap:
+        self.peak_slots = max(self.peak_slots, min(self.session.cache.physical_length + n_new, cap))
+        if self.session.cache.physical_length + n_new > cap:
             goal = min(cap - n_new, int(cap * self.policy.budget.target_fraction))
             for _ in range(4):  # budgets are per-head means: later passes aim lower to absorb rounding
-                self.compact(session, trigger="cap", goal_slots=max(goal, 1))
-                over = session.cache.physical_length + n_new - cap
+                self.compact(trigger="cap", goal_slots=max(goal, 1))
+                over = self.session.cache.physical_length + n_new - cap
                 if over <= 0:
                     break
                 goal -= over + max(8, cap // 16)
-            self.peak_slots = max(self.peak_slots, session.cache.physical_length + n_new)
-            if session.cache.physical_length + n_new > cap:
+            self.peak_slots = max(self.peak_slots, self.session.cache.physical_length + n_new)
+            if self.session.cache.physical_length + n_new > cap:
                 raise MemoryCapError(
-                    f"compaction left {session.cache.physical_length} slots; {n_new} more would exceed the cap of {cap}"
+                    f"compaction left {self.session.cache.physical_length} slots; {n_new} more would exceed the cap of {cap}"
                 )
 
-    def after_append(self, session) -> None:
+    def after_append(self) -> None:
         interval = self.policy.budget.interval
-        if interval and len(session.tokens) - self._last_compaction_at >= interval and not self._busy:
-            self.compact(session, trigger="periodic")
-        self._record(session, "append")
+        if interval and len(self.session.tokens) - self._last_compaction_at >= interval and not self._busy:
+            self.compact(trigger="periodic")
+        self._record("append")
 
     # ---- compaction ------------------------------------------------------------------------------
-    def rule_for(self, segment: Segment, session) -> CompactionRule:
-        return self.policy.rule_for(segment, session.segments)
+    def rule_for(self, segment: Segment) -> CompactionRule:
+        return self.policy.rule_for(segment, self.session.segments)
 
-    def compact(self, session, trigger: str = "manual", goal_slots: int | None = None) -> list:
-        """Compact every segment above its rule's budget; with ``goal_slots``, also share the room left."""
+    def compact(self, trigger: str = "manual", goal_slots: int | None = None) -> list[CompactionRecord]:
+        """Compact every segment above its rule's budget now; with ``goal_slots``, also share the room
+        left by importance. One transaction on the session: if anything fails, nothing changed."""
+        if self.session is None:
+            raise InvalidArgumentError("this MemoryManager is not attached to a session")
         if self._busy:
             return []
-        self._busy = True
-        try:
-            items = self._budgets(session, goal_slots)
-            jobs = []
-            for span, slots, _ in items:
-                method = self._method(span.rule)
-                query_source = span.rule.query_source if method.uses_queries else "window"
-                jobs.append(SpanJob(span.positions, method, slots, query_source))
-            records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
-            for span, _, forced in items:
-                for segment in span.segments:
-                    segment.cap_forced += forced
-                if session.query_recorder is not None:  # segments compacted to their end: context queries served
-                    first, end = int(span.positions[0]), int(span.positions[-1]) + 1
-                    session.query_recorder.drop_context([s.id for s in session.segments if first < s.end <= end])
-            self._last_compaction_at = len(session.tokens)
-            if records:
-                self._record(session, trigger)
-            return records
-        finally:
-            self._busy = False
+        with self.session.transaction() as session:
+            self._busy = True
+            try:
+                return self._compact(session, trigger, goal_slots)
+            finally:
+                self._busy = False
+
+    def _compact(self, session, trigger: str, goal_slots: int | None) -> list[CompactionRecord]:
+        items = self._budgets(goal_slots)
+        jobs = []
+        for span, slots, _ in items:
+            method = self._method(span.rule)
+            jobs.append(SpanJob(span.positions, method, slots, span.rule.query_source if method.uses_queries else "window"))
+        records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
+        for span, _, forced in items:
+            for segment in span.segments:
+                segment.cap_forced += forced
+            if session.query_recorder is not None:  # segments compacted to their end: context queries served
+                first, end = int(span.positions[0]), int(span.positions[-1]) + 1
+                session.query_recorder.drop_context([s.id for s in session.segments if first < s.end <= end])
+        self._last_compaction_at = len(session.tokens)
+        if records:
+            self._record(trigger)
+        return records
 
     def _method(self, rule: CompactionRule):
         key = rule.model_dump_json(include={"method", "params"})
@@ -155,48 +183,48 @@ class MemoryManager:
             self._methods[key] = get_method(rule.method, **rule.params)
         return self._methods[key]
 
-    def _spans(self, session, recent_tokens: int | None = None) -> list["_Span"]:
+    def _spans(self, recent_tokens: int | None = None) -> list["_Span"]:
         """One span per unprotected segment: its part outside the sinks and the recent window."""
         budget = self.policy.budget
-        limit = len(session.tokens) - (budget.recent_tokens if recent_tokens is None else recent_tokens)
+        limit = len(self.session.tokens) - (budget.recent_tokens if recent_tokens is None else recent_tokens)
         out = []
-        for seg in session.segments:
-            rule = self.rule_for(seg, session)
+        for seg in self.session.segments:
+            rule = self.rule_for(seg)
             start, end = max(seg.start, budget.sink_tokens), min(seg.end, limit)
             if rule.protected or end - start < 2:
                 continue
             positions = torch.arange(start, end)
-            current = self._slots_in(session, positions)
+            current = self._slots_in(positions)
             out.append(_Span([seg], positions, rule, current, min(current, rule.target_slots(end - start))))
         return out
 
-    def _slots_in(self, session, positions: torch.Tensor) -> float:
+    def _slots_in(self, positions: torch.Tensor) -> float:
         """Slots per head (mean over layers and heads) whose position is in ``positions``."""
         total = 0
         lo, hi = int(positions[0]), int(positions[-1])
-        for layer in session.cache.layers:
+        for layer in self.session.cache.layers:
             pos = layer.positions[:, : layer.length]
             total += int(((pos >= lo) & (pos <= hi)).sum())
-        return total / (len(session.cache.layers) * session.cache.layers[0].num_heads)
+        return total / (len(self.session.cache.layers) * self.session.cache.layers[0].num_heads)
 
-    def _incompressible_slots(self, session, n_new: int) -> int:
+    def _incompressible_slots(self, n_new: int) -> int:
         """Slots no compaction can free once ``n_new`` tokens arrive (the recent window slides over them):
         everything outside the spans, plus one floor per run of adjacent spans (see ``_merge_oldest``)."""
-        if not session.cache.layers[0].is_initialized:
+        if not self.session.cache.layers[0].is_initialized:
             return 0
         still_recent = max(0, self.policy.budget.recent_tokens - n_new)
-        runs = _merge_oldest(self._spans(session, recent_tokens=still_recent), room=0)
-        return math.ceil(session.cache.physical_length - sum(max(0.0, r.current - r.floor) for r in runs))
+        runs = _merge_oldest(self._spans(recent_tokens=still_recent), room=0)
+        return math.ceil(self.session.cache.physical_length - sum(max(0.0, r.current - r.floor) for r in runs))
 
-    def _importance(self, session, spans: list["_Span"]) -> list[float]:
+    def _importance(self, spans: list["_Span"]) -> list[float]:
         """Attention mass the selector-window queries give each span (mean over layers and heads)."""
-        recorder = session.query_recorder
+        recorder = self.session.query_recorder
         if recorder is None or recorder.recent[0] is None:
             return [1.0] * len(spans)
-        scale = session.engine.head_dim ** -0.5
+        scale = self.session.engine.head_dim ** -0.5
         mass = torch.zeros(len(spans))
         with torch.no_grad():
-            for li, layer in enumerate(session.cache.layers):
+            for li, layer in enumerate(self.session.cache.layers):
                 q = recorder.window_queries(li).float()
                 keys = layer.keys[0, :, : layer.length].float()
                 logits = torch.einsum("hmd,hsd->hms", q, keys) * scale + layer.bias[0, :, None, : layer.length]
@@ -206,19 +234,19 @@ class MemoryManager:
                     mass[i] += float(attn[(pos >= int(span.positions[0])) & (pos <= int(span.positions[-1]))].sum())
         return (mass / mass.sum().clamp_min(1e-12)).tolist()
 
-    def _budgets(self, session, goal_slots: int | None) -> list[tuple["_Span", int, bool]]:
+    def _budgets(self, goal_slots: int | None) -> list[tuple["_Span", int, bool]]:
         """[(span, slots per head, forced by the cap)] for the spans that must shrink.
 
         Each segment is its own span: compacting a union lets its selection starve one member to feed
         another, which breaks the members' rule ratios. Only when the cap leaves less room than one floor
         per segment do the oldest adjacent segments share one span (and one floor)."""
-        spans = self._spans(session)
+        spans = self._spans()
         if goal_slots is not None and spans:
-            excess = session.cache.physical_length - sum(s.current - s.wanted for s in spans) - goal_slots
+            excess = self.session.cache.physical_length - sum(s.current - s.wanted for s in spans) - goal_slots
             if excess > 0:  # the rules' budgets are not enough: share what is left by importance
                 room = max(sum(s.wanted for s in spans) - excess, 0)
                 spans = _merge_oldest(spans, room)
-                weights = self._importance(session, spans)
+                weights = self._importance(spans)
                 raw = [s.rule.weight * math.sqrt(max(w, 1e-9)) * len(s.positions) for s, w in zip(spans, weights)]
                 scale = room / max(sum(raw), 1e-12)
                 return [(s, t, t < s.wanted) for s, x in zip(spans, raw)
@@ -226,13 +254,13 @@ class MemoryManager:
         return [(s, int(s.wanted), False) for s in spans if s.wanted < s.current - 0.5]
 
     # ---- telemetry -------------------------------------------------------------------------------
-    def _record(self, session, event: str) -> None:
-        kv = session.cache.kv_bytes()
-        self.peak_slots = max(self.peak_slots, session.cache.physical_length)
+    def _record(self, event: str) -> None:
+        kv = self.session.cache.kv_bytes()
+        self.peak_slots = max(self.peak_slots, self.session.cache.physical_length)
         self.peak_kv_bytes = max(self.peak_kv_bytes, kv)
         self.timeline.append({
-            "time": time.time(), "event": event, "logical": len(session.tokens),
-            "physical": session.cache.physical_length, "kv_bytes": kv, "segments": session.segment_slots(),
+            "time": time.time(), "event": event, "logical": len(self.session.tokens),
+            "physical": self.session.cache.physical_length, "kv_bytes": kv, "segments": self.session.segment_slots(),
         })
 
 

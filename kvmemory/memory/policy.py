@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvmemory.compaction.queries import QUERY_SOURCES
 from kvmemory.errors import PolicyError
-from kvmemory.memory.segments import SEGMENT_KINDS, Segment
+from kvmemory.runtime.segments import SEGMENT_KINDS, Segment
 
 StrOrList = str | list[str] | None
 

@@ -31,10 +31,11 @@ class QueryRecorder:
         self.context_tokens = context  # per segment, keep about this many tokens' queries (0: off)
         self.context: dict[int, list[torch.Tensor | None]] = {}
         self.current_segment = -1
+        self.groups: int | None = None  # G: query heads per KV head, known from the first recorded query
 
     def record(self, layer: int, query: torch.Tensor) -> None:
         query = query.detach()
-        groups = query.shape[1] // self.num_kv_heads
+        groups = self.groups = query.shape[1] // self.num_kv_heads
         if self.captured is not None:
             self.captured[layer].append(group_queries(query, self.num_kv_heads).to(self.dtype))
         if self.frozen:
@@ -86,7 +87,11 @@ class QueryRecorder:
         self.context.clear()
 
     def window_queries(self, layer: int) -> torch.Tensor | None:
-        return self.recent[layer]
+        """(H, ≤R·G, D): the queries of the last ``window`` tokens (fewer before that many have run)."""
+        recent = self.recent[layer]
+        if recent is None or self.groups is None:
+            return recent
+        return recent[:, -self.window * self.groups:]
 
     def start_capture(self) -> None:
         self.captured = [[] for _ in range(self.num_layers)]

@@ -29,13 +29,17 @@ import hashlib
 import json
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from numbers import Integral
 from dataclasses import dataclass, field
 
 import torch
 
 from kvmemory.cache import CompactCache, CompactionPlan
+from kvmemory.compaction.base import CompactionMethod
+from kvmemory.compaction.compactor import CompactionRecord, SpanJob, compact_spans
+from kvmemory.compaction.queries import QUERY_SOURCES
+from kvmemory.compaction.registry import get_method
 from kvmemory.errors import (
     ContextLengthError,
     InvalidArgumentError,
@@ -44,12 +48,14 @@ from kvmemory.errors import (
     SessionBusyError,
     SessionClosedError,
 )
-from kvmemory.memory.segments import Segment
-from kvmemory.memory.search import rank_segments
+from kvmemory.runtime.segments import Segment
+from kvmemory.runtime.search import rank_segments
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
+from kvmemory.runtime.memory_hooks import SessionMemory
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
+QUERY_WINDOW = 64  # selector-window queries every session records (R)
 ProgressCallback = Callable[[int, int], None]
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -148,7 +154,7 @@ class Session:
     without one the cache is only compacted by explicit ``compact(plan)`` calls.
     """
 
-    def __init__(self, engine, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512,
+    def __init__(self, engine, session_id: str | None = None, memory: SessionMemory | None = None, prefill_chunk_size: int = 512,
                  show_progress: bool = False):
         self.engine = engine
         self.id = session_id or f"session-{id(self):x}"
@@ -174,6 +180,7 @@ class Session:
         self._turn_prefilled = 0  # of those, since the last reply (what a reply's prompt did not find cached)
         self._lock = threading.RLock()
         self._stream: tuple[weakref.ref, object] | None = None  # the open generation and its progress
+        self.record_queries(QUERY_WINDOW)  # what query-based compaction needs, recorded from the first token
         if memory is not None:
             memory.attach(self)
 
@@ -215,6 +222,24 @@ class Session:
             self.memory.restore(state.memory)
 
     @contextlib.contextmanager
+    def transaction(self):
+        """Several steps as one call: serialised with other threads' calls, and all undone if one raises
+        (the memory manager compacts through it; allowed while a stream is open, as compaction is)."""
+        with self._lock:
+            self._check_open()
+            with self._atomic():
+                yield self
+
+    def set_memory(self, memory: SessionMemory | None) -> None:
+        """Give the session a memory manager (or none) from now on; it may compact at the next append."""
+        with self._lock:
+            self._check_open()
+            self._check_no_stream()
+            if memory is not None:
+                memory.attach(self)
+            self.memory = memory
+
+    @contextlib.contextmanager
     def _atomic(self):
         state = self.snapshot()
         try:
@@ -224,13 +249,14 @@ class Session:
             raise
 
     def record_queries(self, window: int = 64, context: int = 0) -> QueryRecorder:
-        """Keep post-RoPE queries: of the last ``window`` tokens (the selector window for compaction) and,
+        """Keep post-RoPE queries: of the last ``window`` tokens (the selector window for compaction; every
+        session records the last 64 from its start, and a memory manager sets its policy's window) and,
         with ``context`` > 0, about that many tokens' queries of each segment as it is prefilled."""
         rec = self.query_recorder
         if rec is None:
             self.query_recorder = QueryRecorder(self.engine.num_layers, self.engine.num_kv_heads, window, context)
         else:
-            rec.window, rec.context_tokens = max(rec.window, window), max(rec.context_tokens, context)
+            rec.window, rec.context_tokens = window, max(rec.context_tokens, context)
         return self.query_recorder
 
     def record_last_layer_inputs(self) -> HiddenRecorder:
@@ -264,7 +290,7 @@ class Session:
             self._check_no_stream()
             child = Session(self.engine, session_id, memory=None, prefill_chunk_size=self.prefill_chunk_size)
             if with_memory and self.memory is not None:
-                child.memory = copy.deepcopy(self.memory)
+                child.memory = self.memory.fork(child)
             if self.query_recorder is not None:
                 child.query_recorder = copy.deepcopy(self.query_recorder)
             if self.hidden_recorder is not None:
@@ -333,7 +359,7 @@ class Session:
         return self._append_tokens(token_ids, kind, role, progress, text, tool_name, tags, **meta)
 
     def _append_tokens(self, token_ids, kind="text", role=None, progress=None, text=None, tool_name=None, tags=(), **meta):
-        from kvmemory.memory.segments import SEGMENT_KINDS
+        from kvmemory.runtime.segments import SEGMENT_KINDS
 
         if kind not in SEGMENT_KINDS:
             raise InvalidArgumentError(f"unknown segment kind {kind!r}; kinds are {', '.join(SEGMENT_KINDS)}")
@@ -685,7 +711,77 @@ class Session:
             with self._atomic(), self.engine.lock:
                 self.cache.apply_plan(plan)
 
-    compact = apply_plan
+    @_exclusive
+    def compact(self, method: str | CompactionMethod, *, slots: int | None = None, ratio: float | None = None,
+                segments: Iterable[int] | None = None, positions: Iterable[int] | None = None,
+                query_source: str | list[str] = "window", keep_first: int = 4, keep_last: int = 256,
+                **params) -> CompactionRecord:
+        """Compact part of the cache with one method, now: ``session.compact("snapkv", ratio=4)``.
+
+        ``method``: a registered name (built with ``params``) or a method instance. Size: ``slots`` per KV
+        head for the whole span, or ``ratio`` tokens per slot. What: the given ``segments`` (ids) or
+        logical ``positions``, by default everything; the first ``keep_first`` and the last ``keep_last``
+        tokens always stay verbatim (sinks and recent window, as the memory manager keeps them).
+        ``query_source``: reference queries for methods that use them (see ``kvmemory.compaction.queries``).
+        """
+        method = self._method_of(method, params)
+        span = self._compaction_span(segments, positions, keep_first, keep_last)
+        if (slots is None) == (ratio is None):
+            raise InvalidArgumentError("give exactly one of slots (per KV head) or ratio (tokens per slot)")
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, Integral) or slots < 1):
+            raise InvalidArgumentError(f"slots must be a positive integer, got {slots!r}")
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 1):
+            raise InvalidArgumentError(f"ratio must be a number ≥ 1 (tokens per slot), got {ratio!r}")
+        sources = [query_source] if isinstance(query_source, str) else list(query_source)
+        if not sources or any(src not in QUERY_SOURCES for src in sources):
+            raise InvalidArgumentError(f"query_source must be among {', '.join(QUERY_SOURCES)}, got {query_source!r}")
+        budget = int(slots) if slots is not None else max(1, round(span.numel() / ratio))
+        self._enable_recorders_for(method)
+        measure = self.query_recorder is not None and self.query_recorder.recent[0] is not None
+        job = SpanJob(span, method, budget, query_source if method.uses_queries else "window")
+        return compact_spans(self, [job], trigger="manual", measure_error=measure)[0]
+
+    def _method_of(self, method, params: dict) -> CompactionMethod:
+        if isinstance(method, CompactionMethod):
+            if params:
+                raise InvalidArgumentError(f"parameters {sorted(params)} given with a method instance; set them on the instance")
+            return method
+        if not isinstance(method, str):
+            raise InvalidArgumentError(f"method must be a registered name or a CompactionMethod, got {type(method).__name__}")
+        return get_method(method, **params)
+
+    def _compaction_span(self, segments, positions, keep_first: int, keep_last: int) -> torch.Tensor:
+        """Sorted logical positions to compact: the selection minus the sinks and the recent window."""
+        for name, value in (("keep_first", keep_first), ("keep_last", keep_last)):
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+                raise InvalidArgumentError(f"{name} must be a non-negative integer, got {value!r}")
+        n = len(self.tokens)
+        if segments is not None and positions is not None:
+            raise InvalidArgumentError("give segments or positions, not both")
+        if segments is not None:
+            chosen = [self.segment(i) for i in segments]  # names an unknown id
+            wanted = torch.cat([torch.arange(s.start, s.end) for s in chosen]) if chosen else torch.empty(0, dtype=torch.long)
+        elif positions is not None:
+            wanted = torch.as_tensor(positions if isinstance(positions, torch.Tensor) else list(positions))
+            if wanted.dtype.is_floating_point or wanted.dtype == torch.bool or wanted.dim() != 1:
+                raise InvalidArgumentError("positions must be a 1-D list of integers")
+            outside = wanted[(wanted < 0) | (wanted >= n)]
+            if outside.numel():
+                raise InvalidArgumentError(f"positions outside the session's {n} tokens: {outside[:5].tolist()}")
+        else:
+            wanted = torch.arange(n)
+        wanted = torch.unique(wanted.long())
+        span = wanted[(wanted >= keep_first) & (wanted < n - max(keep_last, len(self._pending)))]
+        if span.numel() < 2:
+            raise InvalidArgumentError(
+                f"nothing to compact: of {wanted.numel()} selected positions, {span.numel()} lie outside the first "
+                f"{keep_first} (keep_first) and the last {keep_last} (keep_last) of the session's {n} tokens")
+        return span
+
+    def _enable_recorders_for(self, method: CompactionMethod) -> None:
+        """Switch on what ``method`` reads (from now on; positions already appended are scored without it)."""
+        if method.needs_last_layer_inputs:
+            self.record_last_layer_inputs()
 
     def segment_slots(self) -> dict[int, float]:
         """Physical slots each segment holds, per KV head (mean over layers and heads)."""
@@ -807,14 +903,14 @@ class Session:
                 f"appending {n_new} tokens at position {len(self.tokens)} would pass the engine's position "
                 f"limit of {self.engine.position_limit}"
             )
-        capped = self.memory is not None and self.memory.slot_cap(self) is not None
+        capped = self.memory is not None and self.memory.slot_cap() is not None
         if not capped and self._longest_after(n_new) > self.engine.max_context:
             raise ContextLengthError(
                 f"appending {n_new} tokens to a cache of {self._longest_after(0)} slots would exceed the model's "
                 f"{self.engine.max_context} positions (attach a MemoryManager with a cap to compact instead)"
             )
         if self.memory is not None:
-            self.memory.check_fits(self, n_new, list(new_segments))
+            self.memory.check_fits(n_new, list(new_segments))
 
     def _longest_after(self, n_new: int) -> int:
         """Slots of the longest layer once ``n_new`` more tokens (and any pending ones) are in the cache."""
@@ -833,13 +929,13 @@ class Session:
         """Prefill ``ids`` into ``segment`` chunk by chunk, giving the memory manager room before each chunk."""
         self._flush_pending()
         done, total = 0, len(ids)
-        step = self.memory.chunk_size(self) if self.memory is not None else self.prefill_chunk_size
+        step = self.memory.chunk_size() if self.memory is not None else self.prefill_chunk_size
         if self.show_progress and total > step:
             progress = _tqdm_progress(total, progress)
         while done < total:
             chunk = ids[done : done + step]
             if self.memory is not None:
-                self.memory.make_room(self, len(chunk))
+                self.memory.make_room(len(chunk))
             self._forward(chunk, segment.id, positions_from=len(self.tokens))
             self.tokens.extend(chunk)
             segment.end = len(self.tokens)
@@ -854,7 +950,7 @@ class Session:
             return
         ids, seg_id = self._pending, self.segments[-1].id
         if self.memory is not None:
-            self.memory.make_room(self, len(ids))
+            self.memory.make_room(len(ids))
         self._forward(ids, seg_id, positions_from=len(self.tokens) - len(ids))
         self._pending = []
 
@@ -893,7 +989,7 @@ class Session:
 
     def _after_append(self) -> None:
         if self.memory is not None:
-            self.memory.after_append(self)
+            self.memory.after_append()
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.engine.tokenizer

@@ -16,6 +16,8 @@ from pydantic import Field
 from kvmemory.cache.plan import pad_selection
 from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, LayerSpan, MethodConfig, protected_mask, topk_per_head
 from kvmemory.compaction.solvers import fit_bias_and_values, gather_columns, nnls_box, pool_scores, reduce_attention
+from kvmemory.compaction.methods.counter_causal import surprise_scores
+from kvmemory.compaction.registry import register
 
 
 class AttentionMatchingConfig(MethodConfig):
@@ -44,15 +46,21 @@ class AttentionMatchingConfig(MethodConfig):
     )
 
 
+@register
 class AttentionMatching(CompactionMethod):
+    """Attention Matching (Zweiger et al., arXiv 2602.16284): select keys, then fit β and values so the
+    compacted span reproduces its attention output and mass on the reference queries."""
+
     name = "attention_matching"
     Config = AttentionMatchingConfig
+
+    @property
+    def needs_last_layer_inputs(self) -> bool:
+        return self.config.selector == "counter_causal" and self.config.counter_causal_fast
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         position_scores = None
         if self.config.selector == "counter_causal":
-            from kvmemory.compaction.methods.counter_causal import surprise_scores
-
             position_scores = surprise_scores(span, fast=self.config.counter_causal_fast)
         results = []
         for layer in span.layers:

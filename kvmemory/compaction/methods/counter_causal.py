@@ -7,7 +7,9 @@ id, z_i[x_i], says how predictable it is from the future. Low logit = surprising
 for all layers and heads.
 
 * full score: every layer, starting from the token's embedding;
-* fast score: only the last layer, from the stored input of that layer (``Session.record_last_layer_inputs``).
+* fast score: only the last layer, from the stored input of that layer (``Session.record_last_layer_inputs``,
+  switched on when a method that needs it is attached); a span with positions appended before that gets
+  the full score.
 Both skip the last layer's MLP (as the fast score does), so on a one-layer model they are identical.
 """
 
@@ -21,6 +23,7 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig, ModelAccess
 from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.registry import register
 
 ROW_CHUNK = 192
 
@@ -152,10 +155,9 @@ def own_token_logits(access: ModelAccess, positions: torch.Tensor, fast: bool) -
     positions = positions.to(device)
     token_ids = torch.tensor([access.tokens[p] for p in positions.tolist()], device=device)
     layers = base.layers
-    if fast:
-        if not access.last_layer_inputs or any(p not in access.last_layer_inputs for p in positions.tolist()):
-            raise ValueError("the fast counter-causal score needs session.record_last_layer_inputs() before the tokens are appended")
-        hidden = torch.stack([access.last_layer_inputs[p] for p in positions.tolist()]).to(device, next(model.parameters()).dtype)
+    stored = access.last_layer_inputs or {}
+    if fast and all(p in stored for p in positions.tolist()):
+        hidden = torch.stack([stored[p] for p in positions.tolist()]).to(device, next(model.parameters()).dtype)
         start = len(layers) - 1
     else:
         hidden = base.embed_tokens(token_ids)
@@ -189,10 +191,18 @@ def surprise_scores(span: CacheSpan, fast: bool) -> PositionScores:
     return PositionScores(positions.cpu(), scores)
 
 
+@register
 class CounterCausal(ScoreEviction):
+    """Counter-causal surprise (Gould & van den Hengel, arXiv 2607.27600): keep the tokens the later
+    context cannot predict, scored by re-reading each token with the opposite mask."""
+
     name = "counter_causal"
     Config = CounterCausalConfig
     uses_queries = False
+
+    @property
+    def needs_last_layer_inputs(self) -> bool:
+        return self.config.fast
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor):
         self._scores = surprise_scores(span, self.config.fast)

@@ -11,13 +11,17 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig, edge_mask
 from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.registry import register
 
 
 class H2OConfig(MethodConfig):
     recent_fraction: float = Field(0.5, ge=0.0, le=1.0, description="share of the budget for the recent window")
 
 
+@register
 class H2O(ScoreEviction):
+    """H2O (Zhang et al., NeurIPS 2023): keep the heavy hitters of accumulated attention plus a recent window."""
+
     name = "h2o"
     Config = H2OConfig
 

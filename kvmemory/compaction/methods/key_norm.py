@@ -10,13 +10,17 @@ import torch
 
 from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.registry import register
 
 
 class KeyNormConfig(MethodConfig):
     pass
 
 
+@register
 class KeyNorm(ScoreEviction):
+    """Key norm (Devoto et al., EMNLP 2024): keep the keys with the smallest L2 norm; needs no queries."""
+
     name = "key_norm"
     Config = KeyNormConfig
     uses_queries = False

@@ -7,13 +7,17 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.registry import register
 
 
 class RandomEvictionConfig(MethodConfig):
     seed: int = Field(0, description="random seed")
 
 
+@register
 class RandomEviction(ScoreEviction):
+    """Seeded random eviction: the floor every method must beat."""
+
     name = "random"
     Config = RandomEvictionConfig
     uses_queries = False

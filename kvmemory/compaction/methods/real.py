@@ -15,6 +15,7 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, MethodConfig
 from kvmemory.compaction.head_budgets import headkv_budgets
+from kvmemory.compaction.registry import get_method, register
 
 
 class REALConfig(MethodConfig):
@@ -27,16 +28,32 @@ class REALConfig(MethodConfig):
     scores: list[list[float]] | None = Field(None, description="(L, H) head scores given directly")
 
 
+@register
 class REAL(CompactionMethod):
+    """REAL (Li et al., ACL 2026): per-head budgets from offline head profiles (HeadKV allocation), then an
+    inner method selects within each head's budget: ``REAL(inner=SnapKV())`` or ``get_method("real",
+    inner="attention_matching")``."""
+
     name = "real"
     Config = REALConfig
 
-    def __init__(self, config: REALConfig | None = None, **params):
-        super().__init__(config, **params)
-        from kvmemory.compaction.registry import get_method
-
-        self.inner = get_method(self.config.inner, **self.config.inner_params)
+    def __init__(self, config: REALConfig | None = None, inner: CompactionMethod | str | None = None, **params):
+        if isinstance(inner, CompactionMethod):  # composed by instance: the config names it and its params
+            params.setdefault("inner_params", inner.config.model_dump())
+            super().__init__(config, inner=inner.name, **params)
+            self.inner = inner
+        else:
+            super().__init__(config, **({} if inner is None else {"inner": inner}), **params)
+            self.inner = get_method(self.config.inner, **self.config.inner_params)
         self._scores = torch.tensor(self.config.scores) if self.config.scores is not None else None
+
+    @property
+    def uses_queries(self) -> bool:
+        return self.inner.uses_queries
+
+    @property
+    def needs_last_layer_inputs(self) -> bool:
+        return self.inner.needs_last_layer_inputs
 
     def head_scores(self, span: CacheSpan) -> torch.Tensor:
         if self._scores is None:

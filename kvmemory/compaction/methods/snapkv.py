@@ -12,6 +12,7 @@ from pydantic import Field
 from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
 from kvmemory.compaction.solvers import pool_scores
+from kvmemory.compaction.registry import register
 
 
 class SnapKVConfig(MethodConfig):
@@ -24,7 +25,10 @@ def window_queries(layer: LayerSpan, span: CacheSpan, window: int) -> torch.Tens
     return layer.queries[:, -window * span.query_group_size :]
 
 
+@register
 class SnapKV(ScoreEviction):
+    """SnapKV (Li et al., NeurIPS 2024): observation-window attention, pooled, top-k per head."""
+
     name = "snapkv"
     Config = SnapKVConfig
 

@@ -10,13 +10,17 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.registry import register
 
 
 class StreamingLLMConfig(MethodConfig):
     sink_tokens: int = Field(4, ge=0, description="first slots of the span always kept")
 
 
+@register
 class StreamingLLM(ScoreEviction):
+    """StreamingLLM (Xiao et al., ICLR 2024): keep the attention sinks and the most recent slots."""
+
     name = "streaming_llm"
     Config = StreamingLLMConfig
     uses_queries = False

@@ -16,8 +16,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan, MethodConfig, protected_mask
+from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, LayerSpan, MethodConfig, protected_mask
 from kvmemory.compaction.methods.attention_matching import AttentionMatching, AttentionMatchingConfig
+from kvmemory.compaction.registry import register
 
 
 class TAMConfig(MethodConfig):
@@ -99,9 +100,20 @@ def allocate(budget: int, weights: torch.Tensor, lengths: torch.Tensor, a: float
     return out
 
 
-class TAM(AttentionMatching):
+@register
+class TAM(CompactionMethod):
+    """TAM (Liu et al., arXiv 2608.12331): Attention Matching whose key budget is spread over the span's
+    thought segments (t_i ∝ w_i^a · n_i^b), with pivotal tokens kept verbatim. The fit is done by an
+    ``AttentionMatching`` it composes: ``TAM(matching=AttentionMatching(value_fit="ls"))``."""
+
     name = "tam"
     Config = TAMConfig
+
+    def __init__(self, config: TAMConfig | None = None, matching: AttentionMatching | dict | None = None, **params):
+        if isinstance(matching, AttentionMatching):
+            matching = matching.config
+        super().__init__(config, **({} if matching is None else {"matching": matching}), **params)
+        self.matching = AttentionMatching(self.config.matching)
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         return [self._compact_layer(span, layer, budgets[layer.layer]) for layer in span.layers]
@@ -148,5 +160,4 @@ class TAM(AttentionMatching):
                     chosen[members[top]] = True
             keeps.append(torch.nonzero(chosen).flatten())
             pivotal_masks[h] = pivotal
-        matcher = AttentionMatching(cfg.matching)
-        return matcher.fit(layer, keeps, pivotal_masks)
+        return self.matching.fit(layer, keeps, pivotal_masks)

@@ -10,13 +10,17 @@ import torch
 
 from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.registry import register
 
 
 class TOVAConfig(MethodConfig):
     pass
 
 
+@register
 class TOVA(ScoreEviction):
+    """TOVA (Oren et al., 2024): keep what the last token's queries attend to most, one choice per layer."""
+
     name = "tova"
     Config = TOVAConfig
 

@@ -11,7 +11,7 @@ import math
 import re
 from collections import Counter
 
-from kvmemory.memory.segments import Segment
+from kvmemory.runtime.segments import Segment
 
 TERM = re.compile(r"[a-z0-9_]+")
 

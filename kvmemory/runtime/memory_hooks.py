@@ -1,0 +1,38 @@
+"""What a Session asks of the memory that manages it. ``kvmemory.memory.MemoryManager`` implements it;
+the runtime only knows this protocol, so it never imports the memory layer."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kvmemory.runtime.segments import Segment
+
+
+class SessionMemory(Protocol):
+    """Bound to one session by ``attach``; every hook then acts on that session."""
+
+    def attach(self, session) -> None:
+        """Bind to ``session`` (once) and switch on the recorders its compaction methods read."""
+
+    def slot_cap(self) -> int | None:
+        """The cap on physical slots (mean over layers), or None without one."""
+
+    def check_fits(self, n_new: int, new_segments: list[Segment]) -> None:
+        """Raise ``MemoryCapError`` before anything changes if ``n_new`` tokens cannot fit, even compacted."""
+
+    def chunk_size(self) -> int:
+        """Prefill chunk length to use under the cap."""
+
+    def make_room(self, n_new: int) -> None:
+        """Compact, if needed, so that ``n_new`` more tokens fit under the cap."""
+
+    def after_append(self) -> None:
+        """Called after every append or generated token: periodic compaction and telemetry."""
+
+    def state(self) -> Any:
+        """What ``restore`` needs to put the manager back (part of the session's snapshot)."""
+
+    def restore(self, state: Any) -> None: ...
+
+    def fork(self, session) -> "SessionMemory":
+        """A manager with the same policy and history, attached to ``session`` (a fork)."""
