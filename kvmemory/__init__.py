@@ -1,6 +1,31 @@
-"""kvmemory: KV-cache memory middleware for long-running agents on local models."""
+"""kvmemory: KV-cache memory middleware for long-running agents on local models.
+
+    from kvmemory import Engine, MemoryManager, default_policy
+    engine = Engine.from_pretrained("default")
+    session = engine.session(memory=MemoryManager(default_policy(max_slots=2048)))
+    session.append_text(long_tool_output, kind="tool_output")
+    session.compact("snapkv", ratio=4)  # or let the memory manager compact under its cap
+"""
 
 from kvmemory.cache import CompactCache, CompactionPlan, LayerPlan
+from kvmemory.compaction import (
+    H2O,
+    REAL,
+    TAM,
+    TOVA,
+    AttentionMatching,
+    CompactionMethod,
+    CompactionRecord,
+    CounterCausal,
+    KeyNorm,
+    MethodConfig,
+    RandomEviction,
+    SnapKV,
+    StreamingLLM,
+    available_methods,
+    get_method,
+    register,
+)
 from kvmemory.errors import (
     ContextLengthError,
     InvalidArgumentError,
@@ -16,11 +41,15 @@ from kvmemory.errors import (
     ToolCallParseError,
     UnsupportedArchitectureError,
 )
-from kvmemory.runtime import AsyncSession, Engine, GenerationResult, SamplingParams, Session, SessionStats
+from kvmemory.memory import CompactionRule, MemoryBudget, MemoryManager, MemoryPolicy, SegmentMatch, default_policy
+from kvmemory.runtime import AsyncSession, Engine, GenerationResult, SamplingParams, Segment, Session, SessionStats
 
 __all__ = [
-    "AsyncSession", "CompactCache", "CompactionPlan", "ContextLengthError", "Engine", "GenerationResult",
-    "InvalidArgumentError", "InvalidMessageError", "InvalidPlanError", "InvalidTokenError", "KVMemoryError", "LayerPlan", "MemoryCapError", "ModelLoadError",
-    "PolicyError", "SamplingParams", "Session", "SessionBusyError", "SessionClosedError", "SessionStats", "ToolCallParseError",
-    "UnsupportedArchitectureError",
+    "TAM", "TOVA", "AsyncSession", "AttentionMatching", "CompactCache", "CompactionMethod", "CompactionPlan",
+    "CompactionRecord", "CompactionRule", "ContextLengthError", "CounterCausal", "Engine", "GenerationResult", "H2O",
+    "InvalidArgumentError", "InvalidMessageError", "InvalidPlanError", "InvalidTokenError", "KVMemoryError", "KeyNorm",
+    "LayerPlan", "MemoryBudget", "MemoryCapError", "MemoryManager", "MemoryPolicy", "MethodConfig", "ModelLoadError",
+    "PolicyError", "REAL", "RandomEviction", "SamplingParams", "Segment", "SegmentMatch", "Session", "SessionBusyError",
+    "SessionClosedError", "SessionStats", "SnapKV", "StreamingLLM", "ToolCallParseError", "UnsupportedArchitectureError",
+    "available_methods", "default_policy", "get_method", "register",
 ]

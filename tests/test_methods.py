@@ -338,3 +338,60 @@ def test_one_plan_for_several_spans_equals_compacting_them_one_by_one(tiny_engin
         assert a.length == b.length and torch.equal(a.positions[:, : a.length], b.positions[:, : b.length])
         assert torch.allclose(a.values[:, :, : a.length], b.values[:, :, : b.length], atol=1e-5)
         assert torch.allclose(a.bias[:, :, : a.length], b.bias[:, :, : b.length], atol=1e-5)
+
+
+# ---- the public verb -----------------------------------------------------------------------------
+def cache_state(session):
+    return [(l.length, l.positions[:, : l.length].clone(), l.keys[:, :, : l.length].clone(),
+             l.values[:, :, : l.length].clone(), l.bias[:, :, : l.length].clone()) for l in session.cache.layers]
+
+
+def same_cache(a, b) -> bool:
+    return all(x[0] == y[0] and all(torch.equal(p, q) for p, q in zip(x[1:], y[1:])) for x, y in zip(a, b))
+
+
+def test_the_compact_verb_equals_compacting_the_span_by_hand(tiny_engine):
+    by_verb, by_hand = tiny_engine.session(), tiny_engine.session()
+    for session in (by_verb, by_hand):
+        session.append_tokens(random_tokens(200, seed=4))
+    record = by_verb.compact("attention_matching", slots=30, keep_last=16)
+    compact_span(by_hand, torch.arange(4, 184), get_method("attention_matching"), 30)
+    assert (record.method, record.tokens, record.slots_before, record.slots_after) == ("attention_matching", 180, 180, 30)
+    assert record.reconstruction_error is not None and same_cache(cache_state(by_verb), cache_state(by_hand))
+    assert by_verb.cache.physical_length == 4 + 30 + 16
+
+
+@pytest.mark.parametrize("name", ["random", "streaming_llm", "key_norm", "counter_causal", "snapkv", "tam"])
+def test_every_method_compacts_with_no_setup(tiny_engine, name):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(120, seed=5))
+    segment = session.append_tokens(random_tokens(60, seed=6))
+    record = session.compact(name, ratio=4, segments=[segment.id], keep_last=8)
+    assert record.segments == [segment.id] and record.slots_after == round(52 / 4)
+    assert session.segment_slots()[0] == 120  # the other segment is untouched
+
+
+def test_the_compact_verb_rejects_bad_input_before_changing_anything(tiny_engine):
+    from kvmemory import InvalidArgumentError
+    from kvmemory.compaction.methods import SnapKV
+
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(100, seed=7))
+    before = cache_state(session)
+    bad_calls = {
+        "exactly one of slots": dict(method="snapkv"),
+        "exactly one of slots ": dict(method="snapkv", slots=4, ratio=2),
+        "slots must be a positive integer": dict(method="snapkv", slots=0),
+        "ratio must be a number": dict(method="snapkv", ratio=0.5),
+        "unknown compaction method 'nope'": dict(method="nope", ratio=2),
+        "invalid parameters for compaction method 'snapkv'": dict(method="snapkv", ratio=2, window=0),
+        "given with a method instance": dict(method=SnapKV(), ratio=2, window=4),
+        "no segment 99": dict(method="snapkv", ratio=2, segments=[99]),
+        "positions outside": dict(method="snapkv", ratio=2, positions=[5, 100]),
+        "nothing to compact": dict(method="snapkv", ratio=2),  # 100 tokens, the last 256 are kept
+        "query_source must be among": dict(method="snapkv", ratio=2, keep_last=8, query_source="future"),
+    }
+    for message, kwargs in bad_calls.items():
+        with pytest.raises(InvalidArgumentError, match=message.strip()):
+            session.compact(**kwargs)
+    assert same_cache(cache_state(session), before) and session.compaction_log == []

@@ -3,6 +3,7 @@
 from kvmemory.runtime.async_session import AsyncSession
 from kvmemory.runtime.engine import Engine
 from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
+from kvmemory.runtime.segments import Segment
 from kvmemory.runtime.session import Session, SessionStats
 
-__all__ = ["AsyncSession", "Engine", "Generation", "GenerationResult", "SamplingParams", "Session", "SessionStats"]
+__all__ = ["AsyncSession", "Engine", "Generation", "GenerationResult", "SamplingParams", "Segment", "Session", "SessionStats"]

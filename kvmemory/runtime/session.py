@@ -725,7 +725,6 @@ class Session:
         ``query_source``: reference queries for methods that use them (see ``kvmemory.compaction.queries``).
         """
         method = self._method_of(method, params)
-        span = self._compaction_span(segments, positions, keep_first, keep_last)
         if (slots is None) == (ratio is None):
             raise InvalidArgumentError("give exactly one of slots (per KV head) or ratio (tokens per slot)")
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, Integral) or slots < 1):
@@ -735,6 +734,7 @@ class Session:
         sources = [query_source] if isinstance(query_source, str) else list(query_source)
         if not sources or any(src not in QUERY_SOURCES for src in sources):
             raise InvalidArgumentError(f"query_source must be among {', '.join(QUERY_SOURCES)}, got {query_source!r}")
+        span = self._compaction_span(segments, positions, keep_first, keep_last)
         budget = int(slots) if slots is not None else max(1, round(span.numel() / ratio))
         self._enable_recorders_for(method)
         measure = self.query_recorder is not None and self.query_recorder.recent[0] is not None
