@@ -36,7 +36,9 @@ def policy_with(method: str | None, cap: int, params: dict | None = None):
     policy = default_policy(max_slots=cap)
     if method is None:
         return policy
-    rules = [r if r.protected else r.model_copy(update={"method": method, "params": params or {}}) for r in policy.rules]
+    rules = [
+        r if r.protected else r.model_copy(update={"method": method, "params": params or {}}) for r in policy.rules
+    ]
     default = policy.default.model_copy(update={"method": method, "params": params or {}})
     return policy.model_copy(update={"rules": rules, "default": default})
 
@@ -62,12 +64,24 @@ def drop_oldest(session, messages, budget: int):
 def clear_old_tool_outputs(session, messages, budget: int, keep_last: int = 2):
     tool_idx = [i for i, m in enumerate(messages) if isinstance(m, ToolMessage)]
     old = set(tool_idx[:-keep_last])
-    cleared = [ToolMessage(PLACEHOLDER, tool_call_id=m.tool_call_id, name=m.name) if i in old else m for i, m in enumerate(messages)]
+    cleared = [
+        ToolMessage(PLACEHOLDER, tool_call_id=m.tool_call_id, name=m.name) if i in old else m
+        for i, m in enumerate(messages)
+    ]
     return drop_oldest(session, cleared, budget)
 
 
-def run(engine, label: str, cap: int, reply_tokens: int, memory=None, transform=None, steps=STEPS, answer_tokens: int = 32,
-        recall_tool: bool = False) -> list[dict]:
+def run(
+    engine,
+    label: str,
+    cap: int,
+    reply_tokens: int,
+    memory=None,
+    transform=None,
+    steps=STEPS,
+    answer_tokens: int = 32,
+    recall_tool: bool = False,
+) -> list[dict]:
     """Replay the session as ``label``; with ``recall_tool`` also ask the facts a second time, each after the agent
     re-reads the tool output that best matches the question (``Session.search`` + ``Session.recall``)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,22 +98,44 @@ def run(engine, label: str, cap: int, reply_tokens: int, memory=None, transform=
             return text
 
         def on_step(i, name, args, output, reply):
-            print(f"  [{label}] step {i + 1:2d} {name:<11} logical {len(session.tokens):6d}  slots {session.cache.physical_length:5d}", flush=True)
+            print(
+                f"  [{label}] step {i + 1:2d} {name:<11} logical {len(session.tokens):6d}  slots "
+                f"{session.cache.physical_length:5d}",
+                flush=True,
+            )
 
         start = time.perf_counter()
         messages = replay(workspace, respond, steps, on_step)
         seconds = time.perf_counter() - start
-        base = {"run": label, "tool_calls": len(steps), "history_tokens": rendered_length(session, messages),
-                "compactions": session.cache.compactions, "seconds": seconds, "answer_tokens": answer_tokens}
+        base = {
+            "run": label,
+            "tool_calls": len(steps),
+            "history_tokens": rendered_length(session, messages),
+            "compactions": session.cache.compactions,
+            "seconds": seconds,
+            "answer_tokens": answer_tokens,
+        }
         rows = []
         for recall_first in [False, True] if recall_tool else [False]:
             recall = ask_facts(engine, session, messages, transform, cap, answer_tokens, recall_first)
             peak_slots = max(peak[0], recall.pop("probe_peak_slots"), memory.peak_slots if memory is not None else 0)
-            rows.append({**base, "run": label + (" + recall tool" if recall_first else ""), "peak_slots": peak_slots,
-                         "peak_kv_bytes": peak_slots * engine.kv_bytes_per_token, **recall})
+            rows.append(
+                {
+                    **base,
+                    "run": label + (" + recall tool" if recall_first else ""),
+                    "peak_slots": peak_slots,
+                    "peak_kv_bytes": peak_slots * engine.kv_bytes_per_token,
+                    **recall,
+                }
+            )
         if memory is not None and label == "kvmemory-default":
-            plot_memory_map(memory.timeline, session.segments, RESULTS / "agent_session_memory_map.png", cap=cap,
-                            title=f"agent session under a {cap}-slot cap (default policy)")
+            plot_memory_map(
+                memory.timeline,
+                session.segments,
+                RESULTS / "agent_session_memory_map.png",
+                cap=cap,
+                title=f"agent session under a {cap}-slot cap (default policy)",
+            )
         session.close()
         return rows
 
@@ -129,26 +165,48 @@ def ask_facts(engine, session, messages, transform, cap, answer_tokens: int, rec
         answers[key] = text.strip()
         hits += answer.lower() in text.lower()
         probe.close()
-    return {"answer_logprob": sum(logps) / len(logps), "exact_match": hits / len(logps), "answers": answers,
-            "probe_peak_slots": peak}
+    return {
+        "answer_logprob": sum(logps) / len(logps),
+        "exact_match": hits / len(logps),
+        "answers": answers,
+        "probe_peak_slots": peak,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cap", type=int, default=2048)
     parser.add_argument("--reply-tokens", type=int, default=12)
-    parser.add_argument("--answer-tokens", type=int, default=32,
-                        help="greedy tokens per fact answer (the model answers in a sentence, the value comes late)")
+    parser.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=32,
+        help="greedy tokens per fact answer (the model answers in a sentence, the value comes late)",
+    )
     parser.add_argument("--steps", type=int, default=len(STEPS), help="replay only the first N tool calls")
-    parser.add_argument("--runs", nargs="+", default=["uncompacted", "kvmemory-default", "kvmemory-am-real", "kvmemory-snapkv",
-                                                       "text-drop-oldest", "text-clear-tool-outputs"])
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=[
+            "uncompacted",
+            "kvmemory-default",
+            "kvmemory-am-real",
+            "kvmemory-snapkv",
+            "text-drop-oldest",
+            "text-clear-tool-outputs",
+        ],
+    )
     args = parser.parse_args()
     base = Engine.from_pretrained("default")
     unbounded = Engine(base.model, base.tokenizer, name=base.name, max_context=base.position_limit)
     configs = {
         "uncompacted": (unbounded, None, None),
         "kvmemory-default": (base, lambda: MemoryManager(policy_with(None, args.cap)), None),
-        "kvmemory-am-real": (base, lambda: MemoryManager(policy_with("real", args.cap, {"inner": "attention_matching"})), None),
+        "kvmemory-am-real": (
+            base,
+            lambda: MemoryManager(policy_with("real", args.cap, {"inner": "attention_matching"})),
+            None,
+        ),
         "kvmemory-snapkv": (base, lambda: MemoryManager(policy_with("snapkv", args.cap)), None),
         "text-drop-oldest": (base, None, drop_oldest),
         "text-clear-tool-outputs": (base, None, clear_old_tool_outputs),
@@ -157,9 +215,20 @@ def main() -> None:
     for label in args.runs:
         engine, memory, transform = configs[label]
         print(f"run {label}", flush=True)
-        mine = run(engine, label, args.cap, args.reply_tokens, memory() if memory else None, transform, STEPS[: args.steps],
-                   args.answer_tokens, recall_tool=label == "kvmemory-default")
-        print(table(mine, ["run", "peak_slots", "peak_kv_bytes", "answer_logprob", "exact_match", "seconds"]), flush=True)
+        mine = run(
+            engine,
+            label,
+            args.cap,
+            args.reply_tokens,
+            memory() if memory else None,
+            transform,
+            STEPS[: args.steps],
+            args.answer_tokens,
+            recall_tool=label == "kvmemory-default",
+        )
+        print(
+            table(mine, ["run", "peak_slots", "peak_kv_bytes", "answer_logprob", "exact_match", "seconds"]), flush=True
+        )
         rows += mine
     previous = RESULTS / "agent_session.json"
     if set(args.runs) != set(configs) and previous.is_file():  # a partial rerun replaces only its own rows
@@ -167,6 +236,7 @@ def main() -> None:
 
         old = json.loads(previous.read_text())
         if old.get("cap") == args.cap and old.get("steps") == args.steps:
+
             def config_of(row):  # "kvmemory-default + recall tool" comes from the "kvmemory-default" run
                 return row["run"].split(" + ")[0]
 
@@ -178,9 +248,24 @@ def main() -> None:
             r["peak_kv_vs_uncompacted"] = r["peak_kv_bytes"] / full["peak_kv_bytes"]
             r["recall_vs_uncompacted"] = r["exact_match"] / full["exact_match"] if full["exact_match"] else None
     print()
-    print(table(rows, ["run", "history_tokens", "peak_slots", "peak_kv_bytes", "peak_kv_vs_uncompacted", "compactions",
-                       "answer_logprob", "exact_match", "seconds"]))
-    print(f"saved {save('agent_session', {'cap': args.cap, 'reply_tokens': args.reply_tokens, 'steps': args.steps, 'rows': rows})}")
+    print(
+        table(
+            rows,
+            [
+                "run",
+                "history_tokens",
+                "peak_slots",
+                "peak_kv_bytes",
+                "peak_kv_vs_uncompacted",
+                "compactions",
+                "answer_logprob",
+                "exact_match",
+                "seconds",
+            ],
+        )
+    )
+    result = {"cap": args.cap, "reply_tokens": args.reply_tokens, "steps": args.steps, "rows": rows}
+    print(f"saved {save('agent_session', result)}")
 
 
 if __name__ == "__main__":

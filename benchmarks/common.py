@@ -24,8 +24,11 @@ def median_time(fn, repeats: int = 3) -> float:
 
 def machine() -> dict:
     return {
-        "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(), "cuda": torch.cuda.is_available(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cuda": torch.cuda.is_available(),
     }
 
 

@@ -1,6 +1,6 @@
 """Profile the default model's KV heads for REAL and ship the profile with the package.
 
-    python -m benchmarks.profile_heads [--cases 8]
+python -m benchmarks.profile_heads [--cases 8]
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ def main() -> None:
     start = time.perf_counter()
     profile = profile_heads(engine, cases=args.cases, model_name=engine.name)
     path = profile.save(SHIPPED_DIR / f"{engine.name}.json")
-    print(f"{profile.correct}/{profile.cases} needle cases answered correctly; profiled in {time.perf_counter() - start:.1f} s")
+    print(
+        f"{profile.correct}/{profile.cases} needle cases answered correctly; profiled in "
+        f"{time.perf_counter() - start:.1f} s"
+    )
     print(f"saved {path}")
 
 

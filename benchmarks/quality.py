@@ -8,7 +8,8 @@ teacher-forced; each kind is measured on several disjoint windows of its text an
 logs; after compaction the question is appended and the answer's log-probability and greedy exact match
 are measured.
 
-    python -m benchmarks.quality [--context 2048] [--segments 2] [--ratios 4 10 20 50] [--kinds source logs prose reasoning]
+    python -m benchmarks.quality [--context 2048] [--segments 2] [--ratios 4 10 20 50]
+        [--kinds source logs prose reasoning]
 """
 
 from __future__ import annotations
@@ -50,8 +51,16 @@ METHODS = {  # label: (registry name, params, reference-query sources)
 }
 EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "key_norm", "random", "counter_causal", "real")
 PROBES = [
-    ("NOTICE deploy: the rollback token for cluster east is 8841.", "What is the rollback token for cluster east?", " 8841"),
-    ("NOTICE config: the staging database password is tulip-42.", "What is the staging database password?", " tulip-42"),
+    (
+        "NOTICE deploy: the rollback token for cluster east is 8841.",
+        "What is the rollback token for cluster east?",
+        " 8841",
+    ),
+    (
+        "NOTICE config: the staging database password is tulip-42.",
+        "What is the staging database password?",
+        " tulip-42",
+    ),
     ("NOTICE owner: the flaky test is owned by Ravi Okafor.", "Who owns the flaky test?", " Ravi Okafor"),
     ("NOTICE limits: the upload size limit is 37 megabytes.", "What is the upload size limit in megabytes?", " 37"),
 ]
@@ -70,8 +79,14 @@ def compact_context(base, n_context: int, label: str, ratio: float):
     name, params, source = METHODS[label]
     session = base.fork()
     slots = max(1, round(n_context / ratio) - SINKS - RECENT)
-    record = compact_span(session, torch.arange(SINKS, n_context - RECENT), get_method(name, **params), slots,
-                          query_source=source, measure_error=False)
+    record = compact_span(
+        session,
+        torch.arange(SINKS, n_context - RECENT),
+        get_method(name, **params),
+        slots,
+        query_source=source,
+        measure_error=False,
+    )
     return session, record
 
 
@@ -88,15 +103,38 @@ def quality(engine, kinds, n_context, ratios, labels, segments):
             context, continuation = window[:n_context], window[n_context:]
             base = prepared_session(engine, context)
             full_nll = float(-base.logprobs(continuation).mean())
-            rows.append({"kind": kind, "segment": segment, "method": "full", "ratio": 1.0, "nll": full_nll, "delta": 0.0, "ms": 0.0})
+            rows.append(
+                {
+                    "kind": kind,
+                    "segment": segment,
+                    "method": "full",
+                    "ratio": 1.0,
+                    "nll": full_nll,
+                    "delta": 0.0,
+                    "ms": 0.0,
+                }
+            )
             print(f"{kind} segment {segment}: full-cache NLL {full_nll:.4f}", flush=True)
             for ratio in ratios:
                 for label in labels:
                     session, record = compact_context(base, n_context, label, ratio)
                     nll = float(-session.logprobs(continuation).mean())
-                    rows.append({"kind": kind, "segment": segment, "method": label, "ratio": ratio, "nll": nll,
-                                 "delta": nll - full_nll, "ms": record.milliseconds})
-                    print(f"  {ratio:>4}x {label:<18} NLL {nll:.4f} (+{nll - full_nll:.4f})  {record.milliseconds:7.0f} ms", flush=True)
+                    rows.append(
+                        {
+                            "kind": kind,
+                            "segment": segment,
+                            "method": label,
+                            "ratio": ratio,
+                            "nll": nll,
+                            "delta": nll - full_nll,
+                            "ms": record.milliseconds,
+                        }
+                    )
+                    print(
+                        f"  {ratio:>4}x {label:<18} NLL {nll:.4f} (+{nll - full_nll:.4f})  "
+                        f"{record.milliseconds:7.0f} ms",
+                        flush=True,
+                    )
                     session.close()
             base.close()
     return rows
@@ -107,9 +145,16 @@ def mean_over_segments(rows):
     groups = {}
     for r in rows:
         groups.setdefault((r["kind"], r["method"], r["ratio"]), []).append(r)
-    return [{"kind": kind, "method": method, "ratio": ratio, "segments": len(g),
-             **{key: sum(r[key] for r in g) / len(g) for key in ("nll", "delta", "ms")}}
-            for (kind, method, ratio), g in groups.items()]
+    return [
+        {
+            "kind": kind,
+            "method": method,
+            "ratio": ratio,
+            "segments": len(g),
+            **{key: sum(r[key] for r in g) / len(g) for key in ("nll", "delta", "ms")},
+        }
+        for (kind, method, ratio), g in groups.items()
+    ]
 
 
 def retrieval(engine, n_context, ratios, labels):
@@ -119,7 +164,7 @@ def retrieval(engine, n_context, ratios, labels):
     base = prepared_session(engine, ids)
     rows = []
     for ratio in [1.0] + list(ratios):
-        for label in (["full"] if ratio == 1.0 else labels):
+        for label in ["full"] if ratio == 1.0 else labels:
             session = base.fork() if ratio == 1.0 else compact_context(base, n_context, label, ratio)[0]
             logp, hits = [], 0
             for _, question, answer in PROBES:
@@ -128,9 +173,19 @@ def retrieval(engine, n_context, ratios, labels):
                 logp.append(float(probe.logprobs(tok.encode(answer, add_special_tokens=False)).sum()))
                 hits += answer.strip() in probe.generate(max_new_tokens=8).text
                 probe.close()
-            rows.append({"method": label, "ratio": ratio, "answer_logprob": sum(logp) / len(logp),
-                         "exact_match": hits / len(PROBES)})
-            print(f"  retrieval {ratio:>4}x {label:<18} logp {rows[-1]['answer_logprob']:.3f}  EM {rows[-1]['exact_match']:.2f}", flush=True)
+            rows.append(
+                {
+                    "method": label,
+                    "ratio": ratio,
+                    "answer_logprob": sum(logp) / len(logp),
+                    "exact_match": hits / len(PROBES),
+                }
+            )
+            print(
+                f"  retrieval {ratio:>4}x {label:<18} logp {rows[-1]['answer_logprob']:.3f}  EM "
+                f"{rows[-1]['exact_match']:.2f}",
+                flush=True,
+            )
             session.close()
     return rows
 
@@ -188,7 +243,9 @@ def plot(rows, path):
             pts = sorted((r["ratio"], r["nll"]) for r in rows if r["kind"] == kind and r["method"] == label)
             if pts:
                 style = "-o" if label not in EVICTION else "--x"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, markersize=4, color=colors[i % 20])
+                ax.plot(
+                    [p[0] for p in pts], [p[1] for p in pts], style, label=label, markersize=4, color=colors[i % 20]
+                )
         ax.axhline(full, color="black", linewidth=1, label="full cache")
         ax.set_xscale("log")
         ax.set_xticks(sorted({r["ratio"] for r in rows if r["method"] != "full"}), minor=False)
@@ -207,7 +264,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--ratios", type=float, nargs="+", default=[4, 10, 20, 50])
-    parser.add_argument("--segments", type=int, default=2, help="disjoint context windows per text kind (results are means)")
+    parser.add_argument(
+        "--segments", type=int, default=2, help="disjoint context windows per text kind (results are means)"
+    )
     parser.add_argument("--kinds", nargs="+", default=list(TEXT_KINDS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--latency-sizes", type=int, nargs="+", default=[2048, 4096])
@@ -219,9 +278,16 @@ def main() -> None:
         return
     engine = Engine.from_pretrained("default")
     torch.manual_seed(0)
-    out = {"context": args.context, "segments": args.segments, "continuation": CONTINUATION, "sinks": SINKS, "recent": RECENT, "window": WINDOW,
-           "context_queries": CONTEXT_QUERIES,
-           "methods": {k: [v[0], v[1], v[2]] for k, v in METHODS.items()}}
+    out = {
+        "context": args.context,
+        "segments": args.segments,
+        "continuation": CONTINUATION,
+        "sinks": SINKS,
+        "recent": RECENT,
+        "window": WINDOW,
+        "context_queries": CONTEXT_QUERIES,
+        "methods": {k: [v[0], v[1], v[2]] for k, v in METHODS.items()},
+    }
     started = time.perf_counter()
     if "quality" not in args.skip:
         out["quality_segments"] = quality(engine, args.kinds, args.context, args.ratios, args.methods, args.segments)
@@ -232,7 +298,9 @@ def main() -> None:
         out["retrieval"] = retrieval(engine, args.context, [10, 20], args.methods)
         print(table(out["retrieval"], ["method", "ratio", "answer_logprob", "exact_match"]))
     if "latency" not in args.skip:
-        out["latency"] = latency(engine, args.latency_sizes, ["counter_causal", "am", "am_real_context", "tam", "snapkv", "h2o"])
+        out["latency"] = latency(
+            engine, args.latency_sizes, ["counter_causal", "am", "am_real_context", "tam", "snapkv", "h2o"]
+        )
         print(table(out["latency"], ["slots", "method", "ms"]))
     out["seconds"] = time.perf_counter() - started
     previous = RESULTS / "quality.json"

@@ -1,6 +1,6 @@
 """Print the README's "Measured" section as markdown from the JSON files in benchmarks/results/.
 
-    python -m benchmarks.report
+python -m benchmarks.report
 """
 
 from __future__ import annotations
@@ -22,26 +22,59 @@ def md(rows: list[list], header: list[str]) -> str:
 
 
 def speed_section(d: dict) -> str:
-    rows = [[r["context"], f"{r['plain_prefill_tok_s']:.0f}", f"{r['session_prefill_tok_s']:.0f}", f"{r['prefill_ratio']:.2f}",
-             f"{r['plain_decode_tok_s']:.1f}", f"{r['session_decode_tok_s']:.1f}", f"{r['decode_ratio']:.2f}"] for r in d["rows"]]
+    rows = [
+        [
+            r["context"],
+            f"{r['plain_prefill_tok_s']:.0f}",
+            f"{r['session_prefill_tok_s']:.0f}",
+            f"{r['prefill_ratio']:.2f}",
+            f"{r['plain_decode_tok_s']:.1f}",
+            f"{r['session_decode_tok_s']:.1f}",
+            f"{r['decode_ratio']:.2f}",
+        ]
+        for r in d["rows"]
+    ]
     c = d["compacted"]
     return (
-        f"**Speed** (`python -m benchmarks.speed`, medians of {d['repeats']} runs side by side, {d['decode_tokens']} decoded tokens):\n\n"
-        + md(rows, ["context", "plain prefill tok/s", "Session prefill tok/s", "ratio", "plain decode tok/s", "Session decode tok/s", "ratio"])
-        + f"\n\nAfter compacting {c['context']} tokens to {c['slots']} slots: decode {c['compacted_decode_tok_s']:.1f} tok/s vs "
-        f"{c['uncompacted_decode_tok_s']:.1f} uncompacted ({c['speedup']:.2f}×), KV {c['compacted_kv_bytes'] / 2**20:.1f} MiB vs "
+        f"**Speed** (`python -m benchmarks.speed`, medians of {d['repeats']} runs side by side, "
+        f"{d['decode_tokens']} decoded tokens):\n\n"
+        + md(
+            rows,
+            [
+                "context",
+                "plain prefill tok/s",
+                "Session prefill tok/s",
+                "ratio",
+                "plain decode tok/s",
+                "Session decode tok/s",
+                "ratio",
+            ],
+        )
+        + f"\n\nAfter compacting {c['context']} tokens to {c['slots']} slots: decode "
+        f"{c['compacted_decode_tok_s']:.1f} tok/s vs "
+        f"{c['uncompacted_decode_tok_s']:.1f} uncompacted ({c['speedup']:.2f}×), KV "
+        f"{c['compacted_kv_bytes'] / 2**20:.1f} MiB vs "
         f"{c['uncompacted_kv_bytes'] / 2**20:.1f} MiB."
     )
 
 
 def quality_section(d: dict) -> str:
-    windows = f"mean over {d['segments']} disjoint windows of each text" if d.get("segments", 1) > 1 else "one window per text"
-    out = [f"**Quality** (`python -m benchmarks.quality`): increase of the teacher-forced NLL of the {d['continuation']} tokens "
-           f"that follow a {d['context']}-token context ({windows}), after compacting the context to context/ratio slots per head "
-           f"(first {d['sinks']} and last {d['recent']} tokens verbatim for every method; reference queries: the last "
-           f"{d['window']} tokens; `*_context` add {d.get('context_queries', 256)} tokens' context-prefill queries, `am_repeat` "
-           f"repeat-prefill; `am_real*` is Attention Matching under REAL's profiled head budgets). "
-           f"Lower is better; the best per column in bold."]
+    windows = (
+        f"mean over {d['segments']} disjoint windows of each text"
+        if d.get("segments", 1) > 1
+        else "one window per text"
+    )
+    out = [
+        "**Quality** (`python -m benchmarks.quality`): increase of the teacher-forced NLL of the "
+        f"{d['continuation']} tokens "
+        f"that follow a {d['context']}-token context ({windows}), after compacting the context to "
+        "context/ratio slots per head "
+        f"(first {d['sinks']} and last {d['recent']} tokens verbatim for every method; reference queries: the last "
+        f"{d['window']} tokens; `*_context` add {d.get('context_queries', 256)} tokens' context-prefill "
+        "queries, `am_repeat` "
+        f"repeat-prefill; `am_real*` is Attention Matching under REAL's profiled head budgets). "
+        f"Lower is better; the best per column in bold."
+    ]
     rows = d["quality"]
     ratios = sorted({r["ratio"] for r in rows if r["method"] != "full"})
     for kind in sorted({r["kind"] for r in rows}):
@@ -49,38 +82,84 @@ def quality_section(d: dict) -> str:
         methods = [m for m in d["methods"] if any(r["method"] == m and r["kind"] == kind for r in rows)]
         table = {m: {r["ratio"]: r["delta"] for r in rows if r["kind"] == kind and r["method"] == m} for m in methods}
         best = {x: min(table[m][x] for m in methods) for x in ratios}
-        body = [[m] + [f"**{table[m][x]:.3f}**" if table[m][x] == best[x] else f"{table[m][x]:.3f}" for x in ratios] for m in methods]
+        body = [
+            [m] + [f"**{table[m][x]:.3f}**" if table[m][x] == best[x] else f"{table[m][x]:.3f}" for x in ratios]
+            for m in methods
+        ]
         out.append(f"\n*{kind}* (full-cache NLL {full:.3f})\n\n" + md(body, ["method"] + [f"{x:g}×" for x in ratios]))
     if "retrieval" in d:
         rr = d["retrieval"]
         full = next(r for r in rr if r["method"] == "full")
         ratios = sorted({r["ratio"] for r in rr if r["method"] != "full"})
-        body = [[m] + [f"{next(r['answer_logprob'] for r in rr if r['method'] == m and r['ratio'] == x):.2f}" for x in ratios]
-                for m in d["methods"] if any(r["method"] == m for r in rr)]
-        out.append(f"\n*Retrieval probes*: facts planted in {d['context']} tokens of pytest logs, question asked after compaction; "
-                   f"mean answer log-probability (full cache {full['answer_logprob']:.2f}; greedy exact match is "
-                   f"{full['exact_match']:.0%} even with the full cache on this 135M model).\n\n" + md(body, ["method"] + [f"{x:g}×" for x in ratios]))
+        body = [
+            [m]
+            + [f"{next(r['answer_logprob'] for r in rr if r['method'] == m and r['ratio'] == x):.2f}" for x in ratios]
+            for m in d["methods"]
+            if any(r["method"] == m for r in rr)
+        ]
+        out.append(
+            f"\n*Retrieval probes*: facts planted in {d['context']} tokens of pytest logs, question asked "
+            "after compaction; "
+            f"mean answer log-probability (full cache {full['answer_logprob']:.2f}; greedy exact match is "
+            f"{full['exact_match']:.0%} even with the full cache on this 135M model).\n\n"
+            + md(body, ["method"] + [f"{x:g}×" for x in ratios])
+        )
     if "latency" in d:
         lat = d["latency"]
         sizes = sorted({r["slots"] for r in lat})
         methods = list(dict.fromkeys(r["method"] for r in lat))
-        body = [[m] + [f"{next(r['ms'] for r in lat if r['method'] == m and r['slots'] == s):.0f}" for s in sizes] for m in methods]
-        out.append("\n*Latency*: milliseconds per compaction to 10× (median of 3); the score-only row times the fast "
-                   "counter-causal score alone (what the paper calls a refresh), without the eviction and cache rebuild\n\n" + md(body, ["method"] + [f"{s} slots" for s in sizes]))
+        body = [
+            [m] + [f"{next(r['ms'] for r in lat if r['method'] == m and r['slots'] == s):.0f}" for s in sizes]
+            for m in methods
+        ]
+        out.append(
+            "\n*Latency*: milliseconds per compaction to 10× (median of 3); the score-only row times the fast "
+            "counter-causal score alone (what the paper calls a refresh), without the eviction and cache rebuild\n\n"
+            + md(body, ["method"] + [f"{s} slots" for s in sizes])
+        )
     return "\n".join(out)
 
 
 def agent_section(d: dict) -> str:
-    rows = [[r["run"], r["history_tokens"], r["peak_slots"], f"{r['peak_kv_bytes'] / 2**20:.0f} MiB",
-             f"{r.get('peak_kv_vs_uncompacted', 1):.0%}", r["compactions"], f"{r['answer_logprob']:.2f}",
-             f"{r['exact_match']:.0%}", r["answer_tokens"], f"{r['seconds']:.0f}"] for r in d["rows"]]
-    return (f"**Agent session** (`python -m benchmarks.agent_session`): {d['steps']} real tool calls on the sample project, "
-            f"cap {d['cap']} slots, then five questions about facts read along the way, each asked in a fork of the "
-            f"finished session under the same cap. `+ recall tool`: the same replay, but before each question the agent "
-            f"re-reads the tool output whose transcript text best matches it (`Session.search`, BM25, then "
-            f"`Session.recall`). The text baselines trim what they send, so what they dropped is out of the model's view; "
-            f"a text agent that kept its whole message list could run the same search.\n\n"
-            + md(rows, ["run", "history tokens", "peak slots", "peak KV", "vs uncompacted", "compactions", "answer log-prob", "exact match", "answer tokens", "seconds"]))
+    rows = [
+        [
+            r["run"],
+            r["history_tokens"],
+            r["peak_slots"],
+            f"{r['peak_kv_bytes'] / 2**20:.0f} MiB",
+            f"{r.get('peak_kv_vs_uncompacted', 1):.0%}",
+            r["compactions"],
+            f"{r['answer_logprob']:.2f}",
+            f"{r['exact_match']:.0%}",
+            r["answer_tokens"],
+            f"{r['seconds']:.0f}",
+        ]
+        for r in d["rows"]
+    ]
+    return (
+        f"**Agent session** (`python -m benchmarks.agent_session`): {d['steps']} real tool calls on the "
+        "sample project, "
+        f"cap {d['cap']} slots, then five questions about facts read along the way, each asked in a fork of the "
+        f"finished session under the same cap. `+ recall tool`: the same replay, but before each question the agent "
+        f"re-reads the tool output whose transcript text best matches it (`Session.search`, BM25, then "
+        f"`Session.recall`). The text baselines trim what they send, so what they dropped is out of the model's view; "
+        f"a text agent that kept its whole message list could run the same search.\n\n"
+        + md(
+            rows,
+            [
+                "run",
+                "history tokens",
+                "peak slots",
+                "peak KV",
+                "vs uncompacted",
+                "compactions",
+                "answer log-prob",
+                "exact match",
+                "answer tokens",
+                "seconds",
+            ],
+        )
+    )
 
 
 def main() -> None:

@@ -25,10 +25,22 @@ from benchmarks.common import RESULTS, save, table
 from kvmemory import AsyncSession, Engine, KVMemoryError
 from kvmemory.memory import MemoryManager
 
-QUESTIONS = ["What does the failing test check?", "Which file defines the database port?", "Summarise the last output.",
-             "What should we try next?", "Is the ledger consistent?"]
-COMMANDS = ["pytest -q", "pytest -q tests/test_ledger.py", "ls -R", "cat README.md", "cat inventory/settings.py",
-            "grep -rn def inventory", "python -c \"import inventory; print(inventory.__file__)\""]
+QUESTIONS = [
+    "What does the failing test check?",
+    "Which file defines the database port?",
+    "Summarise the last output.",
+    "What should we try next?",
+    "Is the ledger consistent?",
+]
+COMMANDS = [
+    "pytest -q",
+    "pytest -q tests/test_ledger.py",
+    "ls -R",
+    "cat README.md",
+    "cat inventory/settings.py",
+    "grep -rn def inventory",
+    'python -c "import inventory; print(inventory.__file__)"',
+]
 
 
 def resident_bytes() -> int:
@@ -52,10 +64,18 @@ class Soak:
         command = self.rng.choice(COMMANDS)
         output = self.workspace.run_command(command)[:1500]
         self.tool_calls += 1
-        call = {"id": f"c{self.tool_calls}", "type": "function", "function": {"name": "run_command", "arguments": {"command": command}}}
-        self.session.append_messages([{"role": "assistant", "content": "", "tool_calls": [call]},
-                                      {"role": "tool", "content": output, "tool_call_id": f"c{self.tool_calls}"}],
-                                     add_generation_prompt=True)
+        call = {
+            "id": f"c{self.tool_calls}",
+            "type": "function",
+            "function": {"name": "run_command", "arguments": {"command": command}},
+        }
+        self.session.append_messages(
+            [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": output, "tool_call_id": f"c{self.tool_calls}"},
+            ],
+            add_generation_prompt=True,
+        )
         self.expected.append(output)
         self.reply()
 
@@ -66,12 +86,16 @@ class Soak:
         self.reply()
 
     def reply(self) -> None:
-        text = self.session.generate(max_new_tokens=self.rng.randint(4, 24), temperature=0.7, seed=self.rng.randint(0, 999)).text
+        text = self.session.generate(
+            max_new_tokens=self.rng.randint(4, 24), temperature=0.7, seed=self.rng.randint(0, 999)
+        ).text
         if text:
             self.expected.append(text)
 
     def abandoned_stream(self) -> None:
-        self.session.append_messages([{"role": "user", "content": self.rng.choice(QUESTIONS)}], add_generation_prompt=True)
+        self.session.append_messages(
+            [{"role": "user", "content": self.rng.choice(QUESTIONS)}], add_generation_prompt=True
+        )
         self.expected.append(self.session.messages[-1]["content"])
         pieces, keep = [], self.rng.randint(0, 6)
         for piece in self.session.stream(max_new_tokens=40):
@@ -82,7 +106,9 @@ class Soak:
             self.expected.append("".join(pieces))
 
     def cancelled_task(self) -> None:
-        self.session.append_messages([{"role": "user", "content": self.rng.choice(QUESTIONS)}], add_generation_prompt=True)
+        self.session.append_messages(
+            [{"role": "user", "content": self.rng.choice(QUESTIONS)}], add_generation_prompt=True
+        )
         self.expected.append(self.session.messages[-1]["content"])
         received: list[str] = []
         wanted = self.rng.randint(1, 5)
@@ -109,7 +135,9 @@ class Soak:
 
     def fork_turn(self) -> None:
         child = self.session.fork(with_memory=True)
-        child.append_messages([{"role": "user", "content": "(fork) " + self.rng.choice(QUESTIONS)}], add_generation_prompt=True)
+        child.append_messages(
+            [{"role": "user", "content": "(fork) " + self.rng.choice(QUESTIONS)}], add_generation_prompt=True
+        )
         child.generate(max_new_tokens=8)
         if child.cache.physical_length > self.cap:
             self.violations.append(f"fork passed the cap: {child.cache.physical_length}")
@@ -117,13 +145,15 @@ class Soak:
 
     def bad_call(self) -> None:
         before = self.fingerprint()
-        bad = self.rng.choice([
-            lambda: self.session.append_messages([{"role": "robot", "content": "x"}]),
-            lambda: self.session.append_tokens([self.engine.vocab_size + 5]),
-            lambda: self.session.generate(temperature=-1.0),
-            lambda: self.session.append_messages([{"role": "user", "content": "word " * 40_000}]),
-            lambda: self.session.recall(10**9),
-        ])
+        bad = self.rng.choice(
+            [
+                lambda: self.session.append_messages([{"role": "robot", "content": "x"}]),
+                lambda: self.session.append_tokens([self.engine.vocab_size + 5]),
+                lambda: self.session.generate(temperature=-1.0),
+                lambda: self.session.append_messages([{"role": "user", "content": "word " * 40_000}]),
+                lambda: self.session.recall(10**9),
+            ]
+        )
         try:
             bad()
             self.violations.append("a bad call was accepted")
@@ -135,8 +165,14 @@ class Soak:
     # ---- checks --------------------------------------------------------------------------------
     def fingerprint(self):
         s = self.session
-        return (list(s.tokens), [(g.id, g.start, g.end, g.text) for g in s.segments], s.messages,
-                [layer.length for layer in s.cache.layers], s.cache.compactions, s.memory.state())
+        return (
+            list(s.tokens),
+            [(g.id, g.start, g.end, g.text) for g in s.segments],
+            s.messages,
+            [layer.length for layer in s.cache.layers],
+            s.cache.compactions,
+            s.memory.state(),
+        )
 
     def check(self) -> None:
         s = self.session
@@ -164,16 +200,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--cap", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--method", default=None, help="switch every compacted rule of the default policy to this method")
+    parser.add_argument(
+        "--method", default=None, help="switch every compacted rule of the default policy to this method"
+    )
     args = parser.parse_args(argv)
 
     engine = Engine.from_pretrained("default")
     workspace = Workspace(create_sample_project(tempfile.mkdtemp(prefix="kvmemory-soak-")))
     soak = Soak(engine, args.cap, args.seed, workspace, args.method)
-    soak.session.append_messages([{"role": "system", "content": "You are a coding agent working on an inventory project."},
-                                  {"role": "user", "content": "Find out why the tests fail and fix it."}])
-    kinds = {"tool": soak.tool_turn, "user": soak.user_turn, "stream": soak.abandoned_stream,
-             "cancel": soak.cancelled_task, "fork": soak.fork_turn, "bad": soak.bad_call}
+    soak.session.append_messages(
+        [
+            {"role": "system", "content": "You are a coding agent working on an inventory project."},
+            {"role": "user", "content": "Find out why the tests fail and fix it."},
+        ]
+    )
+    kinds = {
+        "tool": soak.tool_turn,
+        "user": soak.user_turn,
+        "stream": soak.abandoned_stream,
+        "cancel": soak.cancelled_task,
+        "fork": soak.fork_turn,
+        "bad": soak.bad_call,
+    }
     weights = {"tool": 5, "user": 2, "stream": 1, "cancel": 1, "fork": 1, "bad": 1}
     timeline, counts, started = [], dict.fromkeys(kinds, 0), time.time()
     for turn in range(1, args.turns + 1):
@@ -185,32 +233,60 @@ def main(argv: list[str] | None = None) -> None:
         counts[kind] += 1
         soak.check()
         stats = soak.session.stats()
-        timeline.append({"turn": turn, "kind": kind, "logical_tokens": stats.logical_tokens,
-                         "slots": soak.session.cache.physical_length, "kv_bytes": stats.kv_bytes,
-                         "allocated_bytes": stats.allocated_bytes, "rss_bytes": resident_bytes(),
-                         "seconds": time.time() - started, "violations": len(soak.violations)})
+        timeline.append(
+            {
+                "turn": turn,
+                "kind": kind,
+                "logical_tokens": stats.logical_tokens,
+                "slots": soak.session.cache.physical_length,
+                "kv_bytes": stats.kv_bytes,
+                "allocated_bytes": stats.allocated_bytes,
+                "rss_bytes": resident_bytes(),
+                "seconds": time.time() - started,
+                "violations": len(soak.violations),
+            }
+        )
         if turn % 10 == 0 or turn == 1:
             row = timeline[-1]
-            print(f"turn {turn:4d}  tokens {row['logical_tokens']:7d}  slots {row['slots']:5d}  KV {row['kv_bytes'] / 2**20:6.1f} MiB"
-                  f"  RSS {row['rss_bytes'] / 2**20:7.1f} MiB  violations {row['violations']}  {row['seconds']:.0f} s", flush=True)
+            print(
+                f"turn {turn:4d}  tokens {row['logical_tokens']:7d}  slots {row['slots']:5d}  KV "
+                f"{row['kv_bytes'] / 2**20:6.1f} MiB"
+                f"  RSS {row['rss_bytes'] / 2**20:7.1f} MiB  violations {row['violations']}  {row['seconds']:.0f} s",
+                flush=True,
+            )
 
     warm = timeline[min(len(timeline) - 1, max(0, args.turns // 6))]
     cap_bytes = args.cap * engine.kv_bytes_per_token
     summary = {
-        "turns": args.turns, "cap_slots": args.cap, "method": args.method or "default policy", "cap_kv_bytes": cap_bytes, "turn_kinds": counts,
-        "logical_tokens": timeline[-1]["logical_tokens"], "compactions": soak.session.cache.compactions,
-        "max_slots": max(r["slots"] for r in timeline), "peak_slots": soak.session.memory.peak_slots,
+        "turns": args.turns,
+        "cap_slots": args.cap,
+        "method": args.method or "default policy",
+        "cap_kv_bytes": cap_bytes,
+        "turn_kinds": counts,
+        "logical_tokens": timeline[-1]["logical_tokens"],
+        "compactions": soak.session.cache.compactions,
+        "max_slots": max(r["slots"] for r in timeline),
+        "peak_slots": soak.session.memory.peak_slots,
         "max_kv_bytes": max(r["kv_bytes"] for r in timeline),
-        "rss_after_warmup_bytes": warm["rss_bytes"], "rss_end_bytes": timeline[-1]["rss_bytes"],
+        "rss_after_warmup_bytes": warm["rss_bytes"],
+        "rss_end_bytes": timeline[-1]["rss_bytes"],
         "rss_growth_after_warmup_bytes": timeline[-1]["rss_bytes"] - warm["rss_bytes"],
-        "violations": len(soak.violations), "violation_examples": soak.violations[:10],
+        "violations": len(soak.violations),
+        "violation_examples": soak.violations[:10],
         "seconds": timeline[-1]["seconds"],
     }
     print()
-    print(table([summary], ["turns", "logical_tokens", "compactions", "max_slots", "peak_slots", "cap_slots", "violations"]))
-    print(f"RSS after warm-up (turn {warm['turn']}) {warm['rss_bytes'] / 2**20:.1f} MiB, at the end "
-          f"{timeline[-1]['rss_bytes'] / 2**20:.1f} MiB (growth {summary['rss_growth_after_warmup_bytes'] / 2**20:+.1f} MiB; "
-          f"the cap's KV bytes are {cap_bytes / 2**20:.1f} MiB)")
+    print(
+        table(
+            [summary], ["turns", "logical_tokens", "compactions", "max_slots", "peak_slots", "cap_slots", "violations"]
+        )
+    )
+    print(
+        f"RSS after warm-up (turn {warm['turn']}) {warm['rss_bytes'] / 2**20:.1f} MiB, at the end "
+        f"{timeline[-1]['rss_bytes'] / 2**20:.1f} MiB (growth "
+        f"{summary['rss_growth_after_warmup_bytes'] / 2**20:+.1f} MiB; "
+        f"the cap's KV bytes are {cap_bytes / 2**20:.1f} MiB)"
+    )
     save("soak", {"summary": summary, "timeline": timeline})
     plot(timeline, args.cap, RESULTS / "soak.png")
 

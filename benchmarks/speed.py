@@ -20,8 +20,14 @@ from kvmemory import CompactionPlan, Engine, LayerPlan
 
 def plain_generate(model, ids, new_tokens):
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       past_key_values=DynamicCache(config=model.config), pad_token_id=0)
+        model.generate(
+            ids,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            past_key_values=DynamicCache(config=model.config),
+            pad_token_id=0,
+        )
 
 
 def evenly_spaced_plan(session, slots: int) -> CompactionPlan:
@@ -86,10 +92,13 @@ def main() -> None:
     t_full = median_time(lambda: decode(full), args.repeats)
     t_small = median_time(lambda: decode(small), args.repeats)
     compacted = {
-        "context": ctx, "slots": small.cache.physical_length,
-        "uncompacted_decode_tok_s": n_dec / t_full, "compacted_decode_tok_s": n_dec / t_small,
+        "context": ctx,
+        "slots": small.cache.physical_length,
+        "uncompacted_decode_tok_s": n_dec / t_full,
+        "compacted_decode_tok_s": n_dec / t_small,
         "speedup": t_full / t_small,
-        "uncompacted_kv_bytes": full.stats().kv_bytes, "compacted_kv_bytes": small.stats().kv_bytes,
+        "uncompacted_kv_bytes": full.stats().kv_bytes,
+        "compacted_kv_bytes": small.stats().kv_bytes,
     }
     print()
     print(table(rows, list(rows[0])))

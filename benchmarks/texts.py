@@ -20,9 +20,34 @@ from pathlib import Path
 from benchmarks.common import source_text
 
 PROSE_MODULES = (
-    "json", "re", "os", "pathlib", "argparse", "subprocess", "logging", "collections", "typing", "asyncio",
-    "functools", "itertools", "dataclasses", "contextlib", "unittest", "email", "http.client", "sqlite3",
-    "threading", "socket", "csv", "zipfile", "tarfile", "shutil", "tempfile", "textwrap", "string", "decimal",
+    "json",
+    "re",
+    "os",
+    "pathlib",
+    "argparse",
+    "subprocess",
+    "logging",
+    "collections",
+    "typing",
+    "asyncio",
+    "functools",
+    "itertools",
+    "dataclasses",
+    "contextlib",
+    "unittest",
+    "email",
+    "http.client",
+    "sqlite3",
+    "threading",
+    "socket",
+    "csv",
+    "zipfile",
+    "tarfile",
+    "shutil",
+    "tempfile",
+    "textwrap",
+    "string",
+    "decimal",
 )
 
 
@@ -33,7 +58,11 @@ def prose_text(min_chars: int) -> str:
     for name in PROSE_MODULES:
         mod = importlib.import_module(name)
         for obj in [mod] + [getattr(mod, a) for a in sorted(dir(mod)) if not a.startswith("_")][:40]:
-            doc = inspect.getdoc(obj) if inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isfunction(obj) else None
+            doc = (
+                inspect.getdoc(obj)
+                if inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isfunction(obj)
+                else None
+            )
             for paragraph in (doc or "").split("\n\n"):
                 key = " ".join(paragraph.split())
                 if len(key) > 80 and key not in seen:
@@ -45,7 +74,7 @@ def prose_text(min_chars: int) -> str:
     return "\n\n".join(parts)
 
 
-DIAGNOSTICS_TESTS = '''
+DIAGNOSTICS_TESTS = """
 import base64, configparser, csv, datetime, decimal, fractions, io, ipaddress, json, logging, pathlib, re
 import shlex, sqlite3, statistics, struct, subprocess, sys, tarfile, uuid, zipfile
 import pytest
@@ -186,21 +215,30 @@ def test_missing_attribute():
 
 def test_merge_type():
     assert sum([[1, 2], [3]], 0) == [1, 2, 3]
-'''
+"""
 
 
 def log_text(min_chars: int) -> str:
     """Genuine pytest output: a suite of varied failures through real standard-library code (JSON, dates,
     decimals, archives, SQL, subprocesses, assertion diffs, captured logging), with long tracebacks.
     Each run uses other flags, so the text reads like an agent's session rather than one log repeated."""
-    runs = [["-v", "--tb=long", "-rA", "--log-level=DEBUG"], ["-q", "--tb=short", "-rfE", "-p", "no:randomly"],
-            ["-vv", "--tb=native"], ["-v", "--tb=auto", "-l"]]
+    runs = [
+        ["-v", "--tb=long", "-rA", "--log-level=DEBUG"],
+        ["-q", "--tb=short", "-rfE", "-p", "no:randomly"],
+        ["-vv", "--tb=native"],
+        ["-v", "--tb=auto", "-l"],
+    ]
     parts, total = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "test_diagnostics.py").write_text(DIAGNOSTICS_TESTS)
         for args in runs:
-            out = subprocess.run([sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider", "test_diagnostics.py"],
-                                 cwd=tmp, capture_output=True, text=True, timeout=300).stdout
+            out = subprocess.run(
+                [sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider", "test_diagnostics.py"],
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            ).stdout
             out = out.replace(tmp, "/workspace")
             parts.append(f"$ python -m pytest {' '.join(args)} test_diagnostics.py\n{out}")
             total += len(out)
@@ -245,4 +283,3 @@ def plant_facts(text: str, facts: list[str], seed: int = 0) -> str:
     for offset, (depth, fact) in enumerate(zip(depths, facts)):
         lines.insert(int(depth * len(lines)) + offset, fact)
     return "\n".join(lines)
-

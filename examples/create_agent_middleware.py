@@ -1,6 +1,6 @@
 """``create_agent`` with KVMemoryMiddleware: per-tool policies from a mapping and from a decorator.
 
-    python -m examples.create_agent_middleware
+python -m examples.create_agent_middleware
 """
 
 from langchain.agents import create_agent
@@ -25,10 +25,15 @@ def read_settings() -> str:
 
 def main() -> None:
     chat = ChatKVMemory.from_pretrained("default", max_new_tokens=64)
-    agent = create_agent(chat, tools=[run_tests, read_settings],
-                         middleware=[KVMemoryMiddleware(tool_policies={"read_settings": {"ratio": 2}}, compact_every=2)])
-    result = agent.invoke({"messages": [HumanMessage("Run the tests, then tell me which test fails.")]},
-                          config={"configurable": {"thread_id": "middleware-example"}})
+    agent = create_agent(
+        chat,
+        tools=[run_tests, read_settings],
+        middleware=[KVMemoryMiddleware(tool_policies={"read_settings": {"ratio": 2}}, compact_every=2)],
+    )
+    result = agent.invoke(
+        {"messages": [HumanMessage("Run the tests, then tell me which test fails.")]},
+        config={"configurable": {"thread_id": "middleware-example"}},
+    )
     for msg in result["messages"]:
         print(f"{msg.type}: {msg.content or getattr(msg, 'tool_calls', '')}")
     print("rules:", [r.name for r in chat.policy.rules])

@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
     if engine is None:
         print("loading the default model (SmolLM2-135M-Instruct, offline) ...", flush=True)
         engine = Engine.from_pretrained("default")
-    chat = ChatKVMemory(engine=engine, max_new_tokens=args.reply_tokens, policy=default_policy(max_slots=args.cap, recent_tokens=192))
+    chat = ChatKVMemory(
+        engine=engine, max_new_tokens=args.reply_tokens, policy=default_policy(max_slots=args.cap, recent_tokens=192)
+    )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         workspace = Workspace(create_sample_project(tmp))
@@ -58,21 +60,31 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
             s = session.stats()
             print(f"[{i + 1:2d}] {name}({one_line(str(args_), 50)})  → {len(output):5d} chars of output")
             print(f"     model: {one_line(reply) or '(empty)'}")
-            print(f"     memory: {s.logical_tokens:6d} tokens in {max(s.physical_slots):5d} slots "
-                  f"({s.kv_bytes / 2**20:5.1f} MiB; uncompacted {s.uncompacted_kv_bytes / 2**20:5.1f} MiB), "
-                  f"{s.compactions} compactions", flush=True)
+            print(
+                f"     memory: {s.logical_tokens:6d} tokens in {max(s.physical_slots):5d} slots "
+                f"({s.kv_bytes / 2**20:5.1f} MiB; uncompacted {s.uncompacted_kv_bytes / 2**20:5.1f} MiB), "
+                f"{s.compactions} compactions",
+                flush=True,
+            )
 
         messages = replay(workspace, respond, STEPS[: args.steps], on_step)
         recall = recall_tool(chat)
         for with_recall in (False, True):
-            print("\nquestions about facts read earlier, " + (
-                "after recall(query=question) re-reads the matching tool output verbatim from the transcript:"
-                if with_recall else "answered from the compacted cache:"))
+            print(
+                "\nquestions about facts read earlier, "
+                + (
+                    "after recall(query=question) re-reads the matching tool output verbatim from the transcript:"
+                    if with_recall
+                    else "answered from the compacted cache:"
+                )
+            )
             for _, question, expected in fact_questions():
                 asked = messages + [HumanMessage(f"{question} Answer with the value only.")]
                 if with_recall:  # the recalled text goes just before the question, as Session.recall places it
                     recalled = recall.invoke({"query": question}, config=THREAD)
-                    asked.insert(-1, HumanMessage(f"[recalled tool output, verbatim]\n{recalled}\n[end of recalled tool output]"))
+                    asked.insert(
+                        -1, HumanMessage(f"[recalled tool output, verbatim]\n{recalled}\n[end of recalled tool output]")
+                    )
                 # same thread: only the new turns are prefilled; the next question replaces them (prefix diff)
                 answer = chat.invoke(asked, config=THREAD).content
                 mark = "✓" if expected.lower() in answer.lower() else "✗"
@@ -90,13 +102,20 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
         print(f"  {kind:<12} {tokens:6.0f} tokens → {slots:6.0f} slots  {bar}")
     path = plot_memory_map(manager.timeline, session.segments, Path(args.map), cap=args.cap, title="kvmemory demo")
     print(f"  (plot: {path})")
-    print(f"\npeak KV bytes: {peak / 2**20:.1f} MiB under the cap vs {stats.uncompacted_kv_bytes / 2**20:.1f} MiB "
-          f"for an uncompacted session of the same {stats.logical_tokens} tokens ({peak / stats.uncompacted_kv_bytes:.0%})")
-    print(f"final: {stats.logical_tokens} tokens, {max(stats.physical_slots)} slots, {stats.compactions} compactions, "
-          f"padding overhead {stats.padding_overhead:.1%}, {time.perf_counter() - started:.0f} s")
+    print(
+        f"\npeak KV bytes: {peak / 2**20:.1f} MiB under the cap vs {stats.uncompacted_kv_bytes / 2**20:.1f} MiB "
+        f"for an uncompacted session of the same {stats.logical_tokens} tokens "
+        f"({peak / stats.uncompacted_kv_bytes:.0%})"
+    )
+    print(
+        f"final: {stats.logical_tokens} tokens, {max(stats.physical_slots)} slots, {stats.compactions} compactions, "
+        f"padding overhead {stats.padding_overhead:.1%}, {time.perf_counter() - started:.0f} s"
+    )
     errors = [e["reconstruction_error"] for e in session.compaction_log if e["reconstruction_error"] is not None]
     if errors:
-        print(f"attention-output reconstruction error on reference queries: median {sorted(errors)[len(errors) // 2]:.3f}")
+        print(
+            f"attention-output reconstruction error on reference queries: median {sorted(errors)[len(errors) // 2]:.3f}"
+        )
 
 
 if __name__ == "__main__":

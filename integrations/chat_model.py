@@ -53,13 +53,23 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict]:
             calls = getattr(msg, "tool_calls", None) or []
             if calls:
                 item["tool_calls"] = [
-                    {"type": "function", "id": c.get("id"), "function": {"name": c["name"], "arguments": c.get("args", {})}}
+                    {
+                        "type": "function",
+                        "id": c.get("id"),
+                        "function": {"name": c["name"], "arguments": c.get("args", {})},
+                    }
                     for c in calls
                 ]
             out.append(item)
         elif msg.type == "tool":
-            out.append({"role": "tool", "content": _text(msg.content), "name": getattr(msg, "name", None),
-                        "tool_call_id": getattr(msg, "tool_call_id", None)})
+            out.append(
+                {
+                    "role": "tool",
+                    "content": _text(msg.content),
+                    "name": getattr(msg, "name", None),
+                    "tool_call_id": getattr(msg, "tool_call_id", None),
+                }
+            )
         else:
             raise ValueError(f"unsupported message type {msg.type!r}")
     return out
@@ -87,7 +97,7 @@ class ChatKVMemory(BaseChatModel):
     _guard: Any = PrivateAttr(default_factory=threading.Lock)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str = "default", **kwargs) -> "ChatKVMemory":
+    def from_pretrained(cls, name_or_path: str = "default", **kwargs) -> ChatKVMemory:
         return cls(engine=Engine.from_pretrained(name_or_path), **kwargs)
 
     @property
@@ -138,16 +148,24 @@ class ChatKVMemory(BaseChatModel):
 
     # The run config does not reach _generate/_stream; pass its thread id along as a keyword.
     def invoke(self, input, config: RunnableConfig | None = None, **kwargs):
-        return super().invoke(input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs))
+        return super().invoke(
+            input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs)
+        )
 
     async def ainvoke(self, input, config: RunnableConfig | None = None, **kwargs):
-        return await super().ainvoke(input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs))
+        return await super().ainvoke(
+            input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs)
+        )
 
     def stream(self, input, config: RunnableConfig | None = None, **kwargs):
-        return super().stream(input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs))
+        return super().stream(
+            input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs)
+        )
 
     def astream(self, input, config: RunnableConfig | None = None, **kwargs):
-        return super().astream(input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs))
+        return super().astream(
+            input, config, thread_id=self.current_thread_id(kwargs, config), **_without_thread(kwargs)
+        )
 
     def drop_thread(self, thread_id: str) -> None:
         with self._guard:
@@ -184,13 +202,19 @@ class ChatKVMemory(BaseChatModel):
     def _steps(self, session, stop, kwargs):
         return session.start_generation(
             max_new_tokens=kwargs.get("max_new_tokens", self.max_new_tokens),
-            temperature=kwargs.get("temperature", self.temperature), top_p=kwargs.get("top_p", self.top_p),
-            stop=stop, seed=kwargs.get("seed", self.seed),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            stop=stop,
+            seed=kwargs.get("seed", self.seed),
         )
 
     def _final_message(self, text: str, generated: int, prompt: int, cached: int, finish: str, chunk: bool):
-        usage = {"input_tokens": prompt, "output_tokens": generated, "total_tokens": prompt + generated,
-                 "input_token_details": {"cache_read": cached}}
+        usage = {
+            "input_tokens": prompt,
+            "output_tokens": generated,
+            "total_tokens": prompt + generated,
+            "input_token_details": {"cache_read": cached},
+        }
         meta = {"finish_reason": "tool_calls" if "<tool_call>" in text else finish, "model_name": self.engine.name}
         try:
             content, calls = parse_tool_calls(text)
@@ -198,17 +222,39 @@ class ChatKVMemory(BaseChatModel):
         except ToolCallParseError as err:
             body = TOOL_CALL_RE.search(text)
             content, calls = text, []
-            invalid = [{"type": "invalid_tool_call", "name": None, "args": body.group(1) if body else text,
-                        "id": None, "error": f"{err}. Answer again with <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>"}]
+            invalid = [
+                {
+                    "type": "invalid_tool_call",
+                    "name": None,
+                    "args": body.group(1) if body else text,
+                    "id": None,
+                    "error": f'{err}. Answer again with <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>',
+                }
+            ]
         if chunk:
-            chunks = [{"type": "tool_call_chunk", "name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i}
-                      for i, c in enumerate(calls)]
-            return AIMessageChunk(content="", tool_call_chunks=chunks, usage_metadata=usage, response_metadata=meta,
-                                  invalid_tool_calls=invalid, chunk_position="last")
-        return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid, usage_metadata=usage, response_metadata=meta)
+            chunks = [
+                {"type": "tool_call_chunk", "name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i}
+                for i, c in enumerate(calls)
+            ]
+            return AIMessageChunk(
+                content="",
+                tool_call_chunks=chunks,
+                usage_metadata=usage,
+                response_metadata=meta,
+                invalid_tool_calls=invalid,
+                chunk_position="last",
+            )
+        return AIMessage(
+            content=content, tool_calls=calls, invalid_tool_calls=invalid, usage_metadata=usage, response_metadata=meta
+        )
 
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         session, lock, dicts, tools = self._prepare(messages, kwargs)
         with lock:
             prompt, cached = self._prefill(session, dicts, tools)
@@ -216,11 +262,18 @@ class ChatKVMemory(BaseChatModel):
             for piece, result in self._steps(session, stop, kwargs):
                 if piece and run_manager is not None:
                     run_manager.on_llm_new_token(piece)
-        message = self._final_message(result.text, len(result.token_ids), prompt, cached, result.finish_reason, chunk=False)
+        message = self._final_message(
+            result.text, len(result.token_ids), prompt, cached, result.finish_reason, chunk=False
+        )
         return ChatResult(generations=[ChatGeneration(message=message)])
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         session, lock, dicts, tools = self._prepare(messages, kwargs)
         with lock:
             prompt, cached = self._prefill(session, dicts, tools)
@@ -233,25 +286,42 @@ class ChatKVMemory(BaseChatModel):
                     if run_manager is not None:
                         run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                     yield chunk
-        final = self._final_message(result.text, len(result.token_ids), prompt, cached, result.finish_reason, chunk=True)
+        final = self._final_message(
+            result.text, len(result.token_ids), prompt, cached, result.finish_reason, chunk=True
+        )
         if not final.tool_call_chunks and not final.invalid_tool_calls:
             content = parse_tool_calls(result.text)[0]
             if content.startswith(_visible_content(result.text)) and len(content) > shown:
                 final.content = content[shown:]
         yield ChatGenerationChunk(message=final)
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         chunks = [c async for c in self._astream(messages, stop, run_manager, **kwargs)]
         text = "".join(c.message.content for c in chunks if isinstance(c.message.content, str))
         last = chunks[-1].message
         calls = [{"name": c["name"], "args": json.loads(c["args"]), "id": c["id"]} for c in last.tool_call_chunks]
-        message = AIMessage(content=text, tool_calls=calls, invalid_tool_calls=last.invalid_tool_calls,
-                            usage_metadata=last.usage_metadata, response_metadata=last.response_metadata)
+        message = AIMessage(
+            content=text,
+            tool_calls=calls,
+            invalid_tool_calls=last.invalid_tool_calls,
+            usage_metadata=last.usage_metadata,
+            response_metadata=last.response_metadata,
+        )
         return ChatResult(generations=[ChatGeneration(message=message)])
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         kwargs.setdefault("thread_id", self.current_thread_id(kwargs))
         iterator = self._stream(messages, stop, None, **kwargs)
         done = object()

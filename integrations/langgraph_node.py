@@ -7,8 +7,6 @@ from typing import Annotated, Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.graph import MessagesState
 
-from kvmemory.memory import MemoryManager
-
 
 def _replace(_, new):
     return new
@@ -23,9 +21,12 @@ class KVMemoryState(MessagesState):
 def memory_stats(session) -> dict:
     stats = session.stats()
     return {
-        "logical_tokens": stats.logical_tokens, "physical_slots": max(stats.physical_slots, default=0),
-        "kv_bytes": stats.kv_bytes, "uncompacted_kv_bytes": stats.uncompacted_kv_bytes,
-        "compression": round(stats.compression, 3), "compactions": stats.compactions,
+        "logical_tokens": stats.logical_tokens,
+        "physical_slots": max(stats.physical_slots, default=0),
+        "kv_bytes": stats.kv_bytes,
+        "uncompacted_kv_bytes": stats.uncompacted_kv_bytes,
+        "compression": round(stats.compression, 3),
+        "compactions": stats.compactions,
         "last_compaction": session.compaction_log[-1] if session.compaction_log else None,
     }
 

@@ -8,8 +8,8 @@
                          middleware=[KVMemoryMiddleware(tool_policies={"read_file": {"ratio": 4}})])
 
 Rules are built from the agent's tools when a thread first calls the model and placed ahead of the chat
-model's policy rules in a new policy for that thread, so each tool's output is compacted its own way. After every model call the
-middleware writes the thread's memory stats into the agent state (key ``kvmemory``) and, with
+model's policy rules in a new policy for that thread, so each tool's output is compacted its own way.
+After every model call the middleware writes the thread's memory stats into the agent state (key ``kvmemory``) and, with
 ``compact_every``, compacts every N model calls on top of the policy's own triggers.
 """
 
@@ -44,9 +44,16 @@ class KVMemoryAgentState(AgentState):
 class KVMemoryMiddleware(AgentMiddleware):
     state_schema = KVMemoryAgentState
 
-    def __init__(self, tool_policies: dict[str, dict | CompactionRule] | None = None, compact_every: int | None = None, chat_model=None):
+    def __init__(
+        self,
+        tool_policies: dict[str, dict | CompactionRule] | None = None,
+        compact_every: int | None = None,
+        chat_model=None,
+    ):
         super().__init__()
-        self.tool_policies = {k: v if isinstance(v, CompactionRule) else CompactionRule(**v) for k, v in (tool_policies or {}).items()}
+        self.tool_policies = {
+            k: v if isinstance(v, CompactionRule) else CompactionRule(**v) for k, v in (tool_policies or {}).items()
+        }
         self.compact_every = compact_every
         self.chat_model = chat_model
         self._served: set[tuple[int, str]] = set()  # (chat model, thread) pairs given the tools' rules
@@ -63,7 +70,11 @@ class KVMemoryMiddleware(AgentMiddleware):
             if rule is None and getattr(tool, "metadata", None) and POLICY_KEY in tool.metadata:
                 rule = CompactionRule(**tool.metadata[POLICY_KEY])
             if rule is not None:
-                rules.append(rule.model_copy(update={"name": f"tool:{name}", "match": SegmentMatch(kind="tool_output", tool=name)}))
+                rules.append(
+                    rule.model_copy(
+                        update={"name": f"tool:{name}", "match": SegmentMatch(kind="tool_output", tool=name)}
+                    )
+                )
         return rules
 
     def _install(self, model, tools) -> None:

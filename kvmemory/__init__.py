@@ -1,10 +1,10 @@
 """kvmemory: KV-cache memory middleware for long-running agents on local models.
 
-    from kvmemory import Engine, MemoryManager, default_policy
-    engine = Engine.from_pretrained("default")
-    session = engine.session(memory=MemoryManager(default_policy(max_slots=2048)))
-    session.append_text(long_tool_output, kind="tool_output")
-    session.compact("snapkv", ratio=4)  # or let the memory manager compact under its cap
+from kvmemory import Engine, MemoryManager, default_policy
+engine = Engine.from_pretrained("default")
+session = engine.session(memory=MemoryManager(default_policy(max_slots=2048)))
+session.append_text(long_tool_output, kind="tool_output")
+session.compact("snapkv", ratio=4)  # or let the memory manager compact under its cap
 """
 
 from kvmemory.cache import CompactCache, CompactionPlan, LayerPlan
@@ -45,11 +45,49 @@ from kvmemory.memory import CompactionRule, MemoryBudget, MemoryManager, MemoryP
 from kvmemory.runtime import AsyncSession, Engine, GenerationResult, SamplingParams, Segment, Session, SessionStats
 
 __all__ = [
-    "TAM", "TOVA", "AsyncSession", "AttentionMatching", "CompactCache", "CompactionMethod", "CompactionPlan",
-    "CompactionRecord", "CompactionRule", "ContextLengthError", "CounterCausal", "Engine", "GenerationResult", "H2O",
-    "InvalidArgumentError", "InvalidMessageError", "InvalidPlanError", "InvalidTokenError", "KVMemoryError", "KeyNorm",
-    "LayerPlan", "MemoryBudget", "MemoryCapError", "MemoryManager", "MemoryPolicy", "MethodConfig", "ModelLoadError",
-    "PolicyError", "REAL", "RandomEviction", "SamplingParams", "Segment", "SegmentMatch", "Session", "SessionBusyError",
-    "SessionClosedError", "SessionStats", "SnapKV", "StreamingLLM", "ToolCallParseError", "UnsupportedArchitectureError",
-    "available_methods", "default_policy", "get_method", "register",
+    "TAM",
+    "TOVA",
+    "AsyncSession",
+    "AttentionMatching",
+    "CompactCache",
+    "CompactionMethod",
+    "CompactionPlan",
+    "CompactionRecord",
+    "CompactionRule",
+    "ContextLengthError",
+    "CounterCausal",
+    "Engine",
+    "GenerationResult",
+    "H2O",
+    "InvalidArgumentError",
+    "InvalidMessageError",
+    "InvalidPlanError",
+    "InvalidTokenError",
+    "KVMemoryError",
+    "KeyNorm",
+    "LayerPlan",
+    "MemoryBudget",
+    "MemoryCapError",
+    "MemoryManager",
+    "MemoryPolicy",
+    "MethodConfig",
+    "ModelLoadError",
+    "PolicyError",
+    "REAL",
+    "RandomEviction",
+    "SamplingParams",
+    "Segment",
+    "SegmentMatch",
+    "Session",
+    "SessionBusyError",
+    "SessionClosedError",
+    "SessionStats",
+    "SnapKV",
+    "StreamingLLM",
+    "ToolCallParseError",
+    "UnsupportedArchitectureError",
+    "available_methods",
+    "default_policy",
+    "get_method",
+    "register",
 ]

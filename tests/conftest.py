@@ -21,8 +21,13 @@ from transformers import (
 from kvmemory import Engine
 
 TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=1024,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
 )
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),

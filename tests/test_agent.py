@@ -34,26 +34,35 @@ def outside(tmp_path):
 
 
 def test_file_tools_refuse_paths_out_of_the_workspace(workspace):
-    for call in (lambda w: w.read_file("../outside.txt"), lambda w: w.read_file("/etc/passwd"),
-                 lambda w: w.write_file("../../evil.py", "x"), lambda w: w.list_files("/"), lambda w: w.grep("root", "/etc"),
-                 lambda w: w.run_command("rm -rf ."), lambda w: w.run_command("curl http://example.com")):
+    for call in (
+        lambda w: w.read_file("../outside.txt"),
+        lambda w: w.read_file("/etc/passwd"),
+        lambda w: w.write_file("../../evil.py", "x"),
+        lambda w: w.list_files("/"),
+        lambda w: w.grep("root", "/etc"),
+        lambda w: w.run_command("rm -rf ."),
+        lambda w: w.run_command("curl http://example.com"),
+    ):
         with pytest.raises(SandboxError):
             call(workspace)
 
 
-@pytest.mark.parametrize("command", [
-    "python -Ic \"print(open('{secret}').read())\"",
-    "cat {secret}",
-    "diff --from-file={secret} README.md",
-    "cat link/secret",
-    "cat secret_link",
-    "find . -name secret -exec cat {{}} ;",
-    "find -L . -name secret -exec cat {{}} ;",
-    "grep -r TOPSECRET .",
-    "grep -R TOPSECRET .",
-    "head -c 100 /etc/shadow",
-    "python -c \"import os; print(os.listdir('/root'), os.listdir('/work'))\"",
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        "python -Ic \"print(open('{secret}').read())\"",
+        "cat {secret}",
+        "diff --from-file={secret} README.md",
+        "cat link/secret",
+        "cat secret_link",
+        "find . -name secret -exec cat {{}} ;",
+        "find -L . -name secret -exec cat {{}} ;",
+        "grep -r TOPSECRET .",
+        "grep -R TOPSECRET .",
+        "head -c 100 /etc/shadow",
+        "python -c \"import os; print(os.listdir('/root'), os.listdir('/work'))\"",
+    ],
+)
 def test_commands_cannot_read_outside_the_workspace(workspace, outside, command):
     os.symlink(outside, workspace.root / "link")
     os.symlink(outside / "secret", workspace.root / "secret_link")
@@ -77,7 +86,10 @@ def test_commands_have_no_network(workspace):
     server.listen(1)
     port = server.getsockname()[1]
     try:
-        out = workspace.run_command(f"python -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('CONN' + 'ECTED')\"")
+        out = workspace.run_command(
+            f"python -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); "
+            "print('CONN' + 'ECTED')\""
+        )
     finally:
         server.close()
     assert "CONNECTED" not in out and "exit code 1" in out
@@ -98,9 +110,10 @@ def test_time_out_kills_every_process_the_command_started(tmp_path):
     ws = Workspace(create_sample_project(tmp_path / "p"), command_timeout=1, max_output_chars=300)
     (ws.root / "spawn.py").write_text(
         "import subprocess, sys, time\n"
-        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(2); open(\"late.txt\", \"w\").write(\"x\")'],"
+        'subprocess.Popen([sys.executable, \'-c\', \'import time; time.sleep(2); open("late.txt", "w").write("x")\'],'
         " start_new_session=True)\n"
-        "time.sleep(30)\n")
+        "time.sleep(30)\n"
+    )
     assert "timed out" in ws.run_command("python spawn.py")
     time.sleep(3)
     assert not (ws.root / "late.txt").exists()
@@ -137,8 +150,14 @@ def test_tools_do_real_work(workspace):
     assert "inventory/models.py" in workspace.list_files()
     assert "DATABASE_PORT = 5433" in workspace.read_file("inventory/settings.py")
     assert "models.py" in workspace.grep("def restock")
-    assert "1 failed" in workspace.run_command("pytest -q tests/test_ledger.py::test_restock") or "failed" in workspace.run_command("pytest -q")
-    workspace.patch_file("inventory/models.py", "item.quantity = amount  # BUG: should add to the existing quantity", "item.quantity += amount")
+    assert "1 failed" in workspace.run_command(
+        "pytest -q tests/test_ledger.py::test_restock"
+    ) or "failed" in workspace.run_command("pytest -q")
+    workspace.patch_file(
+        "inventory/models.py",
+        "item.quantity = amount  # BUG: should add to the existing quantity",
+        "item.quantity += amount",
+    )
     assert "[exit code 0]" in workspace.run_command("pytest -q")
     with pytest.raises(SandboxError, match="exactly one occurrence"):
         workspace.patch_file("inventory/models.py", "no such text", "x")
@@ -158,9 +177,13 @@ def test_scripted_session_runs_real_tools(workspace):
 def test_recall_tool_and_agent_graph(default_engine, workspace):
     chat = ChatKVMemory(engine=default_engine, max_new_tokens=8, policy=default_policy(max_slots=4096))
     session = chat.session_for("recall")
-    session.set_messages([{"role": "user", "content": "read it"},
-                          {"role": "tool", "name": "read_file", "content": workspace.read_file("inventory/settings.py")},
-                          {"role": "tool", "name": "read_file", "content": workspace.read_file("README.md")}])
+    session.set_messages(
+        [
+            {"role": "user", "content": "read it"},
+            {"role": "tool", "name": "read_file", "content": workspace.read_file("inventory/settings.py")},
+            {"role": "tool", "name": "read_file", "content": workspace.read_file("README.md")},
+        ]
+    )
     tool, config = recall_tool(chat), {"configurable": {"thread_id": "recall"}}
     assert "DATABASE_PORT = 5433" in tool.invoke({"n": 1}, config=config)
     assert "pick n between" in tool.invoke({"n": 5}, config=config)
@@ -169,14 +192,32 @@ def test_recall_tool_and_agent_graph(default_engine, workspace):
     assert "no tool output mentions" in tool.invoke({"query": "zebra"}, config=config)
     assert "give n" in tool.invoke({}, config=config)
     agent = build_coding_agent(chat, workspace)
-    out = agent.invoke({"messages": [HumanMessage("List the files.")]}, config={"configurable": {"thread_id": "agent"}, "recursion_limit": 6})
-    assert out["messages"][-1].type in ("ai", "tool")
+    out = agent.invoke(
+        {"messages": [HumanMessage("List the files.")]},
+        config={"configurable": {"thread_id": "agent"}, "recursion_limit": 6},
+    )
+    messages = out["messages"]
+    assert messages[0].content == "List the files." and isinstance(messages[-1], AIMessage)
+    for i, message in enumerate(messages):  # every tool result answers a call of the AI message before it
+        if isinstance(message, ToolMessage):
+            calls = next(m for m in reversed(messages[:i]) if isinstance(m, AIMessage)).tool_calls
+            assert message.tool_call_id in {c["id"] for c in calls}
+    held = chat.session_for("agent").messages
+    assert any(m["role"] == "user" and m["content"] == "List the files." for m in held)
+    assert held[-1]["role"] == "assistant" and messages[-1].content.strip() in held[-1]["content"]
 
 
 def test_demo_runs_end_to_end(default_engine, tmp_path, capsys):
     from examples.demo import main
 
-    main(["--steps", "3", "--cap", "512", "--reply-tokens", "4", "--map", str(tmp_path / "map.png")], engine=default_engine)
+    main(
+        ["--steps", "3", "--cap", "512", "--reply-tokens", "4", "--map", str(tmp_path / "map.png")],
+        engine=default_engine,
+    )
     printed = capsys.readouterr().out
-    assert "peak KV bytes" in printed and "answered from the compacted cache" in printed and "after recall(query=question)" in printed
+    assert (
+        "peak KV bytes" in printed
+        and "answered from the compacted cache" in printed
+        and "after recall(query=question)" in printed
+    )
     assert (tmp_path / "map.png").stat().st_size > 5000

@@ -32,19 +32,30 @@ from kvmemory.memory import MemoryManager, MemoryPolicy
 from tests.conftest import load_default_engine, random_tokens, tiny_model
 
 
-
 def state_of(session) -> dict:
     """Everything a failed call must leave as it was, with the cache's live slots copied."""
     layers = []
     for layer in session.cache.layers:
         n = layer.length
-        layers.append(None if layer.keys is None else (
-            n, layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone(), layer.bias[:, :, :n].clone(),
-            layer.positions[:, :n].clone(), layer.rope[:, :n].clone(), layer.segments[:, :n].clone()))
+        layers.append(
+            None
+            if layer.keys is None
+            else (
+                n,
+                layer.keys[:, :, :n].clone(),
+                layer.values[:, :, :n].clone(),
+                layer.bias[:, :, :n].clone(),
+                layer.positions[:, :n].clone(),
+                layer.rope[:, :n].clone(),
+                layer.segments[:, :n].clone(),
+            )
+        )
     return {
-        "tokens": list(session.tokens), "pending": list(session._pending),
+        "tokens": list(session.tokens),
+        "pending": list(session._pending),
         "segments": [(s.id, s.kind, s.start, s.end, s.text, s.message_index, s.compactions) for s in session.segments],
-        "messages": session.messages, "layers": layers,
+        "messages": session.messages,
+        "layers": layers,
         "counters": (session.cache.logical_length, session.cache.rope_length, session.cache.compactions),
         "log": len(session.compaction_log),
         "memory": session.memory.state() if session.memory is not None else None,
@@ -79,8 +90,14 @@ def uneven_plan(session, seed: int = 0) -> CompactionPlan:
             count = max(1, int(len(middle) * (0.2 + 0.7 * ((li * 7 + h * 3) % 5) / 4)))
             chosen = middle[torch.randperm(len(middle), generator=g)[:count]].sort().values
             keeps.append(torch.cat([torch.arange(4), chosen, torch.arange(n - 8, n)]))
-        layers.append(LayerPlan(keep=keeps, bias=torch.nn.utils.rnn.pad_sequence(
-            [torch.rand(len(k), generator=g) - 0.5 for k in keeps], batch_first=True)))
+        layers.append(
+            LayerPlan(
+                keep=keeps,
+                bias=torch.nn.utils.rnn.pad_sequence(
+                    [torch.rand(len(k), generator=g) - 0.5 for k in keeps], batch_first=True
+                ),
+            )
+        )
     return CompactionPlan(layers, method="uneven")
 
 
@@ -102,8 +119,17 @@ def test_scratch_and_failed_appends_leave_uneven_layers_bit_identical():
     with pytest.raises(InvalidTokenError):
         session.append_tokens(random_tokens(5, seed=4) + [10**6])
     with pytest.raises(InvalidPlanError):
-        session.apply_plan(CompactionPlan([LayerPlan(keep=torch.zeros(l.num_heads, 1, dtype=torch.long), bias=torch.full(
-            (l.num_heads, 1), float("inf"))) for l in session.cache.layers]))
+        session.apply_plan(
+            CompactionPlan(
+                [
+                    LayerPlan(
+                        keep=torch.zeros(lay.num_heads, 1, dtype=torch.long),
+                        bias=torch.full((lay.num_heads, 1), float("inf")),
+                    )
+                    for lay in session.cache.layers
+                ]
+            )
+        )
     assert_same_state(before, state_of(session))
 
 
@@ -169,7 +195,10 @@ def test_every_append_path_checks_length_and_cap_first(default_engine):
         s.append_messages([{"role": "user", "content": "word " * 8300}])
     assert_same_state(before, state_of(s))
 
-    policy = {"rules": [{"match": {"role": "user"}, "protected": True}], "budget": {"max_slots": 64, "recent_tokens": 8}}
+    policy = {
+        "rules": [{"match": {"role": "user"}, "protected": True}],
+        "budget": {"max_slots": 64, "recent_tokens": 8},
+    }
     s = default_engine.session(memory=MemoryManager(policy))
     s.append_messages([{"role": "user", "content": "Hi."}], add_generation_prompt=True)
     s.generate(max_new_tokens=4)
@@ -191,10 +220,17 @@ def test_stop_strings_keep_only_the_text_returned(default_engine):
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("bad, error", [
-    (dict(temperature=-1), "temperature"), (dict(top_k=-5), "top_k"), (dict(top_p=1.5), "top_p"),
-    (dict(temperature=float("nan")), "temperature"), (dict(stop=[""]), "stop"), (dict(max_new_tokens=1.5), "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_k=-5), "top_k"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(stop=[""]), "stop"),
+        (dict(max_new_tokens=1.5), "max_new_tokens"),
+    ],
+)
 def test_bad_sampling_parameters_are_named(default_engine, bad, error):
     s = default_engine.session()
     s.append_text("Hello")
@@ -205,10 +241,15 @@ def test_bad_sampling_parameters_are_named(default_engine, bad, error):
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("message, error", [
-    ({"role": "robot", "content": "x"}, "role"), ({"role": "tool", "content": "x"}, "names no tool"),
-    ({"role": "user", "content": ["x"]}, "string"), ("hello", "not a dict"),
-])
+@pytest.mark.parametrize(
+    "message, error",
+    [
+        ({"role": "robot", "content": "x"}, "role"),
+        ({"role": "tool", "content": "x"}, "names no tool"),
+        ({"role": "user", "content": ["x"]}, "string"),
+        ("hello", "not a dict"),
+    ],
+)
 def test_bad_messages_are_named(default_engine, message, error):
     s = default_engine.session()
     with pytest.raises(InvalidMessageError, match=error):
@@ -225,8 +266,13 @@ def test_bad_token_ids_are_named(tiny_engine, tokens):
 def test_a_tool_message_takes_its_name_from_the_tool_call(default_engine):
     s = default_engine.session()
     call = {"id": "c1", "function": {"name": "run_tests", "arguments": {}}}
-    s.append_messages([{"role": "user", "content": "Run the tests."}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                       {"role": "tool", "content": "2 passed", "tool_call_id": "c1"}])
+    s.append_messages(
+        [
+            {"role": "user", "content": "Run the tests."},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "2 passed", "tool_call_id": "c1"},
+        ]
+    )
     assert s.segments[-1].tool_name == "run_tests"
 
 
@@ -285,7 +331,9 @@ def test_threads_are_serialised_and_an_open_stream_refuses_other_calls(tiny_engi
     session = tiny_engine.session()
     session.append_tokens(random_tokens(20, seed=10))
     results = []
-    threads = [threading.Thread(target=lambda: results.append(session.generate(max_new_tokens=6).token_ids)) for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(session.generate(max_new_tokens=6).token_ids)) for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -329,8 +377,14 @@ def test_a_closed_session_refuses_calls(tiny_engine):
 
 # ---- the stateful property-based test ------------------------------------------------------------------
 
-SENTENCES = ["The database port is 5433.", "Tests: 3 passed, 1 failed in test_restock.", "def f(x):\n    return x * 2",
-             "Traceback (most recent call last): KeyError: 'sku'", "The codename is blue-heron.", "ok"]
+SENTENCES = [
+    "The database port is 5433.",
+    "Tests: 3 passed, 1 failed in test_restock.",
+    "def f(x):\n    return x * 2",
+    "Traceback (most recent call last): KeyError: 'sku'",
+    "The codename is blue-heron.",
+    "ok",
+]
 TOOLS = ["run_tests", "read_file", "grep"]
 
 
@@ -350,13 +404,22 @@ def contract_policy(engine: Engine) -> MemoryPolicy:
     """A small cap with uneven per-layer and per-head budgets (REAL) on tool outputs, uniform elsewhere."""
     shape = (engine.num_layers, engine.num_kv_heads)
     scores = (torch.arange(shape[0] * shape[1]).reshape(shape).float() % 5 + 0.5).tolist()
-    return MemoryPolicy.from_dict({
-        "rules": [{"name": "system", "match": {"kind": "system"}, "protected": True},
-                  {"name": "tools", "match": {"kind": "tool_output"}, "method": "real", "ratio": 3,
-                   "params": {"scores": scores}}],
-        "default": {"method": "snapkv", "ratio": 2},
-        "budget": {"max_slots": CAP, "recent_tokens": 16, "sink_tokens": 4},
-    })
+    return MemoryPolicy.from_dict(
+        {
+            "rules": [
+                {"name": "system", "match": {"kind": "system"}, "protected": True},
+                {
+                    "name": "tools",
+                    "match": {"kind": "tool_output"},
+                    "method": "real",
+                    "ratio": 3,
+                    "params": {"scores": scores},
+                },
+            ],
+            "default": {"method": "snapkv", "ratio": 2},
+            "budget": {"max_slots": CAP, "recent_tokens": 16, "sink_tokens": 4},
+        }
+    )
 
 
 class SessionContract(RuleBasedStateMachine):
@@ -377,10 +440,10 @@ class SessionContract(RuleBasedStateMachine):
     # -- helpers
     def attempt(self, call, *errors):
         """Run a call that may fail; if it fails, nothing may have changed."""
-        before = state_of(self.s)
+        before, expected = state_of(self.s), errors or (KVMemoryError,)
         try:
             return call(), True
-        except errors or KVMemoryError:
+        except expected:
             assert_same_state(before, state_of(self.s))
             return None, False
 
@@ -397,8 +460,13 @@ class SessionContract(RuleBasedStateMachine):
                 self.expected.append(text)
 
     @precondition(lambda self: not self.closed)
-    @rule(ids=st.one_of(st.lists(st.integers(0, 49151), min_size=1, max_size=12),
-                        st.lists(st.integers(-5, 60000), min_size=0, max_size=4), st.just([1.5])))
+    @rule(
+        ids=st.one_of(
+            st.lists(st.integers(0, 49151), min_size=1, max_size=12),
+            st.lists(st.integers(-5, 60000), min_size=0, max_size=4),
+            st.just([1.5]),
+        )
+    )
     def append_tokens(self, ids):
         if len(self.s.tokens) + len(ids) < self.engine.max_context - 100:
             _, ok = self.attempt(lambda: self.s.append_tokens(ids))
@@ -406,8 +474,13 @@ class SessionContract(RuleBasedStateMachine):
                 self.expected.append(self.engine.tokenizer.decode(ids))
 
     @precondition(lambda self: not self.closed)
-    @rule(role=st.sampled_from(["user", "tool", "robot", "system"]), text=st.sampled_from(SENTENCES),
-          tool=st.sampled_from(TOOLS + [None]), prompt=st.booleans(), via_set=st.booleans())
+    @rule(
+        role=st.sampled_from(["user", "tool", "robot", "system"]),
+        text=st.sampled_from(SENTENCES),
+        tool=st.sampled_from(TOOLS + [None]),
+        prompt=st.booleans(),
+        via_set=st.booleans(),
+    )
     def append_message(self, role, text, tool, prompt, via_set):
         if not self.fits(text):
             return
@@ -422,7 +495,11 @@ class SessionContract(RuleBasedStateMachine):
 
     # -- generation
     @precondition(lambda self: not self.closed)
-    @rule(n=st.integers(1, 5), stop=st.sampled_from([None, "e", ".", [""], -1]), temperature=st.sampled_from([0.0, 0.8, -1.0]))
+    @rule(
+        n=st.integers(1, 5),
+        stop=st.sampled_from([None, "e", ".", [""], -1]),
+        temperature=st.sampled_from([0.0, 0.8, -1.0]),
+    )
     def generate(self, n, stop, temperature):
         if stop == -1:
             stop = None
@@ -454,8 +531,9 @@ class SessionContract(RuleBasedStateMachine):
         if not s.cache.layers[0].is_initialized or len(s.tokens) < 40:
             return
         if bad:
-            plan = CompactionPlan([LayerPlan(keep=torch.full((l.num_heads, 1), l.length, dtype=torch.long))
-                                   for l in s.cache.layers])
+            plan = CompactionPlan(
+                [LayerPlan(keep=torch.full((lay.num_heads, 1), lay.length, dtype=torch.long)) for lay in s.cache.layers]
+            )
             self.attempt(lambda: s.apply_plan(plan))
             self.attempt(lambda: s.compact(method, slots=0))
             self.attempt(lambda: s.compact("no-such-method", ratio=2))
@@ -573,9 +651,12 @@ class DefaultModelContractUnderCap(SessionContract):
 
 
 def _settings(examples: str, steps: str = "12"):
-    return settings(max_examples=int(os.environ.get("KVMEMORY_CONTRACT_EXAMPLES", examples)),
-                    stateful_step_count=int(os.environ.get("KVMEMORY_CONTRACT_STEPS", steps)), deadline=None,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=int(os.environ.get("KVMEMORY_CONTRACT_EXAMPLES", examples)),
+        stateful_step_count=int(os.environ.get("KVMEMORY_CONTRACT_STEPS", steps)),
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 TestSessionContract = pytest.mark.default_model(SessionContract.TestCase)

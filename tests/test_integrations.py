@@ -79,7 +79,13 @@ def test_tool_call_round_trip_reuses_the_cache(chat):
     result = ToolMessage("database listens on port 5433", tool_call_id="call_1", name="lookup_port")
     bound.invoke(history, config=config("tools"))
     session = chat.session_for("tools")
-    rendered = session.renderer.render(session.messages, [lookup_port.args_schema and __import__("langchain_core.utils.function_calling", fromlist=["x"]).convert_to_openai_tool(lookup_port)])
+    rendered = session.renderer.render(
+        session.messages,
+        [
+            lookup_port.args_schema
+            and __import__("langchain_core.utils.function_calling", fromlist=["x"]).convert_to_openai_tool(lookup_port)
+        ],
+    )
     assert "lookup_port" in chat.engine.tokenizer.decode(rendered)  # the schema reached the prompt
     answer = bound.invoke(history + [call, result], config=config("tools"))
     assert answer.usage_metadata["input_token_details"]["cache_read"] > 0
@@ -88,10 +94,19 @@ def test_tool_call_round_trip_reuses_the_cache(chat):
 
 
 def test_tool_call_parsing_and_malformed_output(chat):
-    ok = chat._final_message('Checking.<tool_call>{"name": "lookup_port", "arguments": {"service": "db"}}</tool_call>', 5, 10, 0, "stop", chunk=False)
+    ok = chat._final_message(
+        'Checking.<tool_call>{"name": "lookup_port", "arguments": {"service": "db"}}</tool_call>',
+        5,
+        10,
+        0,
+        "stop",
+        chunk=False,
+    )
     assert ok.tool_calls[0]["name"] == "lookup_port" and ok.tool_calls[0]["args"] == {"service": "db"}
     assert ok.content == "Checking."
-    bad = chat._final_message('<tool_call>{"name": "lookup_port", "arguments": {service: db}}</tool_call>', 5, 10, 0, "stop", chunk=False)
+    bad = chat._final_message(
+        '<tool_call>{"name": "lookup_port", "arguments": {service: db}}</tool_call>', 5, 10, 0, "stop", chunk=False
+    )
     assert not bad.tool_calls and bad.invalid_tool_calls
     assert "not valid JSON" in bad.invalid_tool_calls[0]["error"]
 
@@ -129,10 +144,14 @@ class FakeToolModel(GenericFakeChatModel):
 
 
 def test_stategraph_with_a_fake_model_and_tools(chat):
-    fake = FakeToolModel(messages=iter([
-        AIMessage("", tool_calls=[{"name": "run_tests", "args": {}, "id": "c1"}]),
-        AIMessage("The restock test fails."),
-    ]))
+    fake = FakeToolModel(
+        messages=iter(
+            [
+                AIMessage("", tool_calls=[{"name": "run_tests", "args": {}, "id": "c1"}]),
+                AIMessage("The restock test fails."),
+            ]
+        )
+    )
     graph = StateGraph(KVMemoryState)
     graph.add_node("agent", lambda state: {"messages": [fake.invoke(state["messages"])]})
     graph.add_node("tools", ToolNode([run_tests]))
@@ -163,7 +182,9 @@ def test_middleware_gives_its_threads_the_tools_rules_and_leaves_the_model_polic
 
 
 async def test_middleware_async_compacts_every_call(default_engine):
-    chat = ChatKVMemory(engine=default_engine, max_new_tokens=4, policy=default_policy(max_slots=4096, recent_tokens=16))
+    chat = ChatKVMemory(
+        engine=default_engine, max_new_tokens=4, policy=default_policy(max_slots=4096, recent_tokens=16)
+    )
     agent = create_agent(chat, tools=[lookup_port], middleware=[KVMemoryMiddleware(compact_every=1)])
     history = [HumanMessage("Hi"), AIMessage("Here is what I found so far. " * 30), HumanMessage("Go on.")]
     out = await agent.ainvoke({"messages": history}, config=config("amw"))

@@ -20,14 +20,22 @@ def seg(kind, role=None, tool=None, tags=(), text="", start=0):
 
 
 def small_policy(max_slots=160, interval=None, recent=16, **default):
-    return MemoryPolicy.from_dict({
-        "rules": [
-            {"name": "system", "match": {"kind": "system"}, "protected": True},
-            {"name": "logs", "match": {"tool": "run_*"}, "method": "attention_matching", "ratio": 8},
-        ],
-        "default": {"method": "attention_matching", "ratio": 3, **default},
-        "budget": {"max_slots": max_slots, "interval": interval, "recent_tokens": recent, "window": 8, "sink_tokens": 2},
-    })
+    return MemoryPolicy.from_dict(
+        {
+            "rules": [
+                {"name": "system", "match": {"kind": "system"}, "protected": True},
+                {"name": "logs", "match": {"tool": "run_*"}, "method": "attention_matching", "ratio": 8},
+            ],
+            "default": {"method": "attention_matching", "ratio": 3, **default},
+            "budget": {
+                "max_slots": max_slots,
+                "interval": interval,
+                "recent_tokens": recent,
+                "window": 8,
+                "sink_tokens": 2,
+            },
+        }
+    )
 
 
 def test_rules_match_by_role_kind_tool_tag_content_and_first():
@@ -44,7 +52,11 @@ def test_rules_match_by_role_kind_tool_tag_content_and_first():
 
 def test_default_policy_protects_system_and_task_and_squeezes_logs():
     policy = default_policy()
-    system, task, later = seg("system", role="system", start=0), seg("user", role="user", start=10), seg("user", role="user", start=50)
+    system, task, later = (
+        seg("system", role="system", start=0),
+        seg("user", role="user", start=10),
+        seg("user", role="user", start=50),
+    )
     log = seg("tool_output", role="tool", tool="run_tests", text="2 failed, 7 passed", start=80)
     segments = [system, task, later, log]
     assert policy.rule_for(system, segments).protected
@@ -57,7 +69,10 @@ def test_default_policy_protects_system_and_task_and_squeezes_logs():
     "data, field",
     [
         ({"default": {"method": "no_such_method"}}, "unknown method"),
-        ({"default": {"method": "snapkv", "params": {"window": 0}}}, "invalid parameters for compaction method .snapkv."),
+        (
+            {"default": {"method": "snapkv", "params": {"window": 0}}},
+            "invalid parameters for compaction method .snapkv.",
+        ),
         ({"default": {"ratio": 0.5}}, "default.ratio"),
         ({"rules": [{"match": {"kind": "banana"}}]}, "unknown segment kind"),
         ({"rules": [{"match": {"content": "(unclosed"}}]}, "invalid regular expression"),
@@ -74,9 +89,13 @@ def test_invalid_policies_fail_at_load_with_field_and_reason(data, field):
 
 def test_policy_files_yaml_toml_json(tmp_path):
     yaml_file = tmp_path / "p.yaml"
-    yaml_file.write_text("rules:\n  - name: task\n    match: {role: user, first: true}\n    protected: true\nbudget:\n  max_slots: 512\n")
+    yaml_file.write_text(
+        "rules:\n  - name: task\n    match: {role: user, first: true}\n    protected: true\nbudget:\n  max_slots: 512\n"
+    )
     toml_file = tmp_path / "p.toml"
-    toml_file.write_text('[budget]\nmax_slots = 512\n[[rules]]\nname = "logs"\nratio = 10\n[rules.match]\ntool = "pytest"\n')
+    toml_file.write_text(
+        '[budget]\nmax_slots = 512\n[[rules]]\nname = "logs"\nratio = 10\n[rules.match]\ntool = "pytest"\n'
+    )
     json_file = tmp_path / "p.json"
     json_file.write_text(json.dumps({"budget": {"max_slots": 512}}))
     for f in (yaml_file, toml_file, json_file):
@@ -93,8 +112,14 @@ def protected_slots(session, segment_id):
     out = []
     for layer in session.cache.layers:
         mask = layer.segments[0, : layer.length] == segment_id
-        out.append((layer.keys[0, :, : layer.length][:, mask].clone(), layer.values[0, :, : layer.length][:, mask].clone(),
-                    layer.bias[0, :, : layer.length][:, mask].clone(), layer.positions[:, : layer.length][:, mask].clone()))
+        out.append(
+            (
+                layer.keys[0, :, : layer.length][:, mask].clone(),
+                layer.values[0, :, : layer.length][:, mask].clone(),
+                layer.bias[0, :, : layer.length][:, mask].clone(),
+                layer.positions[:, : layer.length][:, mask].clone(),
+            )
+        )
     return out
 
 
@@ -106,7 +131,9 @@ def test_cap_protection_and_recall_in_a_long_session():
     before = protected_slots(session, system.id)
     outputs = []
     for i in range(10):
-        outputs.append(session.append_tokens(random_tokens(40 + 9 * i, seed=i), kind="tool_output", tool_name="run_tests"))
+        outputs.append(
+            session.append_tokens(random_tokens(40 + 9 * i, seed=i), kind="tool_output", tool_name="run_tests")
+        )
         assert session.cache.physical_length <= 160
         session.generate(max_new_tokens=4)
         assert session.cache.physical_length <= 160
@@ -134,13 +161,17 @@ def test_a_fork_with_memory_keeps_the_cap_and_leaves_the_original_alone(tiny_eng
         fork.append_tokens(random_tokens(120, seed=2), kind="tool_output", tool_name="run_tests")
     assert capped.cache.physical_length <= 160 and capped.memory is not session.memory
     assert free.memory is None and free.cache.physical_length == slots + 120
-    assert session.tokens == tokens and session.cache.physical_length == slots and len(session.memory.timeline) == timeline
+    assert (
+        session.tokens == tokens and session.cache.physical_length == slots and len(session.memory.timeline) == timeline
+    )
 
 
 def test_recall_restores_the_exact_text(tiny_engine):
     session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=400)))
     session.append_tokens(random_tokens(10), kind="system")
-    out = session.append_tokens(random_tokens(200, seed=3), kind="tool_output", tool_name="run_tests", text="ORIGINAL LOG TEXT 42")
+    out = session.append_tokens(
+        random_tokens(200, seed=3), kind="tool_output", tool_name="run_tests", text="ORIGINAL LOG TEXT 42"
+    )
     session.append_tokens(random_tokens(30, seed=4))
     session.memory.compact()
     assert out.compactions == 1 and session.segment_slots()[out.id] < 200
@@ -151,10 +182,15 @@ def test_recall_restores_the_exact_text(tiny_engine):
 
 def test_search_ranks_segments_by_the_terms_they_share_with_the_query(tiny_engine):
     session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=400)))
-    texts = ["DATABASE_PORT = 5433\nAPI_TIMEOUT_SECONDS = 17", "3 passed, 1 failed in 0.2s: test_restock",
-             "Maintainer: Ilse Marchetti. Run the tests with pytest."]
-    outs = [session.append_tokens(random_tokens(40, seed=i), kind="tool_output", tool_name="read_file", text=t)
-            for i, t in enumerate(texts)]
+    texts = [
+        "DATABASE_PORT = 5433\nAPI_TIMEOUT_SECONDS = 17",
+        "3 passed, 1 failed in 0.2s: test_restock",
+        "Maintainer: Ilse Marchetti. Run the tests with pytest.",
+    ]
+    outs = [
+        session.append_tokens(random_tokens(40, seed=i), kind="tool_output", tool_name="read_file", text=t)
+        for i, t in enumerate(texts)
+    ]
     session.append_tokens(random_tokens(40, seed=9), kind="assistant", text="the restock test failed")
     session.memory.compact()
     assert [s.id for s in session.search("Which test failed? test_restock", kinds=["tool_output"])] == [outs[1].id]
@@ -166,7 +202,9 @@ def test_search_ranks_segments_by_the_terms_they_share_with_the_query(tiny_engin
 
 
 def test_context_queries_are_released_once_their_segment_is_compacted(tiny_engine):
-    session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=None, query_source=["window", "context"])))
+    session = tiny_engine.session(
+        memory=MemoryManager(small_policy(max_slots=None, query_source=["window", "context"]))
+    )
     recorder = session.query_recorder
     old = session.append_tokens(random_tokens(120, seed=1), kind="tool_output", tool_name="read_file")
     assert old.id in recorder.context and recorder.context[old.id][0].dtype == torch.bfloat16
@@ -203,13 +241,24 @@ def test_memory_map_plot(tmp_path, tiny_engine):
     session = tiny_engine.session(memory=manager)
     for i in range(4):
         session.append_tokens(random_tokens(50, seed=i), kind="tool_output", tool_name="run_x")
+    assert any(event["event"] == "cap" for event in manager.timeline)
+    for event in manager.timeline:  # the map stacks each segment's slots: together they are the cache
+        assert sum(event["segments"].values()) == pytest.approx(event["physical"], abs=1)
+        assert event["physical"] <= 120
     path = plot_memory_map(manager.timeline, session.segments, tmp_path / "map.png", cap=120)
-    assert path.stat().st_size > 5000
+    import matplotlib.image
+
+    image = matplotlib.image.imread(path)
+    assert image.shape[:2] == (495, 1100) and float(image[..., :3].std()) > 0.05  # drawn, not blank
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(st.tuples(st.sampled_from(["tool", "user", "gen", "recall"]), st.integers(5, 90)), min_size=4, max_size=12),
-       cap=st.integers(120, 260))
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["tool", "user", "gen", "recall"]), st.integers(5, 90)), min_size=4, max_size=12
+    ),
+    cap=st.integers(120, 260),
+)
 def test_cap_is_never_exceeded_in_random_sessions(ops, cap):
     engine = _ENGINE
     manager = MemoryManager(small_policy(max_slots=cap))
@@ -238,8 +287,10 @@ def test_rule_target_slots():
 
 def test_recompaction_keeps_each_segments_rule_ratio_unless_the_cap_forces_more():
     engine = Engine(tiny_model("llama", max_position_embeddings=4096))
-    rules = {"rules": [{"match": {"kind": "tool_output"}, "method": "snapkv", "ratio": 20}],
-             "default": {"method": "snapkv", "ratio": 4}}
+    rules = {
+        "rules": [{"match": {"kind": "tool_output"}, "method": "snapkv", "ratio": 20}],
+        "default": {"method": "snapkv", "ratio": 4},
+    }
     session = engine.session(memory=MemoryManager({**rules, "budget": {"interval": 200, "recent_tokens": 32}}))
     for i in range(10):
         session.append_tokens(random_tokens(150, seed=i), kind="tool_output" if i % 2 else "text")

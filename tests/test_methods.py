@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from kvmemory import Engine
+from kvmemory.cache import CompactionPlan, LayerPlan
 from kvmemory.compaction.base import LayerSpan, ModelAccess
 from kvmemory.compaction.compactor import compact_span
 from kvmemory.compaction.head_budgets import headkv_budgets, uniform_budgets
 from kvmemory.compaction.methods import TAM, AttentionMatching
 from kvmemory.compaction.methods.attention_matching import proportional_split
-from kvmemory.cache import CompactionPlan, LayerPlan
 from kvmemory.compaction.methods.counter_causal import own_token_logits, query_phases
 from kvmemory.compaction.methods.tam import allocate
 from kvmemory.compaction.registry import available_methods, get_method
@@ -64,7 +64,10 @@ def test_nnls_ridge_solve_is_the_same_on_either_side(rows):
     expected = torch.linalg.solve(gram, a_valid.transpose(1, 2) @ y).squeeze(-1).clamp(1e-3, 1e3) * valid
     assert torch.allclose(b, expected, rtol=1e-6, atol=1e-9)
     refined = nnls_box(a, y[..., 0], valid, 1e-3, 1e3, steps=30, ridge=1e-4)
-    residual = lambda x: (a_valid @ x[..., None] - y).norm()
+
+    def residual(x):
+        return (a_valid @ x[..., None] - y).norm()
+
     assert residual(refined) <= residual(b) + 1e-9 and bool((refined[1, 50:] == 0).all())
 
 
@@ -202,7 +205,10 @@ def test_counter_causal_score_matches_a_dense_reference():
         want = (base.norm(hidden) * model.lm_head.weight[torch.tensor(tokens)]).sum(-1)
 
     assert torch.allclose(got, want, atol=0.03 * float(want.abs().max()))
-    rank = lambda x: torch.argsort(torch.argsort(x)).float()
+
+    def rank(x):
+        return torch.argsort(torch.argsort(x)).float()
+
     assert float(torch.corrcoef(torch.stack([rank(got), rank(want)]))[0, 1]) > 0.999
 
 
@@ -227,7 +233,9 @@ def test_counter_causal_score_survives_a_rebase():
     session = engine.session()
     session.append_tokens(random_tokens(80, seed=5))
     drop_front = torch.arange(20, 80)
-    session.apply_plan(CompactionPlan([LayerPlan(keep=drop_front.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    session.apply_plan(
+        CompactionPlan([LayerPlan(keep=drop_front.expand(lay.num_heads, -1).clone()) for lay in session.cache.layers])
+    )
     access = ModelAccess.from_session(session)
     before = own_token_logits(access, drop_front, fast=False)
     session.rebase_positions()
@@ -252,9 +260,11 @@ def test_every_method_runs_on_every_architecture(arch_name, method_name):
     session.record_queries(16, context=32)
     session.record_last_layer_inputs()
     session.append_tokens(random_tokens(150))
-    params = {"am_counter_causal": ("attention_matching", {"selector": "counter_causal"}),
-              "am_omp": ("attention_matching", {"selector": "omp"}),
-              "real": ("real", {"scores": [[1.0, 2.0], [3.0, 0.5]]})}
+    params = {
+        "am_counter_causal": ("attention_matching", {"selector": "counter_causal"}),
+        "am_omp": ("attention_matching", {"selector": "omp"}),
+        "real": ("real", {"scores": [[1.0, 2.0], [3.0, 0.5]]}),
+    }
     name, kwargs = params.get(method_name, (method_name, {}))
     record = compact_span(session, torch.arange(4, 130), get_method(name, **kwargs), 24)
     assert record.slots_before == 126 and record.slots_after == 24
@@ -291,8 +301,12 @@ def test_scratch_query_sources_leave_the_session_unchanged(default_engine):
     session = default_engine.session()
     session.record_queries(8)
     session.append_text("The build failed: ImportError: cannot import name 'parse' from 'configlib'.\n" * 3)
-    before = (list(session.tokens), session.cache.physical_length, session._last_logits.clone(),
-              [q.clone() for q in session.query_recorder.recent])
+    before = (
+        list(session.tokens),
+        session.cache.physical_length,
+        session._last_logits.clone(),
+        [q.clone() for q in session.query_recorder.recent],
+    )
     positions = torch.arange(0, len(session.tokens))
     repeat = reference_queries(session, "repeat", positions)
     study = reference_queries(session, "self_study", positions, self_study_tokens=8)
@@ -342,8 +356,16 @@ def test_one_plan_for_several_spans_equals_compacting_them_one_by_one(tiny_engin
 
 # ---- the public verb -----------------------------------------------------------------------------
 def cache_state(session):
-    return [(l.length, l.positions[:, : l.length].clone(), l.keys[:, :, : l.length].clone(),
-             l.values[:, :, : l.length].clone(), l.bias[:, :, : l.length].clone()) for l in session.cache.layers]
+    return [
+        (
+            lay.length,
+            lay.positions[:, : lay.length].clone(),
+            lay.keys[:, :, : lay.length].clone(),
+            lay.values[:, :, : lay.length].clone(),
+            lay.bias[:, :, : lay.length].clone(),
+        )
+        for lay in session.cache.layers
+    ]
 
 
 def same_cache(a, b) -> bool:
@@ -356,7 +378,12 @@ def test_the_compact_verb_equals_compacting_the_span_by_hand(tiny_engine):
         session.append_tokens(random_tokens(200, seed=4))
     record = by_verb.compact("attention_matching", slots=30, keep_last=16)
     compact_span(by_hand, torch.arange(4, 184), get_method("attention_matching"), 30)
-    assert (record.method, record.tokens, record.slots_before, record.slots_after) == ("attention_matching", 180, 180, 30)
+    assert (record.method, record.tokens, record.slots_before, record.slots_after) == (
+        "attention_matching",
+        180,
+        180,
+        30,
+    )
     assert record.reconstruction_error is not None and same_cache(cache_state(by_verb), cache_state(by_hand))
     assert by_verb.cache.physical_length == 4 + 30 + 16
 

@@ -32,8 +32,12 @@ def reference_next_logits(ref, ids: list[int]) -> torch.Tensor:
 def session_state(session):
     layer = session.cache.layers[0]
     return (
-        list(session.tokens), [s.to_dict() for s in session.segments], session.cache.logical_length,
-        layer.length, layer.keys[:, :, : layer.length].clone(), layer.bias[:, :, : layer.length].clone(),
+        list(session.tokens),
+        [s.to_dict() for s in session.segments],
+        session.cache.logical_length,
+        layer.length,
+        layer.keys[:, :, : layer.length].clone(),
+        layer.bias[:, :, : layer.length].clone(),
     )
 
 
@@ -50,9 +54,13 @@ def test_greedy_generation_matches_transformers(tiny_pair):
     assert torch.allclose(session._last_logits, reference_next_logits(ref, prompt), atol=1e-5)
     ours = session.generate(max_new_tokens=12).token_ids
     theirs = ref.generate(
-        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, past_key_values=DynamicCache(config=ref.config),
-        eos_token_id=None, pad_token_id=0,
-    )[0, len(prompt):].tolist()
+        torch.tensor([prompt]),
+        max_new_tokens=12,
+        do_sample=False,
+        past_key_values=DynamicCache(config=ref.config),
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
     assert ours == theirs
 
 
@@ -123,7 +131,9 @@ def test_appends_after_compaction_keep_true_positions(tiny_pair):
     session.append_tokens(prompt)
     dropped = [3, 4, 5, 10, 20]
     keep = torch.tensor([i for i in range(32) if i not in dropped])
-    session.apply_plan(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    session.apply_plan(
+        CompactionPlan([LayerPlan(keep=keep.expand(lay.num_heads, -1).clone()) for lay in session.cache.layers])
+    )
     seg = session.append_tokens(new)
     layer = session.cache.layers[0]
     assert layer.length == 32 - len(dropped) + len(new)
@@ -134,8 +144,12 @@ def test_appends_after_compaction_keep_true_positions(tiny_pair):
         ref(input_ids=torch.tensor([prompt]), past_key_values=cache)
         mask = torch.ones(1, 35, dtype=torch.long)
         mask[0, dropped] = 0
-        out = ref(input_ids=torch.tensor([new]), past_key_values=cache, attention_mask=mask,
-                  position_ids=torch.arange(32, 35)[None])
+        out = ref(
+            input_ids=torch.tensor([new]),
+            past_key_values=cache,
+            attention_mask=mask,
+            position_ids=torch.arange(32, 35)[None],
+        )
     assert torch.allclose(session._last_logits, out.logits[0, -1], atol=1e-5)
 
 
@@ -144,7 +158,7 @@ def test_per_head_budgets_pad_and_free_memory(tiny_engine):
     session.append_tokens(random_tokens(300, seed=11))
     before = session.stats()
     plans = []
-    for layer in session.cache.layers:
+    for _ in session.cache.layers:
         plans.append(LayerPlan(keep=[torch.arange(0, 300, 3), torch.arange(0, 300, 10)]))  # 100 and 30 slots
     session.apply_plan(CompactionPlan(plans))
     after = session.stats()
@@ -183,8 +197,15 @@ def test_folded_path_in_a_session_matches(tiny_engine):
         snap = session.cache.snapshot()
         session.cache.begin_append(torch.tensor([30]), 0)
         with torch.no_grad():
-            outs.append(tiny_engine.model(input_ids=ids, position_ids=torch.tensor([[30]]), cache=session.cache,
-                                          compact_cache=session.cache, attention_path=path).logits)
+            outs.append(
+                tiny_engine.model(
+                    input_ids=ids,
+                    position_ids=torch.tensor([[30]]),
+                    cache=session.cache,
+                    compact_cache=session.cache,
+                    attention_path=path,
+                ).logits
+            )
         session.cache.restore(snap)
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
@@ -261,8 +282,16 @@ def test_context_overflow_leaves_session_unchanged():
         (lambda c: CompactionPlan([LayerPlan(keep=torch.arange(5).expand(3, 5).clone())] * 2), "3 KV heads"),
         (lambda c: CompactionPlan([LayerPlan(keep=torch.tensor([[0, 999], [0, 1]]))] * 2), "out of range"),
         (lambda c: CompactionPlan([LayerPlan(keep=torch.tensor([[3, 1], [0, 1]]))] * 2), "strictly increasing"),
-        (lambda c: CompactionPlan([LayerPlan(keep=torch.tensor([[0, 1], [0, 1]]), values=torch.zeros(2, 3, 16))] * 2), "values must be"),
-        (lambda c: CompactionPlan([LayerPlan(keep=torch.tensor([[0, 1], [0, 1]]), bias=torch.zeros(2, 5))] * 2), "bias must be"),
+        (
+            lambda c: CompactionPlan(
+                [LayerPlan(keep=torch.tensor([[0, 1], [0, 1]]), values=torch.zeros(2, 3, 16))] * 2
+            ),
+            "values must be",
+        ),
+        (
+            lambda c: CompactionPlan([LayerPlan(keep=torch.tensor([[0, 1], [0, 1]]), bias=torch.zeros(2, 5))] * 2),
+            "bias must be",
+        ),
     ],
 )
 def test_bad_plans_raise_and_change_nothing(tiny_engine, make_plan, message):
@@ -321,7 +350,9 @@ def test_default_model_greedy_matches_transformers(default_engine):
     session.append_tokens(ids)
     ours = session.generate(max_new_tokens=10).token_ids
     ref = reference_copy(default_engine.model)
-    theirs = ref.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+    theirs = ref.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0)[
+        0, len(ids) :
+    ].tolist()
     eos = default_engine.eos_token_ids
     assert ours == [t for t in theirs if t not in eos][: len(ours)]
 
@@ -340,8 +371,11 @@ def test_messages_prefill_only_what_is_new(default_engine):
 
 
 def test_rerendered_earlier_turn_equals_a_fresh_session(default_engine):
-    convo = [{"role": "user", "content": "First question?"}, {"role": "assistant", "content": "First answer."},
-             {"role": "user", "content": "Second question?"}]
+    convo = [
+        {"role": "user", "content": "First question?"},
+        {"role": "assistant", "content": "First answer."},
+        {"role": "user", "content": "Second question?"},
+    ]
     session = default_engine.session()
     session.set_messages(convo, add_generation_prompt=True)
     edited = [dict(m) for m in convo]
@@ -378,7 +412,9 @@ def test_rebase_without_gaps_is_the_identity_and_a_uniform_shift_changes_nothing
     # dropping the first 20 tokens leaves one gap at the start: closing it shifts everything uniformly,
     # and RoPE attention depends only on relative positions
     keep = torch.arange(20, 60)
-    session.apply_plan(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    session.apply_plan(
+        CompactionPlan([LayerPlan(keep=keep.expand(lay.num_heads, -1).clone()) for lay in session.cache.layers])
+    )
     cont = random_tokens(8, seed=31)
     before = session.logprobs(cont)
     assert session.rebase_positions() == -20
@@ -393,8 +429,13 @@ def test_rebase_bounds_each_heads_distances_by_its_own_slot_count():
     session = engine.session()
     session.append_tokens(random_tokens(120, seed=34))
     g = torch.Generator().manual_seed(0)
-    plans = [[torch.sort(torch.cat([torch.randperm(100, generator=g)[: 10 + 15 * h], torch.arange(100, 120)])).values
-              for h in range(layer.num_heads)] for layer in session.cache.layers]
+    plans = [
+        [
+            torch.sort(torch.cat([torch.randperm(100, generator=g)[: 10 + 15 * h], torch.arange(100, 120)])).values
+            for h in range(layer.num_heads)
+        ]
+        for layer in session.cache.layers
+    ]
     width = max(k.numel() for keeps in plans for k in keeps)
     session.apply_plan(CompactionPlan([LayerPlan(keep=keeps) for keeps in plans]))
     shift = session.rebase_positions()
@@ -412,7 +453,9 @@ def test_rebase_runs_by_itself_past_the_trained_positions():
     session = engine.session()
     session.append_tokens(random_tokens(100, seed=32))
     keep = torch.cat([torch.arange(4), torch.arange(70, 100)])
-    session.apply_plan(CompactionPlan([LayerPlan(keep=keep.expand(l.num_heads, -1).clone()) for l in session.cache.layers]))
+    session.apply_plan(
+        CompactionPlan([LayerPlan(keep=keep.expand(lay.num_heads, -1).clone()) for lay in session.cache.layers])
+    )
     seg = session.append_tokens(random_tokens(60, seed=33))
     layer = session.cache.layers[0]
     assert seg.end == 160 and session.cache.logical_length == 160

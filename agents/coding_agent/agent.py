@@ -33,5 +33,10 @@ def recall_tool(chat: ChatKVMemory) -> StructuredTool:
 
 def build_coding_agent(chat: ChatKVMemory, workspace: Workspace, checkpointer=None, compact_every: int | None = None):
     tools = workspace.tools() + [recall_tool(chat)]
-    return create_agent(chat, tools=tools, system_prompt=SYSTEM_PROMPT,
-                        middleware=[KVMemoryMiddleware(compact_every=compact_every)], checkpointer=checkpointer)
+    return create_agent(
+        chat,
+        tools=tools,
+        system_prompt=SYSTEM_PROMPT,
+        middleware=[KVMemoryMiddleware(compact_every=compact_every)],
+        checkpointer=checkpointer,
+    )

@@ -1,7 +1,7 @@
 """Run the reference coding agent on a workspace, streaming its steps and its memory use.
 
-    kvmemory-agent --workspace ./myproject --task "make the tests pass" --max-slots 2048
-    kvmemory-agent --sample                 # on a fresh copy of the bundled sample project
+kvmemory-agent --workspace ./myproject --task "make the tests pass" --max-slots 2048
+kvmemory-agent --sample                 # on a fresh copy of the bundled sample project
 """
 
 from __future__ import annotations
@@ -59,20 +59,23 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
     print(f"workspace: {root}")
     try:
-        chat = ChatKVMemory.from_pretrained(args.model, policy=default_policy(max_slots=args.max_slots),
-                                            max_new_tokens=args.max_new_tokens)
+        chat = ChatKVMemory.from_pretrained(
+            args.model, policy=default_policy(max_slots=args.max_slots), max_new_tokens=args.max_new_tokens
+        )
     except KVMemoryError as err:
         parser.error(f"--model {args.model}: {err}")
     agent = build_coding_agent(chat, workspace, checkpointer=InMemorySaver())
     prompt = protected_prompt_tokens(chat, workspace, args.task)
     if prompt + args.max_new_tokens + 256 > args.max_slots:  # 256: the policy's recent window
-        parser.error(f"--max-slots {args.max_slots} cannot hold the agent's protected prompt: the system prompt, the "
-                     f"tool schemas and the task take {prompt} tokens, plus {args.max_new_tokens} for a reply and 256 "
-                     f"recent tokens; use --max-slots {prompt + args.max_new_tokens + 256} or more")
+        parser.error(
+            f"--max-slots {args.max_slots} cannot hold the agent's protected prompt: the system prompt, the "
+            f"tool schemas and the task take {prompt} tokens, plus {args.max_new_tokens} for a reply and 256 "
+            f"recent tokens; use --max-slots {prompt + args.max_new_tokens + 256} or more"
+        )
     config = {"configurable": {"thread_id": "cli"}, "recursion_limit": 2 * args.max_steps + 1}
     try:
         for update in agent.stream({"messages": [HumanMessage(args.task)]}, config=config, stream_mode="updates"):
-            for node, delta in update.items():
+            for delta in update.values():
                 for msg in (delta or {}).get("messages", []):
                     if isinstance(msg, AIMessage):
                         for call in msg.tool_calls:
@@ -85,8 +88,11 @@ def main(argv: list[str] | None = None) -> None:
                         print(f"← {msg.name}: {short(msg.content)}")
                 stats = (delta or {}).get("kvmemory")
                 if stats:
-                    print(f"   memory: {stats['logical_tokens']} tokens in {stats['physical_slots']} slots "
-                          f"({stats['kv_bytes'] / 2**20:.1f} MiB, {stats['compression']:.1f}x), compactions {stats['compactions']}")
+                    print(
+                        f"   memory: {stats['logical_tokens']} tokens in {stats['physical_slots']} slots "
+                        f"({stats['kv_bytes'] / 2**20:.1f} MiB, {stats['compression']:.1f}x), compactions "
+                        f"{stats['compactions']}"
+                    )
     except Exception as err:  # the recursion limit ends long runs; say so plainly
         if type(err).__name__ != "GraphRecursionError":
             raise

@@ -127,7 +127,7 @@ FILES = {
                 lines.append("LOW STOCK: " + ", ".join(i.sku for i in low))
             return "\\n".join(lines)
         ''',
-    "tests/test_ledger.py": '''
+    "tests/test_ledger.py": """
         import pytest
 
         from inventory.models import Item, Ledger
@@ -163,8 +163,8 @@ FILES = {
         def test_history_after_restock(ledger):
             ledger.restock("BT-0090", 50)
             assert ledger.items["BT-0090"].quantity == 350
-        ''',
-    "tests/test_pricing.py": '''
+        """,
+    "tests/test_pricing.py": """
         from inventory.models import Item
         from inventory.pricing import discount_rate, order_total_cents
 
@@ -180,8 +180,8 @@ FILES = {
 
         def test_order_total_without_vat():
             assert order_total_cents(Item("BT-0090", "bolt pack", 75), 100, with_vat=False) == 6375
-        ''',
-    "tests/test_report.py": '''
+        """,
+    "tests/test_report.py": """
         from inventory.models import Item, Ledger
         from inventory.report import stock_report
 
@@ -192,7 +192,7 @@ FILES = {
             report = stock_report(ledger)
             assert "LOW STOCK: WX-4471" in report
             assert "EUR" in report
-        ''',
+        """,
     "conftest.py": """
         import sys
         from pathlib import Path
@@ -209,9 +209,20 @@ def catalog_module(items: int = 120) -> str:
     lines = ['"""The product catalogue: SKU, name, unit price in cents, reorder quantity."""', "", "CATALOG = ["]
     for i in range(items):
         sku = f"{'ABCDEFGHJK'[i % 10]}{'MNPRSTVWXZ'[(i * 7) % 10]}-{1000 + (i * 37) % 9000:04d}"
-        lines.append(f'    ("{sku}", "{kinds[i % 10]}, {sizes[(i // 10) % 4]}", {99 + (i * 53) % 4900}, {5 + (i * 11) % 60}),')
-    lines += ["]", "", "", "def by_sku(sku: str):", "    for entry in CATALOG:", "        if entry[0] == sku:",
-              "            return entry", "    raise KeyError(sku)", ""]
+        lines.append(
+            f'    ("{sku}", "{kinds[i % 10]}, {sizes[(i // 10) % 4]}", {99 + (i * 53) % 4900}, {5 + (i * 11) % 60}),'
+        )
+    lines += [
+        "]",
+        "",
+        "",
+        "def by_sku(sku: str):",
+        "    for entry in CATALOG:",
+        "        if entry[0] == sku:",
+        "            return entry",
+        "    raise KeyError(sku)",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -25,8 +25,20 @@ from pathlib import Path
 from langchain_core.tools import ToolException
 
 # read-only system locations a command may need; each is mounted only if it exists
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/alternatives", "/etc/ld.so.cache",
-                "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/ssl/certs")
+SYSTEM_PATHS = (
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/etc/alternatives",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/ssl/certs",
+)
 
 
 class SandboxError(ToolException):
@@ -65,16 +77,30 @@ class Sandbox:
         if self.bwrap is None:
             raise SandboxUnavailableError(
                 "bubblewrap (bwrap) is not installed: commands cannot be confined to the workspace. "
-                "Install it (apt-get install bubblewrap) or run the agent without command tools.")
+                "Install it (apt-get install bubblewrap) or run the agent without command tools."
+            )
         probe = subprocess.run([*self._prefix(), "true"], capture_output=True, text=True, timeout=30)
         if probe.returncode != 0:
             raise SandboxUnavailableError(
-                f"bubblewrap cannot create the sandbox here (namespaces not permitted?): {probe.stderr.strip()[:300]}")
+                f"bubblewrap cannot create the sandbox here (namespaces not permitted?): {probe.stderr.strip()[:300]}"
+            )
 
     def _prefix(self) -> list[str]:
         python_prefixes = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()}
-        argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        argv = [
+            self.bwrap,
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--tmpfs",
+            "/tmp",
+        ]
         for path in SYSTEM_PATHS:
             if Path(path).is_symlink():
                 argv += ["--symlink", os.readlink(path), path]
@@ -84,8 +110,13 @@ class Sandbox:
             if not any(str(prefix).startswith(p + "/") for p in SYSTEM_PATHS):
                 argv += ["--ro-bind", str(prefix), str(prefix)]
         python_bin = str(Path(sys.executable).parent)
-        env = {"PATH": f"{python_bin}:/usr/local/bin:/usr/bin:/bin", "HOME": str(self.root), "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": "/tmp"}
+        env = {
+            "PATH": f"{python_bin}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(self.root),
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "TMPDIR": "/tmp",
+        }
         argv += ["--bind", str(self.root), str(self.root), "--chdir", str(self.root), "--clearenv"]
         for key, value in env.items():
             argv += ["--setenv", key, value]
@@ -100,8 +131,14 @@ class Sandbox:
 
     def run(self, argv: list[str]) -> CommandResult:
         with tempfile.TemporaryFile() as out:
-            proc = subprocess.Popen([*self._prefix(), *argv], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=self._set_limits)
+            proc = subprocess.Popen(
+                [*self._prefix(), *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=self._set_limits,
+            )
             timed_out = False
             try:
                 proc.wait(timeout=self.limits.wall_seconds)
@@ -114,6 +151,9 @@ class Sandbox:
             size = out.seek(0, os.SEEK_END)
             out.seek(0)
             data = out.read(self.limits.output_bytes)
-        return CommandResult(None if timed_out else proc.returncode, data.decode("utf-8", errors="replace"), timed_out,
-                             size > self.limits.output_bytes)
-
+        return CommandResult(
+            None if timed_out else proc.returncode,
+            data.decode("utf-8", errors="replace"),
+            timed_out,
+            size > self.limits.output_bytes,
+        )

@@ -45,8 +45,14 @@ STEPS: list[tuple[str, dict]] = [
     ("read_file", {"path": "inventory/catalog.py", "start_line": 60}),
     ("grep", {"pattern": "CATALOG|by_sku"}),
     ("run_command", {"command": "pytest -vv --tb=long tests/test_ledger.py::test_restock"}),
-    ("patch_file", {"path": "inventory/models.py", "old": "item.quantity = amount  # BUG: should add to the existing quantity",
-                    "new": "item.quantity += amount"}),
+    (
+        "patch_file",
+        {
+            "path": "inventory/models.py",
+            "old": "item.quantity = amount  # BUG: should add to the existing quantity",
+            "new": "item.quantity += amount",
+        },
+    ),
     ("run_command", {"command": "pytest -v tests/test_ledger.py"}),
     ("read_file", {"path": "inventory/models.py"}),
     ("run_command", {"command": "pytest -vv -rA"}),

@@ -18,7 +18,21 @@ from langchain_core.tools import StructuredTool
 
 from agents.coding_agent.sandbox import Limits, Sandbox, SandboxError, SandboxUnavailableError
 
-ALLOWED_PROGRAMS = {"python", "python3", "pytest", "ls", "cat", "head", "tail", "grep", "wc", "find", "diff", "echo", "sort"}
+ALLOWED_PROGRAMS = {
+    "python",
+    "python3",
+    "pytest",
+    "ls",
+    "cat",
+    "head",
+    "tail",
+    "grep",
+    "wc",
+    "find",
+    "diff",
+    "echo",
+    "sort",
+}
 SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".venv", "node_modules"}
 GREP_SECONDS = 10.0
 
@@ -32,7 +46,9 @@ class Workspace:
             raise SandboxError(f"workspace {self.root} is not a directory")
         self.command_timeout = command_timeout
         self.max_output_chars = max_output_chars
-        self.sandbox = Sandbox(self.root, Limits(wall_seconds=command_timeout, cpu_seconds=max(1, int(command_timeout))))
+        self.sandbox = Sandbox(
+            self.root, Limits(wall_seconds=command_timeout, cpu_seconds=max(1, int(command_timeout)))
+        )
         self._grep_sandbox = Sandbox(self.root, Limits(wall_seconds=GREP_SECONDS, cpu_seconds=int(GREP_SECONDS)))
 
     # ---- guards ----------------------------------------------------------------------------------
@@ -76,7 +92,11 @@ class Workspace:
         lines = self._read_text(path).splitlines()
         chunk = lines[start_line - 1 : start_line - 1 + max_lines]
         body = "\n".join(f"{i:4d}  {line}" for i, line in enumerate(chunk, start_line))
-        more = f"\n... ({len(lines) - start_line + 1 - len(chunk)} more lines)" if len(lines) >= start_line + max_lines else ""
+        more = (
+            f"\n... ({len(lines) - start_line + 1 - len(chunk)} more lines)"
+            if len(lines) >= start_line + max_lines
+            else ""
+        )
         return self._cap(f"{path}:\n{body}{more}")
 
     def grep(self, pattern: str, path: str = ".") -> str:
@@ -127,7 +147,10 @@ class Workspace:
         done = self.sandbox.run(argv)
         output = done.output.replace(str(self.root), ".")
         if done.timed_out:
-            return self._cap(f"$ {command}\n[timed out after {self.command_timeout:.0f} s; every process it started was killed]\n{output}")
+            return self._cap(
+                f"$ {command}\n[timed out after {self.command_timeout:.0f} s; every process it started was "
+                f"killed]\n{output}"
+            )
         cut = "\n[output cut]" if done.truncated else ""
         return self._cap(f"$ {command}\n[exit code {done.returncode}]\n{output}{cut}")
 
@@ -136,8 +159,14 @@ class Workspace:
         """The workspace operations as LangChain tools, each with the kvmemory policy its output deserves."""
         from integrations.middleware import kv_policy
 
-        policies = {"list_files": {"ratio": 6}, "read_file": {"ratio": 4}, "grep": {"ratio": 6}, "write_file": {"ratio": 2},
-                    "patch_file": {"ratio": 2}, "run_command": {"ratio": 12}}
+        policies = {
+            "list_files": {"ratio": 6},
+            "read_file": {"ratio": 4},
+            "grep": {"ratio": 6},
+            "write_file": {"ratio": 2},
+            "patch_file": {"ratio": 2},
+            "run_command": {"ratio": 12},
+        }
         out = []
         for name, rule in policies.items():
             fn = getattr(self, name)

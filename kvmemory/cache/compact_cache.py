@@ -18,10 +18,10 @@ truncated part copies the buffers first). ``restore()`` therefore gives back eve
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
-
-from dataclasses import dataclass
 
 from kvmemory.cache.plan import CompactionPlan, LayerPlan, pad_selection
 from kvmemory.errors import InvalidPlanError
@@ -158,12 +158,14 @@ class CompactLayer(CacheLayerMixin):
         if self.keys is not None:
             self.dtype, self.device = self.keys.dtype, self.keys.device
 
-    def clone(self) -> "CompactLayer":
+    def clone(self) -> CompactLayer:
         """An independent copy holding only the live slots (plus headroom)."""
         twin = CompactLayer()
         if self.keys is not None:
             twin.dtype, twin.device, twin.is_initialized = self.dtype, self.device, self.is_initialized
-            twin._allocate(self.num_heads, self.keys.shape[-1], self.values.shape[-1], self.length + _headroom(self.length))
+            twin._allocate(
+                self.num_heads, self.keys.shape[-1], self.values.shape[-1], self.length + _headroom(self.length)
+            )
             n = twin.length = self.length
             twin.keys[:, :, :n], twin.values[:, :, :n] = self.keys[:, :, :n], self.values[:, :, :n]
             for name in ("bias", "positions", "rope", "segments"):
@@ -188,7 +190,8 @@ class CompactLayer(CacheLayerMixin):
             self._check_keep_per_head(keep, where)
         if plan.values is not None and tuple(plan.values.shape) != (self.num_heads, t_max, self.values.shape[-1]):
             raise InvalidPlanError(
-                f"{where}: values must be {(self.num_heads, t_max, self.values.shape[-1])}, got {tuple(plan.values.shape)}"
+                f"{where}: values must be {(self.num_heads, t_max, self.values.shape[-1])}, got "
+                f"{tuple(plan.values.shape)}"
             )
         if plan.bias is not None and tuple(plan.bias.shape) != (self.num_heads, t_max):
             raise InvalidPlanError(f"{where}: bias must be {(self.num_heads, t_max)}, got {tuple(plan.bias.shape)}")
@@ -333,19 +336,24 @@ class CompactCache(Cache):
         """RoPE positions for tokens appended at transcript ``positions`` (≥ the logical length)."""
         return positions - self.logical_length + self.rope_length
 
-    def snapshot(self) -> "CacheSnapshot":
+    def snapshot(self) -> CacheSnapshot:
         """Everything ``restore`` needs to give this cache back bit for bit (copy-on-write, see the module doc)."""
-        return CacheSnapshot([layer.snapshot() for layer in self.layers], self.logical_length, self.rope_length,
-                             self.compactions, self.default_segment)
+        return CacheSnapshot(
+            [layer.snapshot() for layer in self.layers],
+            self.logical_length,
+            self.rope_length,
+            self.compactions,
+            self.default_segment,
+        )
 
-    def restore(self, snapshot: "CacheSnapshot") -> None:
+    def restore(self, snapshot: CacheSnapshot) -> None:
         for layer, state in zip(self.layers, snapshot.layers):
             layer.restore(state)
         self.logical_length, self.rope_length = snapshot.logical_length, snapshot.rope_length
         self.compactions, self.default_segment = snapshot.compactions, snapshot.default_segment
         self._pending_positions = None
 
-    def clone(self) -> "CompactCache":
+    def clone(self) -> CompactCache:
         """An independent copy (for forks): live slots copied, nothing shared."""
         twin = CompactCache(len(self.layers))
         twin.layers = [layer.clone() for layer in self.layers]
@@ -360,7 +368,10 @@ class CompactCache(Cache):
         cache had to be cleared (the caller re-prefills from there).
         """
         keeps = [
-            [torch.nonzero((p[: layer.length] >= 0) & (p[: layer.length] < position)).flatten() for p in layer.positions]
+            [
+                torch.nonzero((p[: layer.length] >= 0) & (p[: layer.length] < position)).flatten()
+                for p in layer.positions
+            ]
             for layer in self.layers
         ]
         if any(k.numel() == 0 for keep in keeps for k in keep):
@@ -373,7 +384,9 @@ class CompactCache(Cache):
         else:
             self.apply_plan(CompactionPlan([LayerPlan(keep=k) for k in keeps], method="truncate"), count=False)
         self.logical_length = position
-        self.rope_length = max((int(layer.rope[:, : layer.length].max()) + 1 for layer in self.layers if layer.length), default=0)
+        self.rope_length = max(
+            (int(layer.rope[:, : layer.length].max()) + 1 for layer in self.layers if layer.length), default=0
+        )
         self._pending_positions = None
         return position
 

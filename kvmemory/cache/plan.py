@@ -51,7 +51,7 @@ class CompactionPlan:
     info: dict = field(default_factory=dict)
 
     @classmethod
-    def keep_all(cls, cache) -> "CompactionPlan":
+    def keep_all(cls, cache) -> CompactionPlan:
         """The identity plan: every head keeps every slot as it is."""
         layers = []
         for layer in cache.layers:

@@ -2,10 +2,20 @@
 connects them to a live session. Importing this package registers the built-in methods."""
 
 from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, LayerSpan, MethodConfig
-from kvmemory.compaction.registry import available_methods, get_method, register
+from kvmemory.compaction.compactor import CompactionRecord  # noqa: E402
 from kvmemory.compaction.methods import *  # noqa: E402,F403  (registers the built-ins)
 from kvmemory.compaction.methods import __all__ as _methods
-from kvmemory.compaction.compactor import CompactionRecord  # noqa: E402
+from kvmemory.compaction.registry import available_methods, get_method, register
 
-__all__ = ["CacheSpan", "CompactionMethod", "CompactionRecord", "LayerResult", "LayerSpan", "MethodConfig",
-           "available_methods", "get_method", "register", *_methods]
+__all__ = [
+    "CacheSpan",
+    "CompactionMethod",
+    "CompactionRecord",
+    "LayerResult",
+    "LayerSpan",
+    "MethodConfig",
+    "available_methods",
+    "get_method",
+    "register",
+    *_methods,
+]

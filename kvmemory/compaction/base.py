@@ -84,10 +84,15 @@ class ModelAccess:
     engine: object = None
 
     @classmethod
-    def from_session(cls, session) -> "ModelAccess":
+    def from_session(cls, session) -> ModelAccess:
         recorder = session.hidden_recorder
-        return cls(session.engine.model, session.cache, session.tokens,
-                   recorder.store if recorder is not None else None, session.engine)
+        return cls(
+            session.engine.model,
+            session.cache,
+            session.tokens,
+            recorder.store if recorder is not None else None,
+            session.engine,
+        )
 
 
 @dataclass
@@ -135,7 +140,9 @@ class CompactionMethod(ABC):
         return f"{type(self).__name__}({self.config!r})"
 
 
-def topk_per_head(scores: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor, forced: torch.Tensor | None = None) -> list[torch.Tensor]:
+def topk_per_head(
+    scores: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor, forced: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Sorted indices of the top-``budget[h]`` valid slots per head; ``forced`` slots are taken first."""
     scores = scores.float().masked_fill(~valid, NEG_INF)
     if forced is not None:

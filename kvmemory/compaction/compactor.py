@@ -10,12 +10,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvmemory.cache.plan import pad_selection
 from kvmemory.compaction.base import CompactionMethod, ModelAccess
 from kvmemory.compaction.head_budgets import uniform_budgets
 from kvmemory.compaction.planner import extract_span, span_slots, to_plan
 from kvmemory.compaction.queries import reference_queries
 from kvmemory.compaction.registry import get_method
-from kvmemory.cache.plan import pad_selection
 from kvmemory.compaction.solvers import attention_output_error
 
 
@@ -47,15 +47,24 @@ class SpanJob:
     protected_positions: set[int] | None = None
 
 
-def compact_span(session, positions: torch.Tensor, method: CompactionMethod | str, slots: int | torch.Tensor,
-                 query_source: str | list[str] = "window", protected_positions: set[int] | None = None,
-                 trigger: str = "manual", measure_error: bool = True) -> CompactionRecord:
+def compact_span(
+    session,
+    positions: torch.Tensor,
+    method: CompactionMethod | str,
+    slots: int | torch.Tensor,
+    query_source: str | list[str] = "window",
+    protected_positions: set[int] | None = None,
+    trigger: str = "manual",
+    measure_error: bool = True,
+) -> CompactionRecord:
     """Compact the slots holding ``positions`` to ``slots`` per head (int) or to an (L, H) budget tensor."""
     job = SpanJob(positions, method, slots, query_source, protected_positions)
     return compact_spans(session, [job], trigger, measure_error)[0]
 
 
-def compact_spans(session, jobs: list[SpanJob], trigger: str = "manual", measure_error: bool = True) -> list[CompactionRecord]:
+def compact_spans(
+    session, jobs: list[SpanJob], trigger: str = "manual", measure_error: bool = True
+) -> list[CompactionRecord]:
     """Compact several disjoint spans in one plan: each span is selected and fitted against the cache as it
     is, then the cache is rebuilt once (a pass over many segments costs one rebuild, not one per segment)."""
     session._check_open()
@@ -78,16 +87,20 @@ def compact_spans(session, jobs: list[SpanJob], trigger: str = "manual", measure
     records = []
     for name, positions, before, after, error, seconds in drafts:
         ordered = torch.unique(positions)
-        seg_ids = [s.id for s in session.segments
-                   if int(torch.searchsorted(ordered, s.end)) > int(torch.searchsorted(ordered, s.start))]
+        seg_ids = [
+            s.id
+            for s in session.segments
+            if int(torch.searchsorted(ordered, s.end)) > int(torch.searchsorted(ordered, s.start))
+        ]
         for seg in session.segments:
             if seg.id in seg_ids:
                 seg.compactions += 1
         if session.query_recorder is not None:
             for i in seg_ids:
                 session.query_recorder.context.pop(i, None)
-        record = CompactionRecord(name, trigger, seg_ids, int(positions.numel()), round(before), round(after),
-                                  (seconds + shared) * 1e3, error)
+        record = CompactionRecord(
+            name, trigger, seg_ids, int(positions.numel()), round(before), round(after), (seconds + shared) * 1e3, error
+        )
         session.compaction_log.append(record.to_dict())
         records.append(record)
     return records
@@ -103,10 +116,12 @@ def _select(session, positions, method, job: SpanJob, measure_error: bool):
     else:
         budgets = torch.minimum(job.slots.long(), capacity)
     queries = reference_queries(session, job.query_source, positions) if method.uses_queries or measure_error else None
-    span = extract_span(cache, per_head, queries, engine.head_dim ** -0.5)
+    span = extract_span(cache, per_head, queries, engine.head_dim**-0.5)
     span.token_of_position = {p: session.tokens[p] for p in positions.tolist()}
     tokenizer = engine.tokenizer
-    span.text_of_token = (lambda t: tokenizer.decode([t]) if t >= 0 else "") if tokenizer is not None else (lambda t: "")
+    span.text_of_token = (
+        (lambda t: tokenizer.decode([t]) if t >= 0 else "") if tokenizer is not None else (lambda t: "")
+    )
     span.model = ModelAccess.from_session(session)
     span.protected_positions = set(job.protected_positions or ())
     span.query_group_size = engine.config.num_attention_heads // engine.num_kv_heads

@@ -34,7 +34,9 @@ def fill_to_total(share: torch.Tensor, total: int, capacity: torch.Tensor) -> to
     return flat_out.view(capacity.shape)
 
 
-def headkv_budgets(total: int, scores: torch.Tensor, capacity: torch.Tensor, beta: float = 1.4, temperature: float = 1.0) -> torch.Tensor:
+def headkv_budgets(
+    total: int, scores: torch.Tensor, capacity: torch.Tensor, beta: float = 1.4, temperature: float = 1.0
+) -> torch.Tensor:
     """HeadKV/REAL allocation: each head keeps a floor b − ⌊b/β⌋; a shared pool of ⌊b/β⌋·L·H slots
     is split by normalised head score ŝ (raised to ``temperature``). b = total / (L·H)."""
     heads = scores.numel()

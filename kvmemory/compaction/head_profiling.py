@@ -23,7 +23,18 @@ import torch
 
 PROFILE_DIR = Path.home() / ".cache" / "kvmemory" / "head_profiles"
 SHIPPED_DIR = Path(__file__).parent / "profiles"  # profiles made with this module for the default model
-HAYSTACK_MODULES = ("json", "re", "os", "pathlib", "argparse", "subprocess", "logging", "collections", "typing", "asyncio")
+HAYSTACK_MODULES = (
+    "json",
+    "re",
+    "os",
+    "pathlib",
+    "argparse",
+    "subprocess",
+    "logging",
+    "collections",
+    "typing",
+    "asyncio",
+)
 NAMES = ("atlas", "boreal", "cobalt", "delta", "ember", "falcon", "granite", "harbor", "indigo", "juniper")
 
 
@@ -47,9 +58,11 @@ class HeadProfile:
         return path
 
     @classmethod
-    def load(cls, path: str | Path | None) -> "HeadProfile":
+    def load(cls, path: str | Path | None) -> HeadProfile:
         if path is None:
-            raise FileNotFoundError("no head profile given: run kvmemory.compaction.head_profiling.profile_heads(engine).save()")
+            raise FileNotFoundError(
+                "no head profile given: run kvmemory.compaction.head_profiling.profile_heads(engine).save()"
+            )
         return cls(**json.loads(Path(path).read_text()))
 
 
@@ -97,8 +110,10 @@ def needle_case(rng: random.Random, haystack_tokens: list[int], tokenizer, n_dis
             source = (start, start + len(fact_ids))
         pieces.append(fact_ids)
     pieces.append(haystack_tokens[cursor:])
-    question = tokenizer.encode(f"\nQuestion: what is the access code of server {names[0]}?\nAnswer: the access code is",
-                                add_special_tokens=False)
+    question = tokenizer.encode(
+        f"\nQuestion: what is the access code of server {names[0]}?\nAnswer: the access code is",
+        add_special_tokens=False,
+    )
     ids = [t for p in pieces for t in p] + question
     return ids, source, values[0]
 
@@ -119,7 +134,9 @@ def head_metrics(attn: torch.Tensor, source: tuple[int, int], k: int = 10) -> di
 
 
 @torch.no_grad()
-def profile_heads(engine, cases: int = 8, answer_tokens: int = 6, haystack_tokens: int = 600, seed: int = 0, model_name: str = "model") -> HeadProfile:
+def profile_heads(
+    engine, cases: int = 8, answer_tokens: int = 6, haystack_tokens: int = 600, seed: int = 0, model_name: str = "model"
+) -> HeadProfile:
     """Profile every KV head of ``engine``'s model on generated needle tasks."""
     tok = engine.tokenizer
     rng = random.Random(seed)

@@ -29,7 +29,9 @@ def span_slots(cache: CompactCache, positions: torch.Tensor) -> list[list[torch.
     return out
 
 
-def extract_span(cache: CompactCache, slots: list[list[torch.Tensor]], queries: list[torch.Tensor | None], scale: float) -> CacheSpan:
+def extract_span(
+    cache: CompactCache, slots: list[list[torch.Tensor]], queries: list[torch.Tensor | None], scale: float
+) -> CacheSpan:
     """Gather the span's keys, values, β and positions per layer into padded (H, n, ·) tensors."""
     layers = []
     for li, (layer, per_head) in enumerate(zip(cache.layers, slots)):
@@ -41,8 +43,18 @@ def extract_span(cache: CompactCache, slots: list[list[torch.Tensor]], queries: 
             # head, so views replace the gathers; methods never write to their inputs
             window = slice(first, first + n)
             valid = torch.ones(heads, n, dtype=torch.bool, device=layer.device)
-            layers.append(LayerSpan(li, layer.keys[0, :, window], layer.values[0, :, window], layer.bias[0, :, window],
-                                    layer.positions[:, window].long(), valid, scale, queries[li] if queries else None))
+            layers.append(
+                LayerSpan(
+                    li,
+                    layer.keys[0, :, window],
+                    layer.values[0, :, window],
+                    layer.bias[0, :, window],
+                    layer.positions[:, window].long(),
+                    valid,
+                    scale,
+                    queries[li] if queries else None,
+                )
+            )
             continue
         index = torch.zeros(heads, n, dtype=torch.long, device=layer.device)
         valid = torch.zeros(heads, n, dtype=torch.bool, device=layer.device)
@@ -57,7 +69,9 @@ def extract_span(cache: CompactCache, slots: list[list[torch.Tensor]], queries: 
     return CacheSpan(layers=layers)
 
 
-def to_plan(cache: CompactCache, spans: list[tuple[list[list[torch.Tensor]], list[LayerResult]]], method: str) -> CompactionPlan:
+def to_plan(
+    cache: CompactCache, spans: list[tuple[list[list[torch.Tensor]], list[LayerResult]]], method: str
+) -> CompactionPlan:
     """Keep every slot outside the spans; inside each (disjoint) span, keep its method's choice with its new
     values and β. ``spans``: (span slots per layer and head, the method's results) for each span.
 

@@ -27,7 +27,9 @@ SELF_STUDY_INSTRUCTION = (
 )
 
 
-def reference_queries(session, sources: str | list[str], positions: torch.Tensor, self_study_tokens: int = 64) -> list[torch.Tensor]:
+def reference_queries(
+    session, sources: str | list[str], positions: torch.Tensor, self_study_tokens: int = 64
+) -> list[torch.Tensor]:
     """Per layer (H, m, D) reference queries for the span at ``positions`` from the given sources."""
     sources = [sources] if isinstance(sources, str) else list(sources)
     per_source = []

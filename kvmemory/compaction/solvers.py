@@ -44,7 +44,9 @@ def pool_scores(scores: torch.Tensor, kernel: int, how: str = "max") -> torch.Te
         return scores
     x = scores[:, None, :].float().nan_to_num(0.0, neginf=0.0)
     pad = kernel // 2
-    pooled = F.max_pool1d(x, kernel, 1, pad) if how == "max" else F.avg_pool1d(x, kernel, 1, pad, count_include_pad=False)
+    pooled = (
+        F.max_pool1d(x, kernel, 1, pad) if how == "max" else F.avg_pool1d(x, kernel, 1, pad, count_include_pad=False)
+    )
     return pooled[:, 0, : scores.shape[1]]
 
 
@@ -57,7 +59,15 @@ def _spectral_norm_sq(apply_gram, shape, dtype, device, iters: int = 20) -> torc
     return (v.transpose(1, 2) @ apply_gram(v)).squeeze(-1).squeeze(-1).clamp_min(1e-30)
 
 
-def nnls_box(a: torch.Tensor, y: torch.Tensor, col_valid: torch.Tensor, lo: float, hi: float, steps: int = 15, ridge: float = 1e-6) -> torch.Tensor:
+def nnls_box(
+    a: torch.Tensor,
+    y: torch.Tensor,
+    col_valid: torch.Tensor,
+    lo: float,
+    hi: float,
+    steps: int = 15,
+    ridge: float = 1e-6,
+) -> torch.Tensor:
     """Batched box-constrained least squares  min_{lo ≤ B ≤ hi} ‖a B − y‖².
 
     a (H, m, t), y (H, m), col_valid (H, t). A ridge solve, clamped to the box, refined by projected
@@ -82,6 +92,7 @@ def nnls_box(a: torch.Tensor, y: torch.Tensor, col_valid: torch.Tensor, lo: floa
 
         def apply_gram(v):
             return a.transpose(1, 2) @ (a @ v)
+
     b = b.clamp(lo, hi)
     step = 1.0 / _spectral_norm_sq(apply_gram, (heads, t), a.dtype, a.device)
     for _ in range(steps):
@@ -127,11 +138,11 @@ def fit_bias_and_values(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention Matching's fit for the selected slots of every head.
 
-    logits (H, m, n) fp32 span logits (existing β included, padding −∞); values (H, n, Dv).
-    mass_terms: (Φ, rowmax, ΣΦ) if the caller has them already.
-    fixed (H, t_max) marks selected slots that stay verbatim (pivotal tokens): their B is 1 and their
-    value is the original. Returns (log B: the shift to add to each selected slot's existing β, (H, t_max),
-−∞ for padding; new values (H, t_max, Dv)).
+        logits (H, m, n) fp32 span logits (existing β included, padding −∞); values (H, n, Dv).
+        mass_terms: (Φ, rowmax, ΣΦ) if the caller has them already.
+        fixed (H, t_max) marks selected slots that stay verbatim (pivotal tokens): their B is 1 and their
+        value is the original. Returns (log B: the shift to add to each selected slot's existing β, (H, t_max),
+    −∞ for padding; new values (H, t_max, Dv)).
     """
     index, sel_valid = pad_selection(keep, logits.device)
     fixed = torch.zeros_like(sel_valid) if fixed is None else fixed & sel_valid
@@ -164,7 +175,13 @@ def fit_bias_and_values(
     return log_b.masked_fill(~sel_valid, NEG_INF), new_values
 
 
-def attention_output_error(logits: torch.Tensor, values: torch.Tensor, keep: list[torch.Tensor], new_logit_shift: torch.Tensor | None, new_values: torch.Tensor | None) -> float:
+def attention_output_error(
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    keep: list[torch.Tensor],
+    new_logit_shift: torch.Tensor | None,
+    new_values: torch.Tensor | None,
+) -> float:
     """Relative error of the span's attention output *and* mass on the reference queries after compaction.
 
     Output of the whole cache mixes blocks by mass, so both matter; this returns

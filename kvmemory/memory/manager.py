@@ -62,7 +62,7 @@ class MemoryManager:
         if self.session is not None:
             self._enable_recorders()
 
-    def fork(self, session) -> "MemoryManager":
+    def fork(self, session) -> MemoryManager:
         """Same policy, a copy of the history, attached to ``session`` (the fork of this manager's session)."""
         twin = MemoryManager(self.policy)
         twin.timeline = [dict(event) for event in self.timeline]
@@ -113,7 +113,9 @@ class MemoryManager:
     def chunk_size(self) -> int:
         """Prefill chunk under a cap: at most a quarter of it, so compaction always has room to work."""
         cap = self.slot_cap()
-        return self.session.prefill_chunk_size if cap is None else max(16, min(self.session.prefill_chunk_size, cap // 4))
+        return (
+            self.session.prefill_chunk_size if cap is None else max(16, min(self.session.prefill_chunk_size, cap // 4))
+        )
 
     def make_room(self, n_new: int) -> None:
         """Before ``n_new`` tokens enter the cache: compact if they would exceed the cap."""
@@ -132,7 +134,8 @@ class MemoryManager:
             self.peak_slots = max(self.peak_slots, self.session.cache.physical_length + n_new)
             if self.session.cache.physical_length + n_new > cap:
                 raise MemoryCapError(
-                    f"compaction left {self.session.cache.physical_length} slots; {n_new} more would exceed the cap of {cap}"
+                    f"compaction left {self.session.cache.physical_length} slots; {n_new} more would exceed "
+                    f"the cap of {cap}"
                 )
 
     def after_append(self) -> None:
@@ -164,7 +167,9 @@ class MemoryManager:
         jobs = []
         for span, slots, _ in items:
             method = self._method(span.rule)
-            jobs.append(SpanJob(span.positions, method, slots, span.rule.query_source if method.uses_queries else "window"))
+            jobs.append(
+                SpanJob(span.positions, method, slots, span.rule.query_source if method.uses_queries else "window")
+            )
         records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
         for span, _, forced in items:
             for segment in span.segments:
@@ -183,7 +188,7 @@ class MemoryManager:
             self._methods[key] = get_method(rule.method, **rule.params)
         return self._methods[key]
 
-    def _spans(self, recent_tokens: int | None = None) -> list["_Span"]:
+    def _spans(self, recent_tokens: int | None = None) -> list[_Span]:
         """One span per unprotected segment: its part outside the sinks and the recent window."""
         budget = self.policy.budget
         limit = len(self.session.tokens) - (budget.recent_tokens if recent_tokens is None else recent_tokens)
@@ -216,12 +221,12 @@ class MemoryManager:
         runs = _merge_oldest(self._spans(recent_tokens=still_recent), room=0)
         return math.ceil(self.session.cache.physical_length - sum(max(0.0, r.current - r.floor) for r in runs))
 
-    def _importance(self, spans: list["_Span"]) -> list[float]:
+    def _importance(self, spans: list[_Span]) -> list[float]:
         """Attention mass the selector-window queries give each span (mean over layers and heads)."""
         recorder = self.session.query_recorder
         if recorder is None or recorder.recent[0] is None:
             return [1.0] * len(spans)
-        scale = self.session.engine.head_dim ** -0.5
+        scale = self.session.engine.head_dim**-0.5
         mass = torch.zeros(len(spans))
         with torch.no_grad():
             for li, layer in enumerate(self.session.cache.layers):
@@ -234,7 +239,7 @@ class MemoryManager:
                     mass[i] += float(attn[(pos >= int(span.positions[0])) & (pos <= int(span.positions[-1]))].sum())
         return (mass / mass.sum().clamp_min(1e-12)).tolist()
 
-    def _budgets(self, goal_slots: int | None) -> list[tuple["_Span", int, bool]]:
+    def _budgets(self, goal_slots: int | None) -> list[tuple[_Span, int, bool]]:
         """[(span, slots per head, forced by the cap)] for the spans that must shrink.
 
         Each segment is its own span: compacting a union lets its selection starve one member to feed
@@ -249,8 +254,11 @@ class MemoryManager:
                 weights = self._importance(spans)
                 raw = [s.rule.weight * math.sqrt(max(w, 1e-9)) * len(s.positions) for s, w in zip(spans, weights)]
                 scale = room / max(sum(raw), 1e-12)
-                return [(s, t, t < s.wanted) for s, x in zip(spans, raw)
-                        if (t := int(max(s.floor, min(s.wanted, math.floor(x * scale))))) < s.current - 0.5]
+                return [
+                    (s, t, t < s.wanted)
+                    for s, x in zip(spans, raw)
+                    if (t := int(max(s.floor, min(s.wanted, math.floor(x * scale))))) < s.current - 0.5
+                ]
         return [(s, int(s.wanted), False) for s in spans if s.wanted < s.current - 0.5]
 
     # ---- telemetry -------------------------------------------------------------------------------
@@ -258,10 +266,16 @@ class MemoryManager:
         kv = self.session.cache.kv_bytes()
         self.peak_slots = max(self.peak_slots, self.session.cache.physical_length)
         self.peak_kv_bytes = max(self.peak_kv_bytes, kv)
-        self.timeline.append({
-            "time": time.time(), "event": event, "logical": len(self.session.tokens),
-            "physical": self.session.cache.physical_length, "kv_bytes": kv, "segments": self.session.segment_slots(),
-        })
+        self.timeline.append(
+            {
+                "time": time.time(),
+                "event": event,
+                "logical": len(self.session.tokens),
+                "physical": self.session.cache.physical_length,
+                "kv_bytes": kv,
+                "segments": self.session.segment_slots(),
+            }
+        )
 
 
 @dataclass
@@ -291,6 +305,13 @@ def _merge_oldest(spans: list[_Span], room: float) -> list[_Span]:
             i += 1
             continue
         largest = max((a, b), key=lambda s: len(s.positions))
-        spans[i: i + 2] = [_Span(a.segments + b.segments, torch.cat([a.positions, b.positions]), largest.rule,
-                                 a.current + b.current, a.wanted + b.wanted)]
+        spans[i : i + 2] = [
+            _Span(
+                a.segments + b.segments,
+                torch.cat([a.positions, b.positions]),
+                largest.rule,
+                a.current + b.current,
+                a.wanted + b.wanted,
+            )
+        ]
     return spans

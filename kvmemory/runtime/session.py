@@ -30,8 +30,8 @@ import json
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from numbers import Integral
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
 
@@ -48,12 +48,12 @@ from kvmemory.errors import (
     SessionBusyError,
     SessionClosedError,
 )
-from kvmemory.runtime.segments import Segment
-from kvmemory.runtime.search import rank_segments
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
 from kvmemory.runtime.memory_hooks import SessionMemory
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
+from kvmemory.runtime.search import rank_segments
+from kvmemory.runtime.segments import Segment
 
 QUERY_WINDOW = 64  # selector-window queries every session records (R)
 ProgressCallback = Callable[[int, int], None]
@@ -154,8 +154,14 @@ class Session:
     without one the cache is only compacted by explicit ``compact(plan)`` calls.
     """
 
-    def __init__(self, engine, session_id: str | None = None, memory: SessionMemory | None = None, prefill_chunk_size: int = 512,
-                 show_progress: bool = False):
+    def __init__(
+        self,
+        engine,
+        session_id: str | None = None,
+        memory: SessionMemory | None = None,
+        prefill_chunk_size: int = 512,
+        show_progress: bool = False,
+    ):
         self.engine = engine
         self.id = session_id or f"session-{id(self):x}"
         self.cache = CompactCache(engine.num_layers)
@@ -185,7 +191,7 @@ class Session:
             memory.attach(self)
 
     # ---- context managers ------------------------------------------------------------------------
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -196,10 +202,20 @@ class Session:
         """The session's whole state, for ``restore``: O(segments) Python objects, no tensor copies."""
         rec, hidden = self.query_recorder, self.hidden_recorder
         return SessionState(
-            self.cache.snapshot(), list(self.tokens), list(self._pending), self._last_logits,
-            [_copy_segment(s) for s in self.segments], self._next_segment_id, list(self._messages),
-            list(self._message_spans), self._tools_key, self._reply, len(self.compaction_log),
-            self.prefilled_tokens, self._turn_prefilled, rec.state() if rec is not None else None,
+            self.cache.snapshot(),
+            list(self.tokens),
+            list(self._pending),
+            self._last_logits,
+            [_copy_segment(s) for s in self.segments],
+            self._next_segment_id,
+            list(self._messages),
+            list(self._message_spans),
+            self._tools_key,
+            self._reply,
+            len(self.compaction_log),
+            self.prefilled_tokens,
+            self._turn_prefilled,
+            rec.state() if rec is not None else None,
             dict(hidden.store) if hidden is not None else None,
             self.memory.state() if self.memory is not None else None,
         )
@@ -212,7 +228,7 @@ class Session:
         self._next_segment_id = state.next_segment_id
         self._messages, self._message_spans = list(state.messages), list(state.message_spans)
         self._tools_key, self._reply = state.tools_key, state.reply
-        del self.compaction_log[state.compaction_log:]
+        del self.compaction_log[state.compaction_log :]
         self.prefilled_tokens, self._turn_prefilled = state.prefilled_tokens, state.turn_prefilled
         if self.query_recorder is not None and state.queries is not None:
             self.query_recorder.restore(state.queries)
@@ -280,7 +296,7 @@ class Session:
                 self.query_recorder.shift(shift, self.engine.rope_inv_freq)
         return shift
 
-    def fork(self, session_id: str | None = None, with_memory: bool = False) -> "Session":
+    def fork(self, session_id: str | None = None, with_memory: bool = False) -> Session:
         """An independent copy of this session (cache, transcript, recorders), e.g. to try a compaction.
 
         ``with_memory`` gives the copy its own copy of the memory manager (same policy and cap, separate
@@ -343,7 +359,9 @@ class Session:
 
     # ---- appends ---------------------------------------------------------------------------------
     @_exclusive
-    def append_text(self, text: str, kind: str = "text", role: str | None = None, progress: ProgressCallback | None = None, **meta) -> Segment:
+    def append_text(
+        self, text: str, kind: str = "text", role: str | None = None, progress: ProgressCallback | None = None, **meta
+    ) -> Segment:
         """Tokenize ``text`` (no special tokens added) and append it as one segment, after everything held."""
         if not isinstance(text, str):
             raise InvalidArgumentError(f"append_text takes a string, got {type(text).__name__}")
@@ -353,19 +371,32 @@ class Session:
         return self._append_tokens(ids, kind=kind, role=role, progress=progress, text=text, **meta)
 
     @_exclusive
-    def append_tokens(self, token_ids, kind: str = "text", role: str | None = None, progress: ProgressCallback | None = None,
-                      text: str | None = None, tool_name: str | None = None, tags: tuple[str, ...] = (), **meta) -> Segment:
+    def append_tokens(
+        self,
+        token_ids,
+        kind: str = "text",
+        role: str | None = None,
+        progress: ProgressCallback | None = None,
+        text: str | None = None,
+        tool_name: str | None = None,
+        tags: tuple[str, ...] = (),
+        **meta,
+    ) -> Segment:
         """Append token ids as a new segment, after everything held; they are prefilled in chunks."""
         return self._append_tokens(token_ids, kind, role, progress, text, tool_name, tags, **meta)
 
-    def _append_tokens(self, token_ids, kind="text", role=None, progress=None, text=None, tool_name=None, tags=(), **meta):
+    def _append_tokens(
+        self, token_ids, kind="text", role=None, progress=None, text=None, tool_name=None, tags=(), **meta
+    ):
         from kvmemory.runtime.segments import SEGMENT_KINDS
 
         if kind not in SEGMENT_KINDS:
             raise InvalidArgumentError(f"unknown segment kind {kind!r}; kinds are {', '.join(SEGMENT_KINDS)}")
         ids = self._validate_tokens(token_ids)
         text = text if text is not None else self._decode(ids)
-        probe = Segment(-1, kind, len(self.tokens), len(self.tokens) + len(ids), role, tool_name, tuple(tags), text=text)
+        probe = Segment(
+            -1, kind, len(self.tokens), len(self.tokens) + len(ids), role, tool_name, tuple(tags), text=text
+        )
         self._check_room(len(ids), [probe])
         segment = self._new_segment(kind, role=role, tool_name=tool_name, tags=tuple(tags), meta=meta)
         self._extend_segment(segment, ids, progress)
@@ -374,8 +405,13 @@ class Session:
         return segment
 
     @_exclusive
-    def append_messages(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False,
-                        progress: ProgressCallback | None = None) -> list[Segment]:
+    def append_messages(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = False,
+        progress: ProgressCallback | None = None,
+    ) -> list[Segment]:
         """Append chat messages after everything the session holds (earlier messages, generated replies, raw
         text): only the new messages are rendered and prefilled. Returns the segments created.
 
@@ -389,8 +425,13 @@ class Session:
         return self._append_rendered(held, new, tools, add_generation_prompt, progress)
 
     @_exclusive
-    def set_messages(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False,
-                     progress: ProgressCallback | None = None) -> list[Segment]:
+    def set_messages(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = False,
+        progress: ProgressCallback | None = None,
+    ) -> list[Segment]:
         """Make the session hold exactly this conversation, prefilling only what the cache lacks.
 
         A conversation that extends the held one is appended (as ``append_messages``). Otherwise the
@@ -398,14 +439,19 @@ class Session:
         first segment that differs, then re-prefilled from there: this is how history is edited, and what
         followed the cut (messages, replies, raw text) is replaced. Returns the segments created or extended.
         """
-        if (add_generation_prompt and self._reply is not None and self._reply[1] == len(self.tokens)
-                and self._tools_key == self._tools_key_of(tools) and self._same_messages(messages, self._messages)):
+        if (
+            add_generation_prompt
+            and self._reply is not None
+            and self._reply[1] == len(self.tokens)
+            and self._tools_key == self._tools_key_of(tools)
+            and self._same_messages(messages, self._messages)
+        ):
             return []  # already holds exactly this conversation and its generation prompt
         held = self._close_reply()
         messages = self._validate_messages(messages, [])
         same_tools = not held or self._tools_key_of(tools) == self._tools_key
         if same_tools and len(messages) >= len(held) and self._same_messages(messages[: len(held)], held):
-            return self._append_rendered(held, messages[len(held):], tools, add_generation_prompt, progress)
+            return self._append_rendered(held, messages[len(held) :], tools, add_generation_prompt, progress)
         return self._set_messages(messages, tools, add_generation_prompt, progress)
 
     def _append_rendered(self, held, new, tools, add_generation_prompt, progress) -> list[Segment]:
@@ -418,14 +464,29 @@ class Session:
         ends = [len(renderer.render(held + new[: i + 1], tools)) for i in range(len(new))]
         starts = [len(base)] + ends[:-1]
         delta = len(full) - len(base)
-        probes = [Segment(-1, self._message_kind(m), len(self.tokens) + s - len(base), len(self.tokens) + e - len(base),
-                          m["role"], m.get("name"), tuple(m.get("tags", ())), text=m["content"])
-                  for m, s, e in zip(new, starts, ends)]
+        probes = [
+            Segment(
+                -1,
+                self._message_kind(m),
+                len(self.tokens) + s - len(base),
+                len(self.tokens) + e - len(base),
+                m["role"],
+                m.get("name"),
+                tuple(m.get("tags", ())),
+                text=m["content"],
+            )
+            for m, s, e in zip(new, starts, ends)
+        ]
         self._check_room(delta, probes)
         touched = []
         for i, (msg, s, e) in enumerate(zip(new, starts, ends)):
-            seg = self._new_segment(self._message_kind(msg), role=msg["role"], tool_name=msg.get("name"),
-                                    tags=tuple(msg.get("tags", ())), message_index=len(held) + i)
+            seg = self._new_segment(
+                self._message_kind(msg),
+                role=msg["role"],
+                tool_name=msg.get("name"),
+                tags=tuple(msg.get("tags", ())),
+                message_index=len(held) + i,
+            )
             start = len(self.tokens)
             if e > s:
                 self._extend_segment(seg, full[s:e], progress)
@@ -435,7 +496,7 @@ class Session:
             touched.append(seg)
             self._after_append()
         if add_generation_prompt:
-            touched.append(self._open_prompt(full[ends[-1] if ends else len(base):], progress))
+            touched.append(self._open_prompt(full[ends[-1] if ends else len(base) :], progress))
         self._tools_key = self._tools_key_of(tools)
         return touched
 
@@ -454,16 +515,26 @@ class Session:
         target, spans = self._render_with_spans(messages, tools, add_generation_prompt)
         if len(target) > self.engine.position_limit:
             raise ContextLengthError(
-                f"conversation renders to {len(target)} tokens; the engine's position limit is {self.engine.position_limit}"
+                f"conversation renders to {len(target)} tokens; the engine's position limit is "
+                f"{self.engine.position_limit}"
             )
         self._flush_pending()
         keep = _common_prefix(self.tokens, target)
         cut = self._cut_point(keep)
         if cut == len(self.tokens):
             probes = [
-                Segment(-1, self._message_kind(m), max(s, cut), e, m.get("role"), m.get("name"), tuple(m.get("tags", ())),
-                        text=m["content"])
-                for m, (s, e) in zip(messages, spans) if e > cut
+                Segment(
+                    -1,
+                    self._message_kind(m),
+                    max(s, cut),
+                    e,
+                    m.get("role"),
+                    m.get("name"),
+                    tuple(m.get("tags", ())),
+                    text=m["content"],
+                )
+                for m, (s, e) in zip(messages, spans)
+                if e > cut
             ]
             self._check_room(len(target) - cut, probes)
         elif cut < len(self.tokens):
@@ -501,7 +572,7 @@ class Session:
         """The open reply (text after the generation prompt) as an assistant message, if it has any."""
         if self._reply is None or self._reply[1] >= len(self.tokens):
             return None
-        ids = self.tokens[self._reply[1]:]
+        ids = self.tokens[self._reply[1] :]
         if ids and ids[-1] in self.engine.eos_token_ids:
             ids = ids[:-1]
         return {"role": "assistant", "content": self._decode(ids)}
@@ -563,29 +634,58 @@ class Session:
                 name = calls.get(msg.get("tool_call_id")) if msg.get("tool_call_id") is not None else None
                 if name is None:
                     raise InvalidMessageError(
-                        f"tool message {i} names no tool: give 'name', or a 'tool_call_id' of an earlier tool call")
+                        f"tool message {i} names no tool: give 'name', or a 'tool_call_id' of an earlier tool call"
+                    )
                 msg["name"] = name
             out.append(msg)
         return out
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-                 top_k: int | None = None, stop: list[str] | str | None = None, seed: int | None = None,
-                 params: SamplingParams | None = None) -> GenerationResult:
+    def generate(
+        self,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        stop: list[str] | str | None = None,
+        seed: int | None = None,
+        params: SamplingParams | None = None,
+    ) -> GenerationResult:
         """Generate a continuation of the session (greedy unless ``temperature`` > 0)."""
         with self._lock:
-            generation = self.start_generation(params, max_new_tokens=max_new_tokens, temperature=temperature,
-                                               top_p=top_p, top_k=top_k, stop=stop, seed=seed)
+            generation = self.start_generation(
+                params,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                stop=stop,
+                seed=seed,
+            )
             for _ in generation:
                 pass
             return generation.result
 
-    def stream(self, max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-               top_k: int | None = None, stop: list[str] | str | None = None, seed: int | None = None,
-               params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(
+        self,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        stop: list[str] | str | None = None,
+        seed: int | None = None,
+        params: SamplingParams | None = None,
+    ) -> Iterator[str]:
         """Yield text pieces as tokens are generated. Stopping early keeps exactly the text received."""
-        generation = self.start_generation(params, max_new_tokens=max_new_tokens, temperature=temperature,
-                                           top_p=top_p, top_k=top_k, stop=stop, seed=seed)
+        generation = self.start_generation(
+            params,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop=stop,
+            seed=seed,
+        )
         return (piece for piece, _ in generation if piece)
 
     def start_generation(self, params: SamplingParams | None = None, **overrides) -> Generation:
@@ -641,7 +741,7 @@ class Session:
         k = len(generated)
         while k > 0 and not text.startswith(self._decode(generated[:k])):
             k -= 1
-        rest = text[len(self._decode(generated[:k])):]
+        rest = text[len(self._decode(generated[:k])) :]
         self._drop_tail(len(generated) - k)
         ids = self.engine.tokenizer.encode(rest, add_special_tokens=False) if rest else []
         if ids:
@@ -656,7 +756,7 @@ class Session:
             return
         keep = len(self.tokens) - n
         if n <= len(self._pending):  # never run through the model: nothing to undo in the cache
-            del self._pending[len(self._pending) - n:]
+            del self._pending[len(self._pending) - n :]
             del self.tokens[keep:]
             self.segments = [s for s in self.segments if s.start < keep]
             for seg in self.segments:
@@ -679,7 +779,9 @@ class Session:
         if self._longest_after(len(ids) - 1) > self.engine.max_context:
             raise ContextLengthError(f"continuation runs past the model's {self.engine.max_context} positions")
         if len(self.tokens) + len(ids) > self.engine.position_limit:
-            raise ContextLengthError(f"continuation runs past the engine's position limit of {self.engine.position_limit}")
+            raise ContextLengthError(
+                f"continuation runs past the engine's position limit of {self.engine.position_limit}"
+            )
         self._ensure_logits()
         first = torch.log_softmax(self._last_logits.float(), -1)[ids[0]].reshape(1).cpu()
         if len(ids) == 1:
@@ -712,10 +814,19 @@ class Session:
                 self.cache.apply_plan(plan)
 
     @_exclusive
-    def compact(self, method: str | CompactionMethod, *, slots: int | None = None, ratio: float | None = None,
-                segments: Iterable[int] | None = None, positions: Iterable[int] | None = None,
-                query_source: str | list[str] = "window", keep_first: int = 4, keep_last: int = 256,
-                **params) -> CompactionRecord:
+    def compact(
+        self,
+        method: str | CompactionMethod,
+        *,
+        slots: int | None = None,
+        ratio: float | None = None,
+        segments: Iterable[int] | None = None,
+        positions: Iterable[int] | None = None,
+        query_source: str | list[str] = "window",
+        keep_first: int = 4,
+        keep_last: int = 256,
+        **params,
+    ) -> CompactionRecord:
         """Compact part of the cache with one method, now: ``session.compact("snapkv", ratio=4)``.
 
         ``method``: a registered name (built with ``params``) or a method instance. Size: ``slots`` per KV
@@ -744,10 +855,14 @@ class Session:
     def _method_of(self, method, params: dict) -> CompactionMethod:
         if isinstance(method, CompactionMethod):
             if params:
-                raise InvalidArgumentError(f"parameters {sorted(params)} given with a method instance; set them on the instance")
+                raise InvalidArgumentError(
+                    f"parameters {sorted(params)} given with a method instance; set them on the instance"
+                )
             return method
         if not isinstance(method, str):
-            raise InvalidArgumentError(f"method must be a registered name or a CompactionMethod, got {type(method).__name__}")
+            raise InvalidArgumentError(
+                f"method must be a registered name or a CompactionMethod, got {type(method).__name__}"
+            )
         return get_method(method, **params)
 
     def _compaction_span(self, segments, positions, keep_first: int, keep_last: int) -> torch.Tensor:
@@ -760,7 +875,11 @@ class Session:
             raise InvalidArgumentError("give segments or positions, not both")
         if segments is not None:
             chosen = [self.segment(i) for i in segments]  # names an unknown id
-            wanted = torch.cat([torch.arange(s.start, s.end) for s in chosen]) if chosen else torch.empty(0, dtype=torch.long)
+            wanted = (
+                torch.cat([torch.arange(s.start, s.end) for s in chosen])
+                if chosen
+                else torch.empty(0, dtype=torch.long)
+            )
         elif positions is not None:
             wanted = torch.as_tensor(positions if isinstance(positions, torch.Tensor) else list(positions))
             if wanted.dtype.is_floating_point or wanted.dtype == torch.bool or wanted.dim() != 1:
@@ -775,7 +894,8 @@ class Session:
         if span.numel() < 2:
             raise InvalidArgumentError(
                 f"nothing to compact: of {wanted.numel()} selected positions, {span.numel()} lie outside the first "
-                f"{keep_first} (keep_first) and the last {keep_last} (keep_last) of the session's {n} tokens")
+                f"{keep_first} (keep_first) and the last {keep_last} (keep_last) of the session's {n} tokens"
+            )
         return span
 
     def _enable_recorders_for(self, method: CompactionMethod) -> None:
@@ -797,10 +917,18 @@ class Session:
             slots = self.segment_slots()
             per_token = self.cache.bytes_per_token()
             per_segment = [
-                {"id": seg.id, "kind": seg.kind, "role": seg.role, "tool_name": seg.tool_name, "tokens": seg.length,
-                 "slots": slots.get(seg.id, 0.0), "bytes": int(slots.get(seg.id, 0.0) * per_token),
-                 "ratio": seg.length / slots[seg.id] if slots.get(seg.id) else float("inf"), "compactions": seg.compactions,
-                 "cap_forced": seg.cap_forced}
+                {
+                    "id": seg.id,
+                    "kind": seg.kind,
+                    "role": seg.role,
+                    "tool_name": seg.tool_name,
+                    "tokens": seg.length,
+                    "slots": slots.get(seg.id, 0.0),
+                    "bytes": int(slots.get(seg.id, 0.0) * per_token),
+                    "ratio": seg.length / slots[seg.id] if slots.get(seg.id) else float("inf"),
+                    "compactions": seg.compactions,
+                    "cap_forced": seg.cap_forced,
+                }
                 for seg in self.segments
             ]
             return SessionStats(
@@ -853,8 +981,9 @@ class Session:
         if self._messages or self._reply is not None:
             message = {"role": "user", "content": header + seg.text + footer, "recall_of": seg.id}
             held = self._close_reply()
-            return self._append_rendered(held, [message], None if not self._tools_key else json.loads(self._tools_key),
-                                         False, None)[-1]
+            return self._append_rendered(
+                held, [message], None if not self._tools_key else json.loads(self._tools_key), False, None
+            )[-1]
         ids = self.tokens[seg.start : seg.end]  # the exact tokens, whatever the cache kept of them
         if self.engine.tokenizer is not None:
             encode = self.engine.tokenizer.encode
@@ -881,7 +1010,9 @@ class Session:
     def _validate_tokens(self, token_ids) -> list[int]:
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dim() > 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
-                raise InvalidTokenError(f"token ids must be a 1-D integer tensor, got {token_ids.dim()}-D {token_ids.dtype}")
+                raise InvalidTokenError(
+                    f"token ids must be a 1-D integer tensor, got {token_ids.dim()}-D {token_ids.dtype}"
+                )
             token_ids = token_ids.tolist()
         if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
             raise InvalidTokenError(f"token ids must be a list of integers, got {type(token_ids).__name__}")
@@ -918,8 +1049,15 @@ class Session:
 
     def _new_segment(self, kind: str, role=None, tool_name=None, tags=(), message_index=None, meta=None) -> Segment:
         seg = Segment(
-            id=self._next_segment_id, kind=kind, start=len(self.tokens), end=len(self.tokens), role=role,
-            tool_name=tool_name, tags=tuple(tags), message_index=message_index, meta=dict(meta or {}),
+            id=self._next_segment_id,
+            kind=kind,
+            start=len(self.tokens),
+            end=len(self.tokens),
+            role=role,
+            tool_name=tool_name,
+            tags=tuple(tags),
+            message_index=message_index,
+            meta=dict(meta or {}),
         )
         self._next_segment_id += 1
         self.segments.append(seg)
@@ -960,8 +1098,12 @@ class Session:
         engine = self.engine
         input_ids = torch.tensor([ids], device=engine.device)
         positions = torch.arange(positions_from, positions_from + len(ids), device=engine.device)
-        if (segment_id >= 0 and engine.rebase_positions and self.cache.rope_length + len(ids) > engine.rebase_at
-                and self.cache.rope_length > self.cache.physical_length + len(ids)):  # only when there are gaps to close
+        if (
+            segment_id >= 0
+            and engine.rebase_positions
+            and self.cache.rope_length + len(ids) > engine.rebase_at
+            and self.cache.rope_length > self.cache.physical_length + len(ids)
+        ):  # only when there are gaps to close
             self._rebase()
         rope = self.cache.rope_positions(positions)
         extra = {"query_recorder": self.query_recorder} if self.query_recorder is not None else {}

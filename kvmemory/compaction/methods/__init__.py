@@ -12,7 +12,24 @@ from kvmemory.compaction.methods.tam import TAM, TAMConfig
 from kvmemory.compaction.methods.tova import TOVA, TOVAConfig
 
 __all__ = [
-    "AttentionMatching", "AttentionMatchingConfig", "CounterCausal", "CounterCausalConfig", "H2O", "H2OConfig",
-    "KeyNorm", "KeyNormConfig", "REAL", "REALConfig", "RandomEviction", "RandomEvictionConfig", "SnapKV",
-    "SnapKVConfig", "StreamingLLM", "StreamingLLMConfig", "TAM", "TAMConfig", "TOVA", "TOVAConfig",
+    "AttentionMatching",
+    "AttentionMatchingConfig",
+    "CounterCausal",
+    "CounterCausalConfig",
+    "H2O",
+    "H2OConfig",
+    "KeyNorm",
+    "KeyNormConfig",
+    "REAL",
+    "REALConfig",
+    "RandomEviction",
+    "RandomEvictionConfig",
+    "SnapKV",
+    "SnapKVConfig",
+    "StreamingLLM",
+    "StreamingLLMConfig",
+    "TAM",
+    "TAMConfig",
+    "TOVA",
+    "TOVAConfig",
 ]

@@ -14,10 +14,18 @@ import torch
 from pydantic import Field
 
 from kvmemory.cache.plan import pad_selection
-from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, LayerSpan, MethodConfig, protected_mask, topk_per_head
-from kvmemory.compaction.solvers import fit_bias_and_values, gather_columns, nnls_box, pool_scores, reduce_attention
+from kvmemory.compaction.base import (
+    CacheSpan,
+    CompactionMethod,
+    LayerResult,
+    LayerSpan,
+    MethodConfig,
+    protected_mask,
+    topk_per_head,
+)
 from kvmemory.compaction.methods.counter_causal import surprise_scores
 from kvmemory.compaction.registry import register
+from kvmemory.compaction.solvers import fit_bias_and_values, gather_columns, nnls_box, pool_scores, reduce_attention
 
 
 class AttentionMatchingConfig(MethodConfig):
@@ -30,7 +38,8 @@ class AttentionMatchingConfig(MethodConfig):
     omp_refit_every: int = Field(2, ge=1, description="OMP: steps between mass refits")
     beta_box: tuple[float, float] = Field((-3.0, 3.0), description="allowed range of log B (β shift)")
     ridge: float = Field(
-        1.0, ge=0.0,
+        1.0,
+        ge=0.0,
         description="ridge λ of the value fit, relative to the mean Gram diagonal; it pulls toward the kept "
         "values, and a strong pull stops overfitting when the slots outnumber the reference queries",
     )
@@ -40,7 +49,9 @@ class AttentionMatchingConfig(MethodConfig):
     chunk_size: int = Field(2048, ge=0, description="compact spans longer than this chunk by chunk (0: never)")
     counter_causal_fast: bool = Field(True, description="with the counter_causal selector: single-layer score")
     adaptive_heads: float = Field(
-        0.0, ge=0.0, le=1.0,
+        0.0,
+        ge=0.0,
+        le=1.0,
         description="AdaKV-style: share a layer's budget across its heads by joint top-k of the selection "
         "scores, each head keeping at least this fraction of its uniform budget (0: uniform per head)",
     )
@@ -69,7 +80,9 @@ class AttentionMatching(CompactionMethod):
         return results
 
     # ---- one layer -----------------------------------------------------------------------------
-    def compact_layer(self, layer: LayerSpan, budget: torch.Tensor, forced: torch.Tensor | None, position_scores=None) -> LayerResult:
+    def compact_layer(
+        self, layer: LayerSpan, budget: torch.Tensor, forced: torch.Tensor | None, position_scores=None
+    ) -> LayerResult:
         n_valid = layer.valid.sum(dim=1)
         if bool((budget >= n_valid).all()):
             return LayerResult(keep=[torch.nonzero(v).flatten() for v in layer.valid])
@@ -101,7 +114,13 @@ class AttentionMatching(CompactionMethod):
         old_bias = torch.gather(layer.bias, 1, index)
         logits = layer.logits()
         shift, values = fit_bias_and_values(
-            logits, layer.values, keep, fixed, self.config.beta_box, self.config.ridge, self.config.nnls_steps,
+            logits,
+            layer.values,
+            keep,
+            fixed,
+            self.config.beta_box,
+            self.config.ridge,
+            self.config.nnls_steps,
             mass_terms=layer.mass_terms(),
         )
         bias = (old_bias + shift).masked_fill(~sel_valid, float("-inf")) if self.config.fit_bias else None
@@ -147,8 +166,16 @@ class AttentionMatching(CompactionMethod):
         keeps = [[] for _ in range(layer.num_heads)]
         values, biases = [[] for _ in range(layer.num_heads)], [[] for _ in range(layer.num_heads)]
         for c, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            sub = LayerSpan(layer.layer, layer.keys[:, a:b], layer.values[:, a:b], layer.bias[:, a:b],
-                            layer.positions[:, a:b], layer.valid[:, a:b], layer.scale, layer.queries)
+            sub = LayerSpan(
+                layer.layer,
+                layer.keys[:, a:b],
+                layer.values[:, a:b],
+                layer.bias[:, a:b],
+                layer.positions[:, a:b],
+                layer.valid[:, a:b],
+                layer.scale,
+                layer.queries,
+            )
             sub_forced = forced[:, a:b] if forced is not None else None
             cb = chunk_budgets[:, c]
             if bool((cb >= sub.valid.sum(1)).all()):
@@ -170,7 +197,9 @@ class AttentionMatching(CompactionMethod):
         return LayerResult(keep=keep, values=v_out, bias=b_out.to(layer.bias.device))
 
 
-def adaptive_head_budgets(scores: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor, floor_fraction: float) -> torch.Tensor:
+def adaptive_head_budgets(
+    scores: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor, floor_fraction: float
+) -> torch.Tensor:
     """Per-head budgets summing to ``budget.sum()``: a floor per head, the rest by joint top-k of the scores."""
     floor = (budget.float() * floor_fraction).floor().long()
     floor = torch.minimum(floor, valid.sum(1))

@@ -164,7 +164,9 @@ def own_token_logits(access: ModelAccess, positions: torch.Tensor, fast: bool) -
         start = 0
     for li in range(start, len(layers)):
         last = li == len(layers) - 1
-        hidden = _decoder_layer(layers[li], hidden, base.rotary_emb, access.cache.layers[li], positions, with_mlp=not last)
+        hidden = _decoder_layer(
+            layers[li], hidden, base.rotary_emb, access.cache.layers[li], positions, with_mlp=not last
+        )
     hidden = base.norm(hidden)
     weight = model.lm_head.weight[token_ids]
     logits = (hidden * weight).sum(-1)
@@ -178,7 +180,9 @@ def span_positions(span: CacheSpan) -> torch.Tensor:
     size = 1 + max(int(layer.positions.max()) for layer in span.layers)
     present = torch.zeros(size, dtype=torch.uint8, device=span.layers[0].positions.device)
     for layer in span.layers:
-        present.scatter_reduce_(0, layer.positions.clamp_min(0).flatten(), layer.valid.flatten().to(torch.uint8), "amax")
+        present.scatter_reduce_(
+            0, layer.positions.clamp_min(0).flatten(), layer.valid.flatten().to(torch.uint8), "amax"
+        )
     return torch.nonzero(present).flatten()
 
 

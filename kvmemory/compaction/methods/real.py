@@ -66,6 +66,9 @@ class REAL(CompactionMethod):
         capacity = torch.stack([layer.valid.sum(1) for layer in span.layers])
         scores = self.head_scores(span)
         if tuple(scores.shape) != tuple(capacity.shape):
-            raise ValueError(f"head profile has shape {tuple(scores.shape)}, the model has {tuple(capacity.shape)} (layers, KV heads)")
+            raise ValueError(
+                f"head profile has shape {tuple(scores.shape)}, the model has {tuple(capacity.shape)} "
+                "(layers, KV heads)"
+            )
         budgets = headkv_budgets(int(budgets.sum()), scores, capacity, self.config.beta, self.config.temperature)
         return self.inner.compact(span, budgets)

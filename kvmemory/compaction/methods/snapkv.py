@@ -11,8 +11,8 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
-from kvmemory.compaction.solvers import pool_scores
 from kvmemory.compaction.registry import register
+from kvmemory.compaction.solvers import pool_scores
 
 
 class SnapKVConfig(MethodConfig):

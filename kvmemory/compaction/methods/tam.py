@@ -32,7 +32,9 @@ class TAMConfig(MethodConfig):
     matching: AttentionMatchingConfig = Field(default_factory=AttentionMatchingConfig)
 
 
-def segment_ids_from_text(positions: torch.Tensor, valid: torch.Tensor, token_text, token_of_position: dict[int, int], min_len: int) -> torch.Tensor:
+def segment_ids_from_text(
+    positions: torch.Tensor, valid: torch.Tensor, token_text, token_of_position: dict[int, int], min_len: int
+) -> torch.Tensor:
     """(n,) segment index per slot of one head: new segment after a token holding a blank line; short ones merged."""
     pos = positions.tolist()
     seg, current, count = [], 0, 0
@@ -43,7 +45,11 @@ def segment_ids_from_text(positions: torch.Tensor, valid: torch.Tensor, token_te
             continue
         count += 1
         text = token_text(token_of_position.get(p, -1)) if token_text else ""
-        if "\n\n" in text or (text.endswith("\n") and i + 1 < len(pos) and token_text(token_of_position.get(pos[i + 1], -1)).startswith("\n")):
+        if "\n\n" in text or (
+            text.endswith("\n")
+            and i + 1 < len(pos)
+            and token_text(token_of_position.get(pos[i + 1], -1)).startswith("\n")
+        ):
             lengths.append(count)
             current, count = current + 1, 0
     lengths.append(count)
@@ -53,7 +59,11 @@ def segment_ids_from_text(positions: torch.Tensor, valid: torch.Tensor, token_te
 def segment_ids_from_attention(attn: torch.Tensor, valid: torch.Tensor, factor: float, min_len: int) -> torch.Tensor:
     """(n,) segment index per slot: boundaries where mean attention jumps by more than ``factor`` × median jump."""
     jumps = (attn[1:] - attn[:-1]).abs()
-    cut = jumps > factor * jumps[valid[1:]].median().clamp_min(1e-12) if valid[1:].any() else torch.zeros_like(jumps, dtype=torch.bool)
+    cut = (
+        jumps > factor * jumps[valid[1:]].median().clamp_min(1e-12)
+        if valid[1:].any()
+        else torch.zeros_like(jumps, dtype=torch.bool)
+    )
     seg = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(cut.long(), 0)])
     lengths = torch.bincount(seg[valid], minlength=int(seg.max()) + 1).tolist()
     return _merge_short(seg, lengths, min_len)
@@ -139,7 +149,9 @@ class TAM(CompactionMethod):
                 pivotal = torch.zeros_like(pivotal)
                 pivotal[strongest] = True
             if cfg.boundaries == "blank_lines":
-                seg = segment_ids_from_text(layer.positions[h], valid, span.text_of_token, span.token_of_position, cfg.min_segment_tokens)
+                seg = segment_ids_from_text(
+                    layer.positions[h], valid, span.text_of_token, span.token_of_position, cfg.min_segment_tokens
+                )
             else:
                 seg = segment_ids_from_attention(attn[h], valid, cfg.jump_factor, cfg.min_segment_tokens)
             seg = seg.to(attn.device)
@@ -152,8 +164,13 @@ class TAM(CompactionMethod):
             chosen = pivotal.clone()
             if t_rest > 0 and bool(present.any()):
                 per_seg = torch.zeros(n_seg, dtype=torch.long)
-                per_seg[present] = allocate(t_rest, weights[present] / weights[present].sum().clamp_min(1e-12),
-                                            lengths[present], cfg.weight_exponent, cfg.length_exponent)
+                per_seg[present] = allocate(
+                    t_rest,
+                    weights[present] / weights[present].sum().clamp_min(1e-12),
+                    lengths[present],
+                    cfg.weight_exponent,
+                    cfg.length_exponent,
+                )
                 for s in torch.nonzero(per_seg).flatten().tolist():
                     members = torch.nonzero(candidates & (seg == s)).flatten()
                     top = torch.topk(attn[h][members], int(per_seg[s])).indices
