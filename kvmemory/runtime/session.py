@@ -25,11 +25,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import hashlib
 import json
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from numbers import Integral
 
@@ -43,21 +42,29 @@ from kvmemory.compaction.registry import get_method
 from kvmemory.errors import (
     ContextLengthError,
     InvalidArgumentError,
-    InvalidMessageError,
     InvalidTokenError,
     SessionBusyError,
     SessionClosedError,
 )
 from kvmemory.runtime.chat import ChatRenderer
+from kvmemory.runtime.conversation import (
+    common_prefix,
+    fingerprint,
+    message_kind,
+    planned_segment,
+    render_with_spans,
+    same_messages,
+    tools_key,
+    validate_messages,
+)
 from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
 from kvmemory.runtime.memory_hooks import SessionMemory
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 from kvmemory.runtime.search import rank_segments
-from kvmemory.runtime.segments import Segment
+from kvmemory.runtime.segments import SEGMENT_KINDS, Segment
 
 QUERY_WINDOW = 64  # selector-window queries every session records (R)
 ProgressCallback = Callable[[int, int], None]
-ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -112,18 +119,6 @@ def _tqdm_progress(total: int, inner: ProgressCallback | None) -> ProgressCallba
             bar.close()
 
     return update
-
-
-def _fingerprint(message: dict) -> str:
-    return hashlib.sha1(json.dumps(message, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _copy_segment(seg: Segment) -> Segment:
@@ -388,8 +383,6 @@ class Session:
     def _append_tokens(
         self, token_ids, kind="text", role=None, progress=None, text=None, tool_name=None, tags=(), **meta
     ):
-        from kvmemory.runtime.segments import SEGMENT_KINDS
-
         if kind not in SEGMENT_KINDS:
             raise InvalidArgumentError(f"unknown segment kind {kind!r}; kinds are {', '.join(SEGMENT_KINDS)}")
         ids = self._validate_tokens(token_ids)
@@ -418,9 +411,8 @@ class Session:
         Changing ``tools`` changes how the conversation's start renders, so it re-renders the conversation
         like ``set_messages``."""
         held = self._close_reply()
-        new = self._validate_messages(messages, held)
-        tools_key = self._tools_key_of(tools)
-        if held and tools_key != self._tools_key:
+        new = validate_messages(messages, held)
+        if held and tools_key(tools) != self._tools_key:
             return self._set_messages(held + new, tools, add_generation_prompt, progress)
         return self._append_rendered(held, new, tools, add_generation_prompt, progress)
 
@@ -443,14 +435,14 @@ class Session:
             add_generation_prompt
             and self._reply is not None
             and self._reply[1] == len(self.tokens)
-            and self._tools_key == self._tools_key_of(tools)
-            and self._same_messages(messages, self._messages)
+            and self._tools_key == tools_key(tools)
+            and same_messages(messages, self._messages)
         ):
             return []  # already holds exactly this conversation and its generation prompt
         held = self._close_reply()
-        messages = self._validate_messages(messages, [])
-        same_tools = not held or self._tools_key_of(tools) == self._tools_key
-        if same_tools and len(messages) >= len(held) and self._same_messages(messages[: len(held)], held):
+        messages = validate_messages(messages, [])
+        same_tools = not held or tools_key(tools) == self._tools_key
+        if same_tools and len(messages) >= len(held) and same_messages(messages[: len(held)], held):
             return self._append_rendered(held, messages[len(held) :], tools, add_generation_prompt, progress)
         return self._set_messages(messages, tools, add_generation_prompt, progress)
 
@@ -464,24 +456,13 @@ class Session:
         ends = [len(renderer.render(held + new[: i + 1], tools)) for i in range(len(new))]
         starts = [len(base)] + ends[:-1]
         delta = len(full) - len(base)
-        probes = [
-            Segment(
-                -1,
-                self._message_kind(m),
-                len(self.tokens) + s - len(base),
-                len(self.tokens) + e - len(base),
-                m["role"],
-                m.get("name"),
-                tuple(m.get("tags", ())),
-                text=m["content"],
-            )
-            for m, s, e in zip(new, starts, ends)
-        ]
+        base_at = len(self.tokens) - len(base)
+        probes = [planned_segment(m, base_at + s, base_at + e) for m, s, e in zip(new, starts, ends)]
         self._check_room(delta, probes)
         touched = []
         for i, (msg, s, e) in enumerate(zip(new, starts, ends)):
             seg = self._new_segment(
-                self._message_kind(msg),
+                message_kind(msg),
                 role=msg["role"],
                 tool_name=msg.get("name"),
                 tags=tuple(msg.get("tags", ())),
@@ -492,12 +473,12 @@ class Session:
                 self._extend_segment(seg, full[s:e], progress)
             seg.text = msg["content"]
             self._messages.append(msg)
-            self._message_spans.append((_fingerprint(msg), start, len(self.tokens)))
+            self._message_spans.append((fingerprint(msg), start, len(self.tokens)))
             touched.append(seg)
             self._after_append()
         if add_generation_prompt:
             touched.append(self._open_prompt(full[ends[-1] if ends else len(base) :], progress))
-        self._tools_key = self._tools_key_of(tools)
+        self._tools_key = tools_key(tools)
         return touched
 
     def _open_prompt(self, ids: list[int], progress) -> Segment:
@@ -512,30 +493,20 @@ class Session:
         return seg
 
     def _set_messages(self, messages, tools, add_generation_prompt, progress) -> list[Segment]:
-        target, spans = self._render_with_spans(messages, tools, add_generation_prompt)
+        same_tools = self._tools_key == tools_key(tools)
+        held = self._message_spans if same_tools else None
+        target, spans = render_with_spans(self.renderer, messages, tools, add_generation_prompt, held, self.tokens)
+        self._tools_key = tools_key(tools)
         if len(target) > self.engine.position_limit:
             raise ContextLengthError(
                 f"conversation renders to {len(target)} tokens; the engine's position limit is "
                 f"{self.engine.position_limit}"
             )
         self._flush_pending()
-        keep = _common_prefix(self.tokens, target)
+        keep = common_prefix(self.tokens, target)
         cut = self._cut_point(keep)
         if cut == len(self.tokens):
-            probes = [
-                Segment(
-                    -1,
-                    self._message_kind(m),
-                    max(s, cut),
-                    e,
-                    m.get("role"),
-                    m.get("name"),
-                    tuple(m.get("tags", ())),
-                    text=m["content"],
-                )
-                for m, (s, e) in zip(messages, spans)
-                if e > cut
-            ]
+            probes = [planned_segment(m, max(s, cut), e) for m, (s, e) in zip(messages, spans) if e > cut]
             self._check_room(len(target) - cut, probes)
         elif cut < len(self.tokens):
             self._truncate(cut)
@@ -550,7 +521,7 @@ class Session:
             seg = self._segment_starting_at(start)
             if seg is None:
                 seg = self._new_segment(
-                    "assistant" if is_prompt else self._message_kind(msg),
+                    "assistant" if is_prompt else message_kind(msg),
                     role="assistant" if is_prompt else msg["role"],
                     tool_name=None if is_prompt else msg.get("name"),
                     tags=() if is_prompt else tuple(msg.get("tags", ())),
@@ -563,7 +534,7 @@ class Session:
             touched.append(seg)
             self._after_append()
         self._messages = messages
-        self._message_spans = [(_fingerprint(m), s, e) for m, (s, e) in zip(messages, spans)]
+        self._message_spans = [(fingerprint(m), s, e) for m, (s, e) in zip(messages, spans)]
         self._reply = (spans[-1][1] if spans else 0, len(target)) if add_generation_prompt else None
         return touched
 
@@ -598,47 +569,8 @@ class Session:
             self._extend_segment(self._reply_segment(), closing, None)
         self._refresh_open_segment_text()
         self._messages.append(message)
-        self._message_spans.append((_fingerprint(message), prompt_start, len(self.tokens)))
+        self._message_spans.append((fingerprint(message), prompt_start, len(self.tokens)))
         return self._messages
-
-    def _same_messages(self, a: list[dict], b: list[dict]) -> bool:
-        return len(a) == len(b) and all(_fingerprint(dict(x)) == _fingerprint(y) for x, y in zip(a, b))
-
-    @staticmethod
-    def _tools_key_of(tools) -> str:
-        return json.dumps(tools, sort_keys=True, default=str) if tools else ""
-
-    def _validate_messages(self, messages, earlier: list[dict]) -> list[dict]:
-        """Copies of ``messages``, checked: known role, text content, tool messages that name their tool."""
-        if isinstance(messages, Mapping) or not isinstance(messages, (list, tuple)):
-            raise InvalidMessageError(f"messages must be a list of message dicts, got {type(messages).__name__}")
-        calls = {c.get("id"): (c.get("function") or c).get("name") for m in earlier for c in m.get("tool_calls") or []}
-        out = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, Mapping):
-                raise InvalidMessageError(f"message {i} is a {type(message).__name__}, not a dict")
-            msg = dict(message)
-            role = msg.get("role")
-            if role not in ROLES:
-                raise InvalidMessageError(f"message {i} has role {role!r}; roles are {', '.join(ROLES)}")
-            content = msg.get("content")
-            if content is None:
-                msg["content"] = ""
-            elif not isinstance(content, str):
-                raise InvalidMessageError(f"message {i} content must be a string, got {type(content).__name__}")
-            for call in msg.get("tool_calls") or []:
-                if not isinstance(call, Mapping) or not isinstance((call.get("function") or call).get("name"), str):
-                    raise InvalidMessageError(f"message {i} has a tool call without a name: {call!r}")
-                calls[call.get("id")] = (call.get("function") or call)["name"]
-            if role == "tool" and not isinstance(msg.get("name"), str):
-                name = calls.get(msg.get("tool_call_id")) if msg.get("tool_call_id") is not None else None
-                if name is None:
-                    raise InvalidMessageError(
-                        f"tool message {i} names no tool: give 'name', or a 'tool_call_id' of an earlier tool call"
-                    )
-                msg["name"] = name
-            out.append(msg)
-        return out
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(
@@ -1144,25 +1076,6 @@ class Session:
                 seg.text = self._decode(self.tokens[seg.start : seg.end])
 
     # ---- chat internals --------------------------------------------------------------------------
-    def _render_with_spans(self, messages, tools, add_generation_prompt):
-        """Token ids of the conversation and each message's [start, end) span in them."""
-        renderer = self.renderer
-        tools_key = self._tools_key_of(tools)
-        full = renderer.render(messages, tools, add_generation_prompt)
-        spans: list[tuple[int, int]] = []
-        reusable = self._tools_key == tools_key
-        for i, msg in enumerate(messages):
-            if reusable and i < len(self._message_spans) and self._message_spans[i][0] == _fingerprint(msg):
-                s, e = self._message_spans[i][1:]
-                if (not spans or spans[-1][1] == s) and full[s:e] == self.tokens[s:e]:
-                    spans.append((s, e))
-                    continue
-            reusable = False
-            end = len(renderer.render(messages[: i + 1], tools, False))
-            spans.append((spans[-1][1] if spans else 0, min(end, len(full))))
-        self._tools_key = tools_key
-        return full, spans
-
     def _cut_point(self, keep: int) -> int:
         """Where to cut the cache so that whole segments are re-prefilled: the start of the segment holding ``keep``."""
         if keep >= len(self.tokens):
@@ -1208,12 +1121,3 @@ class Session:
             self.cache.truncate_positions(last)
             seg = next(s for s in reversed(self.segments) if s.start <= last < s.end)
             self._forward([self.tokens[last]], seg.id, positions_from=last)
-
-    @staticmethod
-    def _message_kind(msg: dict) -> str:
-        role = msg.get("role")
-        if role == "tool":
-            return "tool_output"
-        if role == "assistant" and msg.get("tool_calls"):
-            return "tool_call"
-        return {"system": "system", "user": "user", "assistant": "assistant"}.get(role, "text")
