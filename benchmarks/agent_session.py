@@ -198,7 +198,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     base = Engine.from_pretrained("default")
-    unbounded = Engine(base.model, base.tokenizer, name=base.name, max_context=base.position_limit)
+    unbounded = Engine(base.model, base.tokenizer, name=base.name, max_context=4 * base.config.max_position_embeddings)
     configs = {
         "uncompacted": (unbounded, None, None),
         "kvmemory-default": (base, lambda: MemoryManager(policy_with(None, args.cap)), None),

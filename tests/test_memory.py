@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmemory import Engine, MemoryCapError, PolicyError
+from kvmemory import ContextLengthError, Engine, MemoryCapError, PolicyError
 from kvmemory.memory import MemoryManager, MemoryPolicy, Segment, SegmentMatch, default_policy, plot_memory_map
 from kvmemory.memory.policy import CompactionRule
 from tests.conftest import random_tokens, tiny_model
@@ -321,3 +321,20 @@ def test_hundreds_of_segments_share_floors_when_one_floor_each_no_longer_fits():
     assert session.tokens == appended
     old = [s for s in session.stats().segments[1:60]]
     assert all(s["cap_forced"] for s in old) and sum(s["slots"] for s in old) < 2 * len(old)
+
+
+def test_a_capped_session_runs_far_past_the_trained_positions():
+    """Logical positions are only indices: rebasing keeps RoPE positions bounded, so a capped session is
+    not stopped at a multiple of the trained length."""
+    engine = Engine(tiny_model("llama", max_position_embeddings=64))
+    session = engine.session(memory=MemoryManager(small_policy(max_slots=48, recent=8)), prefill_chunk_size=8)
+    for i in range(30):  # 600 tokens: over 9× the 64 trained positions
+        session.append_tokens(random_tokens(20, seed=i), kind="text")
+        assert session.cache.rope_length <= 64 + 8 and session.cache.physical_length <= 48
+    assert len(session.tokens) == 600 and torch.isfinite(session.logprobs(random_tokens(3, seed=99))).all()
+    fixed = Engine(tiny_model("llama", max_position_embeddings=64), rebase_positions=False)
+    assert fixed.position_limit == 4 * 64
+    unrotated = fixed.session(memory=MemoryManager(small_policy(max_slots=48, recent=8)), prefill_chunk_size=8)
+    with pytest.raises(ContextLengthError, match="position limit of 256"):
+        for i in range(30):
+            unrotated.append_tokens(random_tokens(20, seed=i), kind="text")

@@ -17,6 +17,8 @@ from kvmemory.runtime.loading import (
 )
 from kvmemory.runtime.session import Session
 
+MAX_LOGICAL_POSITIONS = 2**31 - 1  # the cache stores positions as int32
+
 
 class Engine:
     """A local causal LM ready to serve kvmemory sessions.
@@ -42,15 +44,17 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = model.config
         self.name = name or getattr(model.config, "name_or_path", None) or model.config.model_type
-        # The attention window (physical slots) defaults to the trained context. Positions keep counting
-        # the true token index after compaction, so a compacted session may run past the trained length
-        # (RoPE extrapolates) up to ``position_limit``.
+        # The attention window (physical slots) defaults to the trained context. Logical positions keep
+        # counting the true token index after compaction. Once RoPE positions would pass ``rebase_at``
+        # (default: the trained positions), the cache is re-rotated to close compaction's gaps (see
+        # Session.rebase_positions), so RoPE positions stay bounded and a capped session may run for as
+        # many tokens as the cache's int32 positions count. Without rebasing, RoPE positions are the
+        # logical ones and ``position_limit`` bounds how far RoPE extrapolates (4× the trained length).
         self.max_context = max_context or model.config.max_position_embeddings
-        self.position_limit = position_limit or 4 * model.config.max_position_embeddings
-        # Once RoPE positions would pass ``rebase_at`` (default: the trained positions), re-rotate the cache
-        # to close compaction's gaps (see Session.rebase_positions).
         self.rebase_positions = rebase_positions
         self.rebase_at = rebase_at or model.config.max_position_embeddings
+        unbounded = MAX_LOGICAL_POSITIONS if rebase_positions else 4 * model.config.max_position_embeddings
+        self.position_limit = position_limit or unbounded
         self.lock = threading.RLock()  # one forward at a time: sessions never see each other's state
 
     @classmethod
