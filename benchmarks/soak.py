@@ -150,7 +150,8 @@ class Soak:
                 lambda: self.session.append_messages([{"role": "robot", "content": "x"}]),
                 lambda: self.session.append_tokens([self.engine.vocab_size + 5]),
                 lambda: self.session.generate(temperature=-1.0),
-                lambda: self.session.append_messages([{"role": "user", "content": "word " * 40_000}]),
+                lambda: self.session.append_messages([{"role": "tool", "content": "orphan output"}]),
+                lambda: self.session.compact("snapkv", slots=0),
                 lambda: self.session.recall(10**9),
             ]
         )
