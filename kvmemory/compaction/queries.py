@@ -54,7 +54,7 @@ def reference_queries(
 
 def _window(session) -> list[torch.Tensor]:
     recorder = session.query_recorder
-    if recorder is None or recorder.recent[0] is None:
+    if recorder is None or not recorder.has_window:
         raise KVMemoryError("no selector-window queries: call session.record_queries(R) before appending")
     return [recorder.window_queries(layer) for layer in range(session.engine.num_layers)]
 

@@ -224,7 +224,7 @@ class MemoryManager:
     def _importance(self, spans: list[_Span]) -> list[float]:
         """Attention mass the selector-window queries give each span (mean over layers and heads)."""
         recorder = self.session.query_recorder
-        if recorder is None or recorder.recent[0] is None:
+        if recorder is None or not recorder.has_window:
             return [1.0] * len(spans)
         scale = self.session.engine.head_dim**-0.5
         mass = torch.zeros(len(spans))

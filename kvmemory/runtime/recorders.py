@@ -98,9 +98,14 @@ class QueryRecorder:
     def window_queries(self, layer: int) -> torch.Tensor | None:
         """(H, ≤R·G, D): the queries of the last ``window`` tokens (fewer before that many have run)."""
         recent = self.recent[layer]
-        if recent is None or self.groups is None:
-            return recent
+        if recent is None or self.groups is None or self.window <= 0:  # window 0: recording switched off
+            return None
         return recent[:, -self.window * self.groups :]
+
+    @property
+    def has_window(self) -> bool:
+        """Whether selector-window queries are there to use."""
+        return self.window_queries(0) is not None
 
     def start_capture(self) -> None:
         self.captured = [[] for _ in range(self.num_layers)]

@@ -780,7 +780,7 @@ class Session:
         span = self._compaction_span(segments, positions, keep_first, keep_last)
         budget = int(slots) if slots is not None else max(1, round(span.numel() / ratio))
         self._enable_recorders_for(method)
-        measure = self.query_recorder is not None and self.query_recorder.recent[0] is not None
+        measure = self.query_recorder is not None and self.query_recorder.has_window
         job = SpanJob(span, method, budget, query_source if method.uses_queries else "window")
         return compact_spans(self, [job], trigger="manual", measure_error=measure)[0]
 
