@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: timing, tables, result files, real text to feed the model."""
+"""Helpers shared by the benchmarks: timing, tables, result files."""
 
 from __future__ import annotations
 
@@ -51,18 +51,3 @@ def save(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2, default=float))
     return path
-
-
-def source_text(min_chars: int) -> str:
-    """Real Python source: the installed transformers package's files, concatenated."""
-    import transformers
-
-    root = Path(transformers.__file__).parent
-    parts, total = [], 0
-    for path in sorted(p for p in root.glob("*.py") if not p.name.startswith("_")):
-        text = path.read_text(errors="ignore")
-        parts.append(f"# file: {path.name}\n{text}")
-        total += len(text)
-        if total >= min_chars:
-            break
-    return "\n".join(parts)

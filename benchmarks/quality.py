@@ -3,8 +3,9 @@ probes on planted facts, and milliseconds per compaction.
 
 For every text kind and method, an N-token context is compacted to exactly N/ratio slots per head (the
 first 4 tokens and the last 32 are kept verbatim by every method), then the next 256 tokens are scored
-teacher-forced; each kind is measured on several disjoint windows of its text and the tables give means
-(with one window per kind, single texts decided which method won). Retrieval: facts planted in long pytest
+teacher-forced, and the KV bytes the compacted cache holds are reported beside the slots; each kind is
+measured on several disjoint windows of its text and the tables give means (with one window per kind,
+single texts decided which method won). Retrieval: facts planted in long pytest
 logs; after compaction the question is appended and the answer's log-probability and greedy exact match
 are measured.
 
@@ -22,11 +23,7 @@ import torch
 
 from benchmarks.common import RESULTS, save, table
 from benchmarks.texts import TEXT_KINDS, log_text, plant_facts
-from kvmemory import Engine
-from kvmemory.compaction.base import ModelAccess
-from kvmemory.compaction.compactor import compact_span
-from kvmemory.compaction.methods.counter_causal import own_token_logits
-from kvmemory.compaction.registry import get_method
+from kvmemory import Engine, get_method
 
 SINKS, RECENT, WINDOW, CONTINUATION = 4, 32, 128, 256
 CONTEXT_QUERIES = 256  # context-prefill queries kept per segment (as the memory manager keeps them)
@@ -79,11 +76,11 @@ def compact_context(base, n_context: int, label: str, ratio: float):
     name, params, source = METHODS[label]
     session = base.fork()
     slots = max(1, round(n_context / ratio) - SINKS - RECENT)
-    record = compact_span(
-        session,
-        torch.arange(SINKS, n_context - RECENT),
+    record = session.compact(
         get_method(name, **params),
-        slots,
+        slots=slots,
+        keep_first=SINKS,
+        keep_last=RECENT,
         query_source=source,
         measure_error=False,
     )
@@ -111,6 +108,7 @@ def quality(engine, kinds, n_context, ratios, labels, segments):
                     "ratio": 1.0,
                     "nll": full_nll,
                     "delta": 0.0,
+                    "kv_mb": base.stats().kv_bytes / 1e6,
                     "ms": 0.0,
                 }
             )
@@ -127,12 +125,13 @@ def quality(engine, kinds, n_context, ratios, labels, segments):
                             "ratio": ratio,
                             "nll": nll,
                             "delta": nll - full_nll,
+                            "kv_mb": session.stats().kv_bytes / 1e6,
                             "ms": record.milliseconds,
                         }
                     )
                     print(
                         f"  {ratio:>4}x {label:<18} NLL {nll:.4f} (+{nll - full_nll:.4f})  "
-                        f"{record.milliseconds:7.0f} ms",
+                        f"{rows[-1]['kv_mb']:6.2f} MB  {record.milliseconds:7.0f} ms",
                         flush=True,
                     )
                     session.close()
@@ -151,7 +150,7 @@ def mean_over_segments(rows):
             "method": method,
             "ratio": ratio,
             "segments": len(g),
-            **{key: sum(r[key] for r in g) / len(g) for key in ("nll", "delta", "ms")},
+            **{key: sum(r[key] for r in g) / len(g) for key in ("nll", "delta", "kv_mb", "ms")},
         }
         for (kind, method, ratio), g in groups.items()
     ]
@@ -209,23 +208,8 @@ def latency(engine, sizes, labels, ratio=10):
 
             rows.append({"slots": n, "method": label, "ms": median_of_3_ms(compaction_ms)})
             print(f"  latency {n} slots {label:<18} {rows[-1]['ms']:.0f} ms", flush=True)
-            if label == "counter_causal":  # the paper's "refresh": the score alone, without the eviction
-                rows.append({"slots": n, "method": "counter_causal (score only)", "ms": surprise_score_ms(base, n)})
-                print(f"  latency {n} slots {'  score only':<18} {rows[-1]['ms']:.0f} ms", flush=True)
         base.close()
     return rows
-
-
-def surprise_score_ms(session, n: int) -> float:
-    """Median of 3 timings of the fast counter-causal score over the span a compaction would score."""
-    access, positions = ModelAccess.from_session(session), torch.arange(SINKS, n - RECENT)
-
-    def score_ms():
-        started = time.perf_counter()
-        own_token_logits(access, positions, fast=True)
-        return (time.perf_counter() - started) * 1e3
-
-    return median_of_3_ms(score_ms)
 
 
 def plot(rows, path):
@@ -293,7 +277,7 @@ def main() -> None:
         out["quality_segments"] = quality(engine, args.kinds, args.context, args.ratios, args.methods, args.segments)
         out["quality"] = mean_over_segments(out["quality_segments"])
         plot(out["quality"], RESULTS / "quality.png")
-        print(table(out["quality_segments"], ["kind", "segment", "method", "ratio", "nll", "delta", "ms"]))
+        print(table(out["quality_segments"], ["kind", "segment", "method", "ratio", "nll", "delta", "kv_mb", "ms"]))
     if "retrieval" not in args.skip:
         out["retrieval"] = retrieval(engine, args.context, [10, 20], args.methods)
         print(table(out["retrieval"], ["method", "ratio", "answer_logprob", "exact_match"]))

@@ -14,7 +14,8 @@ import copy
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import median_time, save, source_text, table
+from benchmarks.common import median_time, save, table
+from benchmarks.texts import source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan
 
 

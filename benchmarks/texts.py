@@ -1,77 +1,53 @@
-"""Real text of several kinds for the quality benchmarks, made on this machine at run time.
+"""Real text of several kinds for the benchmarks, frozen under ``benchmarks/data`` so that no result changes
+with installed package versions or with this project's own later edits.
 
-* source: the installed transformers package's Python files;
+* source: this project's own Python source (``kvmemory/``), as of the freeze;
 * logs: genuine pytest output (verbose, long tracebacks, captured logging) of a suite of varied failures;
-* prose: Python standard-library module documentation;
-* reasoning: worked multi-step arithmetic solutions whose every number is computed.
+* prose: this project's own documentation (README and docstrings);
+* reasoning: worked multi-step arithmetic solutions whose every number is computed (generated, deterministic).
+The ``make_*`` functions are how the frozen files were made: ``python -m benchmarks.texts`` writes them anew.
 Facts can be planted at chosen depths to probe retrieval after compaction.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
+import ast
 import random
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import source_text
-
-PROSE_MODULES = (
-    "json",
-    "re",
-    "os",
-    "pathlib",
-    "argparse",
-    "subprocess",
-    "logging",
-    "collections",
-    "typing",
-    "asyncio",
-    "functools",
-    "itertools",
-    "dataclasses",
-    "contextlib",
-    "unittest",
-    "email",
-    "http.client",
-    "sqlite3",
-    "threading",
-    "socket",
-    "csv",
-    "zipfile",
-    "tarfile",
-    "shutil",
-    "tempfile",
-    "textwrap",
-    "string",
-    "decimal",
-)
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).parent / "data"
 
 
-def prose_text(min_chars: int) -> str:
-    """Standard-library documentation, each paragraph once (inherited docstrings repeat paragraphs verbatim,
-    which would turn the continuation into a copy task)."""
-    parts, seen, total = [], set(), 0
-    for name in PROSE_MODULES:
-        mod = importlib.import_module(name)
-        for obj in [mod] + [getattr(mod, a) for a in sorted(dir(mod)) if not a.startswith("_")][:40]:
-            doc = (
-                inspect.getdoc(obj)
-                if inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isfunction(obj)
-                else None
-            )
-            for paragraph in (doc or "").split("\n\n"):
-                key = " ".join(paragraph.split())
-                if len(key) > 80 and key not in seen:
-                    seen.add(key)
-                    parts.append(paragraph)
-                    total += len(paragraph)
-        if total >= min_chars:
-            break
+def make_source_text() -> str:
+    """This project's own Python source (the ``kvmemory`` package), file by file."""
+    paths = sorted((REPO / "kvmemory").rglob("*.py"))
+    return "\n".join(f"# file: {p.relative_to(REPO).as_posix()}\n{p.read_text()}" for p in paths)
+
+
+def make_prose_text() -> str:
+    """This project's own prose: the README, then the docstrings of its modules, classes and functions, each
+    paragraph once (a paragraph repeated verbatim would turn the continuation into a copy task)."""
+    parts, seen = [], set()
+    sources = [("README", (REPO / "README.md").read_text())]
+    for path in sorted(REPO.glob("*/**/*.py")):
+        if path.relative_to(REPO).parts[0] in ("kvmemory", "integrations", "agents", "examples", "benchmarks"):
+            tree = ast.parse(path.read_text())
+            docs = (ast.get_docstring(node) for node in ast.walk(tree) if isinstance(node, DOCUMENTED))
+            sources.append((path.name, "\n\n".join(d for d in docs if d)))
+    for _, text in sources:
+        for paragraph in text.split("\n\n"):
+            key = " ".join(paragraph.split())
+            if len(key) > 80 and key not in seen:
+                seen.add(key)
+                parts.append(paragraph.strip("\n"))
     return "\n\n".join(parts)
+
+
+DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
 DIAGNOSTICS_TESTS = """
@@ -218,7 +194,7 @@ def test_merge_type():
 """
 
 
-def log_text(min_chars: int) -> str:
+def make_log_text(min_chars: int = 200_000) -> str:
     """Genuine pytest output: a suite of varied failures through real standard-library code (JSON, dates,
     decimals, archives, SQL, subprocesses, assertion diffs, captured logging), with long tracebacks.
     Each run uses other flags, so the text reads like an agent's session rather than one log repeated."""
@@ -272,6 +248,27 @@ def reasoning_text(min_chars: int, seed: int = 0) -> str:
     return "".join(parts)
 
 
+def frozen_text(kind: str, min_chars: int) -> str:
+    """The frozen text of ``kind`` (a file under ``benchmarks/data``), so results never depend on what is
+    installed; refuses a request for more text than the file holds rather than measuring on less."""
+    text = (DATA / f"{kind}.txt").read_text()
+    if len(text) < min_chars:
+        raise ValueError(f"benchmarks/data/{kind}.txt holds {len(text)} characters, {min_chars} were asked for")
+    return text
+
+
+def source_text(min_chars: int) -> str:
+    return frozen_text("source", min_chars)
+
+
+def log_text(min_chars: int) -> str:
+    return frozen_text("logs", min_chars)
+
+
+def prose_text(min_chars: int) -> str:
+    return frozen_text("prose", min_chars)
+
+
 TEXT_KINDS = {"source": source_text, "logs": log_text, "prose": prose_text, "reasoning": reasoning_text}
 
 
@@ -283,3 +280,16 @@ def plant_facts(text: str, facts: list[str], seed: int = 0) -> str:
     for offset, (depth, fact) in enumerate(zip(depths, facts)):
         lines.insert(int(depth * len(lines)) + offset, fact)
     return "\n".join(lines)
+
+
+def freeze() -> None:
+    """Write the frozen texts anew from this checkout and this machine (changes every benchmark number)."""
+    DATA.mkdir(exist_ok=True)
+    made = {"source": make_source_text(), "logs": make_log_text(), "prose": make_prose_text()}
+    for kind, text in made.items():
+        (DATA / f"{kind}.txt").write_text(text)
+        print(f"benchmarks/data/{kind}.txt: {len(text):,} characters")
+
+
+if __name__ == "__main__":
+    freeze()

@@ -757,6 +757,7 @@ class Session:
         query_source: str | list[str] = "window",
         keep_first: int = 4,
         keep_last: int = 256,
+        measure_error: bool = True,
         **params,
     ) -> CompactionRecord:
         """Compact part of the cache with one method, now: ``session.compact("snapkv", ratio=4)``.
@@ -766,6 +767,8 @@ class Session:
         logical ``positions``, by default everything; the first ``keep_first`` and the last ``keep_last``
         tokens always stay verbatim (sinks and recent window, as the memory manager keeps them).
         ``query_source``: reference queries for methods that use them (see ``kvmemory.compaction.queries``).
+        ``measure_error``: report the attention-output error on the recorded window queries in the record
+        (one extra attention pass over the span; off for timing the method alone).
         """
         method = self._method_of(method, params)
         if (slots is None) == (ratio is None):
@@ -780,7 +783,7 @@ class Session:
         span = self._compaction_span(segments, positions, keep_first, keep_last)
         budget = int(slots) if slots is not None else max(1, round(span.numel() / ratio))
         self._enable_recorders_for(method)
-        measure = self.query_recorder is not None and self.query_recorder.has_window
+        measure = measure_error and self.query_recorder is not None and self.query_recorder.has_window
         job = SpanJob(span, method, budget, query_source if method.uses_queries else "window")
         return compact_spans(self, [job], trigger="manual", measure_error=measure)[0]
 
