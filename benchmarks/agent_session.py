@@ -1,6 +1,7 @@
 """A long coding-agent session replayed under a 2,048-slot cap: kvmemory policies vs text-level baselines.
 
-The scripted session (32 real tool calls over the sample project, model-generated replies) is replayed
+The scripted session (32 real tool calls over the sample project, their outputs recorded once by
+``python -m benchmarks.agent_traces``; model-generated replies) is replayed
 through a Session on the default model:
 * uncompacted: every token stays in the cache (attention over the full history);
 * kvmemory policies under the cap: the default policy (TAM), Attention Matching under REAL head budgets,
@@ -16,14 +17,12 @@ exact match). Reports peak KV bytes, recall and wall time; writes a memory-map P
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
-from agents.coding_agent.sample_project import create_sample_project
 from agents.coding_agent.scripted_session import STEPS, fact_questions, replay
-from agents.coding_agent.workspace import Workspace
+from benchmarks.agent_traces import scripted_session_tools
 from benchmarks.common import RESULTS, save, table
 from integrations.chat_model import to_chat_dicts
 from kvmemory import Engine
@@ -84,60 +83,58 @@ def run(
 ) -> list[dict]:
     """Replay the session as ``label``; with ``recall_tool`` also ask the facts a second time, each after the agent
     re-reads the tool output that best matches the question (``Session.search`` + ``Session.recall``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        workspace = Workspace(create_sample_project(tmp))
-        session = engine.session(memory=memory)
-        peak = [0]
+    session = engine.session(memory=memory)
+    peak = [0]
 
-        def respond(messages):
-            shown = transform(session, messages, cap) if transform else messages
-            session.set_messages(to_chat_dicts(shown), add_generation_prompt=True)
-            peak[0] = max(peak[0], session.cache.physical_length)
-            text = session.generate(max_new_tokens=reply_tokens).text
-            peak[0] = max(peak[0], session.cache.physical_length)  # the last sampled token is not in the cache yet
-            return text
+    def respond(messages):
+        shown = transform(session, messages, cap) if transform else messages
+        session.set_messages(to_chat_dicts(shown), add_generation_prompt=True)
+        peak[0] = max(peak[0], session.cache.physical_length)
+        text = session.generate(max_new_tokens=reply_tokens).text
+        peak[0] = max(peak[0], session.cache.physical_length)  # the last sampled token is not in the cache yet
+        return text
 
-        def on_step(i, name, args, output, reply):
-            print(
-                f"  [{label}] step {i + 1:2d} {name:<11} logical {len(session.tokens):6d}  slots "
-                f"{session.cache.physical_length:5d}",
-                flush=True,
-            )
+    def on_step(i, name, args, output, reply):
+        print(
+            f"  [{label}] step {i + 1:2d} {name:<11} logical {len(session.tokens):6d}  slots "
+            f"{session.cache.physical_length:5d}",
+            flush=True,
+        )
 
-        start = time.perf_counter()
-        messages = replay(workspace, respond, steps, on_step)
-        seconds = time.perf_counter() - start
-        base = {
-            "run": label,
-            "tool_calls": len(steps),
-            "history_tokens": rendered_length(session, messages),
-            "compactions": session.cache.compactions,
-            "seconds": seconds,
-            "answer_tokens": answer_tokens,
-        }
-        rows = []
-        for recall_first in [False, True] if recall_tool else [False]:
-            recall = ask_facts(engine, session, messages, transform, cap, answer_tokens, recall_first)
-            peak_slots = max(peak[0], recall.pop("probe_peak_slots"), memory.peak_slots if memory is not None else 0)
-            rows.append(
-                {
-                    **base,
-                    "run": label + (" + recall tool" if recall_first else ""),
-                    "peak_slots": peak_slots,
-                    "peak_kv_bytes": peak_slots * engine.kv_bytes_per_token,
-                    **recall,
-                }
-            )
-        if memory is not None and label == "kvmemory-default":
-            plot_memory_map(
-                memory.timeline,
-                session.segments,
-                RESULTS / "agent_session_memory_map.png",
-                cap=cap,
-                title=f"agent session under a {cap}-slot cap (default policy)",
-            )
-        session.close()
-        return rows
+    start = time.perf_counter()
+    messages = replay(scripted_session_tools(), respond, steps, on_step)
+    seconds = time.perf_counter() - start
+    base = {
+        "run": label,
+        "tool_calls": len(steps),
+        "history_tokens": rendered_length(session, messages),
+        "compactions": session.cache.compactions,
+        "seconds": seconds,
+        "answer_tokens": answer_tokens,
+    }
+    rows = []
+    for recall_first in [False, True] if recall_tool else [False]:
+        recall = ask_facts(engine, session, messages, transform, cap, answer_tokens, recall_first)
+        peak_slots = max(peak[0], recall.pop("probe_peak_slots"), memory.peak_slots if memory is not None else 0)
+        rows.append(
+            {
+                **base,
+                "run": label + (" + recall tool" if recall_first else ""),
+                "peak_slots": peak_slots,
+                "peak_kv_bytes": peak_slots * engine.kv_bytes_per_token,
+                **recall,
+            }
+        )
+    if memory is not None and label == "kvmemory-default":
+        plot_memory_map(
+            memory.timeline,
+            session.segments,
+            RESULTS / "agent_session_memory_map.png",
+            cap=cap,
+            title=f"agent session under a {cap}-slot cap (default policy)",
+        )
+    session.close()
+    return rows
 
 
 def ask_facts(engine, session, messages, transform, cap, answer_tokens: int, recall_first: bool = False):

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from langchain_core.messages import HumanMessage
 
 from agents.coding_agent.agent import recall_tool
 from agents.coding_agent.sample_project import create_sample_project
-from agents.coding_agent.scripted_session import STEPS, fact_questions, replay
+from agents.coding_agent.scripted_session import STEPS, fact_questions, replay, run_tool
 from agents.coding_agent.workspace import Workspace
 from integrations import ChatKVMemory
 from kvmemory import Engine
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
                 flush=True,
             )
 
-        messages = replay(workspace, respond, STEPS[: args.steps], on_step)
+        messages = replay(partial(run_tool, workspace), respond, STEPS[: args.steps], on_step)
         recall = recall_tool(chat)
         for with_recall in (False, True):
             print(

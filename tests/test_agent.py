@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
 from agents.coding_agent.agent import build_coding_agent, recall_tool
 from agents.coding_agent.sample_project import FACTS, create_sample_project
-from agents.coding_agent.scripted_session import STEPS, replay
+from agents.coding_agent.scripted_session import STEPS, replay, run_tool
 from agents.coding_agent.workspace import SandboxError, Workspace
 from integrations import ChatKVMemory
 from kvmemory.memory import default_policy
@@ -165,7 +166,11 @@ def test_tools_do_real_work(workspace):
 
 def test_scripted_session_runs_real_tools(workspace):
     seen = []
-    messages = replay(workspace, lambda msgs: "ok", STEPS, lambda i, name, args, out, reply: seen.append((name, out)))
+
+    def on_step(i, name, args, out, reply):
+        seen.append((name, out))
+
+    messages = replay(partial(run_tool, workspace), lambda msgs: "ok", STEPS, on_step)
     assert len(STEPS) >= 30 and len(seen) == len(STEPS)
     outputs = "\n".join(out for _, out in seen)
     for _, answer in FACTS.values():

@@ -74,17 +74,20 @@ def run_tool(workspace: Workspace, name: str, args: dict) -> str:
 
 
 def replay(
-    workspace: Workspace,
+    tools: Callable[[str, dict], str],
     respond: Callable[[list[BaseMessage]], str],
     steps: list[tuple[str, dict]] = STEPS,
     on_step: Callable[[int, str, dict, str, str], None] | None = None,
 ) -> list[BaseMessage]:
-    """Run ``steps`` as tool calls; after each real tool output the model's reply comes from ``respond``."""
+    """Run ``steps`` as tool calls; after each tool output the model's reply comes from ``respond``.
+
+    ``tools(name, args)`` gives the output: ``partial(run_tool, workspace)`` runs the tool for real; the
+    agent-session benchmark replays outputs recorded once, so its numbers never move with installed packages."""
     messages: list[BaseMessage] = [SystemMessage(SYSTEM_PROMPT), HumanMessage(TASK)]
     for i, (name, args) in enumerate(steps):
         call_id = f"call_{i}"
         messages.append(AIMessage("", tool_calls=[{"name": name, "args": args, "id": call_id}]))
-        output = run_tool(workspace, name, args)
+        output = tools(name, args)
         messages.append(ToolMessage(output, tool_call_id=call_id, name=name))
         reply = respond(messages)
         messages.append(AIMessage(reply))

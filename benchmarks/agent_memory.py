@@ -1,0 +1,395 @@
+"""Memory fidelity of agent sessions under a cap: does a compacted session keep what it read?
+
+Four real coding-agent traces (``benchmarks/agent_traces.py``: real file reads, test runs, logs and
+searches, 5-7k tokens each, so the uncompacted run stays inside the model's trained positions and is a
+valid reference) are replayed step by step, as an agent would send them, under each condition:
+
+* ``uncompacted``: the whole trace in the cache;
+* text baselines at a token budget equal to the cap: ``drop-oldest`` (keep the system prompt and task,
+  then the newest messages that fit, tool calls with their results); ``clear-tool-uses`` (LangChain's
+  ``ClearToolUsesEdit(keep=3)``, then drop-oldest if still over); ``summarization`` (LangChain's
+  ``SummarizationMiddleware`` with the same local model as the summariser);
+* kvmemory under a cap of the same KV bytes (``MemoryBudget.max_bytes``), compacting online as the memory
+  manager runs it: the default policy, and its rules switched to Attention Matching, AM under REAL head
+  budgets, TAM, counter-causal surprise or SnapKV.
+
+Measured at the end of each trace, for each fact (a value the trace mentions exactly once, early): the
+answer's log-probability after the question, as the share of the gain the whole trace gives over no trace,
+``(lp - lp_none) / (lp_full - lp_none)`` summed over the facts the trace helps; greedy exact match. Also the
+teacher-forced NLL of the trace's last turn given the (compacted) earlier part, and the share of degenerate
+free replies (empty, repetitive or off-topic) among sampled answers to an open question. Intervals are 95%
+bootstrap intervals over facts.
+
+    python -m benchmarks.agent_memory [--caps 8 4] [--conditions ...] [--traces ...] [--replies 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import statistics
+import time
+
+from langchain.agents.middleware import ClearToolUsesEdit, SummarizationMiddleware
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+
+from benchmarks.agent_traces import load_traces, trace_text
+from benchmarks.common import RESULTS, save, table
+from integrations.chat_model import ChatKVMemory, to_chat_dicts
+from kvmemory import Engine, MemoryManager, MemoryPolicy, default_policy
+
+KV_METHODS = {  # condition: (registry name, params) every compacted rule of the default policy switches to
+    "am": ("attention_matching", {}),
+    "am-real": ("real", {"inner": "attention_matching"}),
+    "tam": ("tam", {}),
+    "counter-causal": ("counter_causal", {}),
+    "snapkv": ("snapkv", {}),
+}
+CONDITIONS = ["uncompacted", "drop-oldest", "clear-tool-uses", "summarization", "kvmemory-default", *KV_METHODS]
+OPEN_QUESTION = "In two sentences: what was wrong in this task, and what did you change?"
+ANSWER_TOKENS, REPLY_TOKENS, BOOTSTRAP = 24, 48, 2000
+
+
+def capped_policy(max_bytes: int, method: str | None = None, params: dict | None = None) -> MemoryPolicy:
+    """The default policy under a byte cap; with ``method``, every compacted rule switched to it."""
+    policy = default_policy()
+    policy = policy.model_copy(update={"budget": policy.budget.model_copy(update={"max_bytes": max_bytes})})
+    if method is None:
+        return policy
+    switch = {"method": method, "params": params or {}}
+    rules = [r if r.protected else r.model_copy(update=switch) for r in policy.rules]
+    return policy.model_copy(update={"rules": rules, "default": policy.default.model_copy(update=switch)})
+
+
+def to_langchain(messages: list[dict]) -> list:
+    """Chat dicts (as the traces store them) → LangChain messages, for the text baselines."""
+    out = []
+    for m in messages:
+        if m["role"] == "system":
+            out.append(SystemMessage(m["content"]))
+        elif m["role"] == "user":
+            out.append(HumanMessage(m["content"]))
+        elif m["role"] == "tool":
+            out.append(ToolMessage(m["content"], tool_call_id=m["tool_call_id"], name=m["name"]))
+        else:
+            calls = [
+                {"name": c["function"]["name"], "args": c["function"]["arguments"], "id": c["id"]}
+                for c in m.get("tool_calls", [])
+            ]
+            out.append(AIMessage(m["content"], tool_calls=calls))
+    return out
+
+
+# ---- what each condition shows the model -----------------------------------------------------------
+class FullHistory:
+    """kvmemory and the uncompacted run: the model is sent every message; the cache does the remembering."""
+
+    def show(self, history: list[dict]) -> list[dict]:
+        return history
+
+    def probe(self, history: list[dict], extra: list[dict]) -> list[dict]:
+        return history + extra
+
+
+class DropOldest:
+    """Keep the system prompt and task, then the newest messages that fit the token budget."""
+
+    def __init__(self, count_tokens, budget: int):
+        self.count, self.budget = count_tokens, budget
+
+    def fit(self, messages: list) -> list:
+        head, rest = messages[:2], list(messages[2:])
+        while rest and self.count(head + rest) > self.budget:
+            cut = 1
+            if isinstance(rest[0], AIMessage) and rest[0].tool_calls:
+                while cut < len(rest) and isinstance(rest[cut], ToolMessage):
+                    cut += 1
+            rest = rest[cut:]
+            while rest and isinstance(rest[0], ToolMessage):  # never leave an orphaned tool result
+                rest = rest[1:]
+        return head + rest
+
+    def edit(self, messages: list) -> list:
+        return messages
+
+    def show(self, history: list[dict]) -> list[dict]:
+        return to_chat_dicts(self.fit(self.edit(to_langchain(history))))
+
+    def probe(self, history: list[dict], extra: list[dict]) -> list[dict]:
+        return self.show(history + extra)
+
+
+class ClearToolUses(DropOldest):
+    """LangChain's ContextEditingMiddleware with ``ClearToolUsesEdit(keep=3)`` at the budget (applied to every
+    model call, as the middleware does), then drop-oldest where clearing alone does not fit the budget."""
+
+    def edit(self, messages: list) -> list:
+        messages = [m.model_copy(deep=True) for m in messages]
+        ClearToolUsesEdit(trigger=self.budget, keep=3).apply(messages, count_tokens=self.count)
+        return messages
+
+
+class Summarization:
+    """LangChain's SummarizationMiddleware (the local model summarises) over the running conversation: its
+    state update replaces the messages, as in an agent; probes see that state without summarising again."""
+
+    def __init__(self, count_tokens, budget: int, engine):
+        summariser = ChatKVMemory(engine=engine, policy=MemoryPolicy(), max_new_tokens=160)
+        self.middleware = SummarizationMiddleware(
+            summariser, trigger=("tokens", budget), keep=("tokens", budget // 2), token_counter=count_tokens
+        )
+        self.state, self.seen, self.summaries = [], 0, 0
+
+    def show(self, history: list[dict]) -> list[dict]:
+        self.state += to_langchain(history[self.seen :])
+        self.seen = len(history)
+        update = self.middleware.before_model({"messages": self.state}, None)
+        if update is not None:
+            self.state = [m for m in update["messages"] if m.type != "remove"]
+            self.summaries += 1
+        return to_chat_dicts(self.state)
+
+    def probe(self, history: list[dict], extra: list[dict]) -> list[dict]:
+        return to_chat_dicts(self.state + to_langchain(history[self.seen :] + extra))
+
+
+# ---- measuring --------------------------------------------------------------------------------------
+def question(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def continuation_ids(renderer, shown: list[dict], turn: list[dict], limit: int = 384) -> list[int]:
+    """The tokens ``turn`` adds after ``shown`` (the chat template renders each message on its own)."""
+    before = renderer.render(shown)
+    after = renderer.render(shown + turn)
+    if after[: len(before)] != before:
+        raise RuntimeError("the chat template rendered the prefix differently once the turn was added")
+    return after[len(before) :][:limit]
+
+
+def ask(session, view, history, facts, tokenizer) -> list[dict]:
+    """Each fact question in a fork of the finished session: answer log-probability and greedy exact match."""
+    out = []
+    for q, answer in facts:
+        probe = session.fork(with_memory=True)
+        probe.set_messages(
+            view.probe(history, [question(f"{q} Answer with the value only.")]), add_generation_prompt=True
+        )
+        lp = float(probe.logprobs(tokenizer.encode(answer, add_special_tokens=False)).sum())
+        text = probe.generate(max_new_tokens=ANSWER_TOKENS).text
+        out.append({"question": q, "answer": answer, "logprob": lp, "reply": text, "exact": answer in text})
+        probe.close()
+    return out
+
+
+def free_replies(session, view, history, n: int) -> list[str]:
+    replies = []
+    for seed in range(n):
+        probe = session.fork(with_memory=True)
+        probe.set_messages(view.probe(history, [question(OPEN_QUESTION)]), add_generation_prompt=True)
+        replies.append(probe.generate(max_new_tokens=REPLY_TOKENS, temperature=0.8, top_p=0.95, seed=seed).text)
+        probe.close()
+    return replies
+
+
+WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]{3,}")
+
+
+def degenerate(reply: str, context: str) -> str | None:
+    """Why a free reply is degenerate: ``empty``, ``repetitive`` (a word 4-gram three times, or under a third of
+    its words distinct) or ``off-topic`` (no word of four letters or more that the trace contains)."""
+    words = reply.lower().split()
+    if len(WORD.findall(reply)) < 2:
+        return "empty"
+    grams = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
+    if (grams and max(grams.count(g) for g in set(grams)) >= 3) or len(set(words)) < len(words) / 3:
+        return "repetitive"
+    known = set(WORD.findall(context.lower()))
+    if not any(w in known for w in WORD.findall(reply.lower())):
+        return "off-topic"
+    return None
+
+
+def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -> dict:
+    """Send the trace step by step as ``condition``; measure the last turn's NLL, the facts and free replies."""
+    messages, renderer = trace["messages"], engine.session().renderer
+
+    def count_tokens(lc_messages) -> int:
+        return len(renderer.render(to_chat_dicts(lc_messages)))
+
+    memory, view = None, FullHistory()
+    if condition == "drop-oldest":
+        view = DropOldest(count_tokens, cap_tokens)
+    elif condition == "clear-tool-uses":
+        view = ClearToolUses(count_tokens, cap_tokens)
+    elif condition == "summarization":
+        view = Summarization(count_tokens, cap_tokens, engine)
+    elif condition != "uncompacted":
+        method, params = KV_METHODS.get(condition, (None, None))
+        memory = MemoryManager(capped_policy(cap_tokens * engine.kv_bytes_per_token, method, params))
+    session = engine.session(memory=memory)
+    started, peak = time.perf_counter(), 0
+    step_ends = list(range(5, len(messages) + 1, 3))  # after each (tool call, tool output, note)
+    for end in step_ends[:-1]:
+        session.set_messages(view.show(messages[:end]))
+        peak = max(peak, session.stats().kv_bytes)
+    shown = view.show(messages[: step_ends[-2]])
+    last_turn = continuation_ids(renderer, shown, messages[step_ends[-2] :])
+    nll = float(-session.logprobs(last_turn).mean())
+    session.set_messages(view.show(messages))
+    peak = max(peak, session.stats().kv_bytes, memory.peak_slots * engine.kv_bytes_per_token if memory else 0)
+    facts = ask(session, view, messages, trace["facts"], engine.tokenizer)
+    texts = free_replies(session, view, messages, replies)
+    context = trace_text(messages)
+    row = {
+        "trace": trace["name"],
+        "condition": condition,
+        "cap_tokens": cap_tokens,
+        "nll_last_turn": nll,
+        "peak_kv_bytes": peak,
+        "compactions": session.cache.compactions,
+        "summaries": getattr(view, "summaries", 0),
+        "facts": facts,
+        "replies": [{"text": t, "degenerate": degenerate(t, context)} for t in texts],
+        "seconds": time.perf_counter() - started,
+    }
+    session.close()
+    return row
+
+
+def no_trace_logprobs(engine, trace: dict) -> list[float]:
+    """Each answer's log-probability with only the system prompt and the question: what no memory gives."""
+    out = []
+    for q, answer in trace["facts"]:
+        session = engine.session()
+        session.set_messages(
+            [trace["messages"][0], question(f"{q} Answer with the value only.")], add_generation_prompt=True
+        )
+        out.append(float(session.logprobs(engine.tokenizer.encode(answer, add_special_tokens=False)).sum()))
+        session.close()
+    return out
+
+
+# ---- summarising ------------------------------------------------------------------------------------
+def gain_share(facts: list[tuple[float, float, float]]) -> float:
+    """Σ(lp - lp_none) / Σ(lp_full - lp_none) over (lp, lp_none, lp_full) of facts the full trace helps."""
+    helped = [(lp, none, full) for lp, none, full in facts if full > none]
+    total = sum(full - none for _, none, full in helped)
+    return sum(lp - none for lp, none, _ in helped) / total if total else float("nan")
+
+
+def bootstrap(values: list, statistic, seed: int = 0) -> tuple[float, float]:
+    rng = random.Random(seed)
+    samples = sorted(statistic([rng.choice(values) for _ in values]) for _ in range(BOOTSTRAP))
+    return samples[int(0.025 * BOOTSTRAP)], samples[int(0.975 * BOOTSTRAP) - 1]
+
+
+def summarise(rows: list[dict], none: dict, divisor: int) -> list[dict]:
+    full = {
+        (r["trace"], f["question"]): f["logprob"] for r in rows if r["condition"] == "uncompacted" for f in r["facts"]
+    }
+    full_nll = {r["trace"]: r["nll_last_turn"] for r in rows if r["condition"] == "uncompacted"}
+    out = []
+    for condition in dict.fromkeys(r["condition"] for r in rows):
+        mine = [r for r in rows if r["condition"] == condition]
+        triples = [
+            (f["logprob"], none[(r["trace"], f["question"])], full[(r["trace"], f["question"])])
+            for r in mine
+            for f in r["facts"]
+        ]
+        exact = [float(f["exact"]) for r in mine for f in r["facts"]]
+        replies = [p for r in mine for p in r["replies"]]
+        share_lo, share_hi = bootstrap(triples, gain_share)
+        exact_lo, exact_hi = bootstrap(exact, statistics.fmean)
+        out.append(
+            {
+                "cap": f"1/{divisor}",
+                "condition": condition,
+                "fact_gain_kept": gain_share(triples),
+                "gain_ci": f"[{share_lo:.2f}, {share_hi:.2f}]",
+                "exact_match": statistics.fmean(exact),
+                "exact_ci": f"[{exact_lo:.2f}, {exact_hi:.2f}]",
+                "delta_nll_last_turn": statistics.fmean(r["nll_last_turn"] - full_nll[r["trace"]] for r in mine),
+                "degenerate_replies": sum(p["degenerate"] is not None for p in replies) / len(replies),
+                "peak_kv_mb": max(r["peak_kv_bytes"] for r in mine) / 1e6,
+                "seconds": sum(r["seconds"] for r in mine),
+            }
+        )
+    return out
+
+
+def plot(summary: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = list(dict.fromkeys(r["cap"] for r in summary))
+    fig, axes = plt.subplots(1, len(caps), figsize=(6 * len(caps), 4.5), squeeze=False)
+    for ax, cap in zip(axes[0], caps):
+        mine = [r for r in summary if r["cap"] == cap and r["condition"] != "uncompacted"]
+        lows = [float(r["gain_ci"][1:-1].split(",")[0]) for r in mine]
+        highs = [float(r["gain_ci"][1:-1].split(",")[1]) for r in mine]
+        values = [r["fact_gain_kept"] for r in mine]
+        colors = ["tab:blue" if r["condition"].startswith(("kvmemory", *KV_METHODS)) else "tab:gray" for r in mine]
+        ax.bar(range(len(mine)), values, color=colors)
+        ax.errorbar(
+            range(len(mine)),
+            values,
+            yerr=[[v - lo for v, lo in zip(values, lows)], [hi - v for v, hi in zip(values, highs)]],
+            fmt="none",
+            color="black",
+            capsize=3,
+        )
+        ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="uncompacted")
+        ax.axhline(0.0, color="black", linewidth=0.5)
+        ax.set_xticks(range(len(mine)), [r["condition"] for r in mine], rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel("share of the full trace's fact gain kept")
+        ax.set_title(f"cap = {cap} of the trace (equal KV bytes / tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--caps", type=int, nargs="+", default=[8, 4], help="cap = trace tokens / N")
+    parser.add_argument("--conditions", nargs="+", default=CONDITIONS, choices=CONDITIONS)
+    parser.add_argument("--traces", nargs="+", default=None)
+    parser.add_argument("--replies", type=int, default=4, help="free replies per trace and condition")
+    args = parser.parse_args()
+    engine = Engine.from_pretrained("default")
+    traces = load_traces(args.traces)
+    none = {(t["name"], q): lp for t in traces for (q, _), lp in zip(t["facts"], no_trace_logprobs(engine, t))}
+    lengths = {t["name"]: len(engine.session().renderer.render(t["messages"])) for t in traces}
+
+    def run(trace, condition, divisor):
+        row = replay(engine, trace, condition, lengths[trace["name"]] // divisor, args.replies)
+        hits = sum(f["exact"] for f in row["facts"])
+        print(
+            f"1/{divisor} {trace['name']:<10} {condition:<17} NLL {row['nll_last_turn']:.3f}  "
+            f"exact {hits}/{len(row['facts'])}  peak {row['peak_kv_bytes'] / 1e6:.1f} MB  {row['seconds']:.0f} s",
+            flush=True,
+        )
+        return {**row, "divisor": divisor}
+
+    full = [run(trace, "uncompacted", 1) for trace in traces]
+    rows, summary = list(full), []
+    for divisor in args.caps:
+        mine = [run(trace, c, divisor) for trace in traces for c in args.conditions if c != "uncompacted"]
+        rows += mine
+        summary += summarise(full + mine, none, divisor)
+        print(table([r for r in summary if r["cap"] == f"1/{divisor}"], list(summary[0])), flush=True)
+    plot(summary, RESULTS / "agent_memory.png")
+    out = {
+        "caps": args.caps,
+        "replies": args.replies,
+        "summary": summary,
+        "rows": rows,
+        "no_trace": [list(k) + [v] for k, v in none.items()],
+    }
+    print(f"saved {save('agent_memory', out)}")
+
+
+if __name__ == "__main__":
+    main()

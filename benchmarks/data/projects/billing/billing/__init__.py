@@ -1,0 +1,1 @@
+"""Invoices: totals, VAT and the ledger export."""

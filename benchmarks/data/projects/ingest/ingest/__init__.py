@@ -1,0 +1,1 @@
+"""Click-stream ingestion: parse, validate, aggregate."""

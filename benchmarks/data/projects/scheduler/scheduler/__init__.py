@@ -1,0 +1,1 @@
+"""Cron-scheduled tenant jobs."""
