@@ -46,9 +46,17 @@ KV_METHODS = {  # condition: (registry name, params) every compacted rule of the
     "counter-causal": ("counter_causal", {}),
     "snapkv": ("snapkv", {}),
 }
-CONDITIONS = ["uncompacted", "drop-oldest", "clear-tool-uses", "summarization", "kvmemory-default", *KV_METHODS]
+CONDITIONS = [
+    "uncompacted",
+    "drop-oldest",
+    "clear-tool-uses",
+    "summarization",
+    "kvmemory-default",
+    "whole-budget",
+    *KV_METHODS,
+]
 OPEN_QUESTION = "In two sentences: what was wrong in this task, and what did you change?"
-ANSWER_TOKENS, REPLY_TOKENS, BOOTSTRAP = 24, 48, 2000
+ANSWER_TOKENS, REPLY_TOKENS, BOOTSTRAP = 16, 48, 2000
 
 
 def capped_policy(max_bytes: int, method: str | None = None, params: dict | None = None) -> MemoryPolicy:
@@ -60,6 +68,16 @@ def capped_policy(max_bytes: int, method: str | None = None, params: dict | None
     switch = {"method": method, "params": params or {}}
     rules = [r if r.protected else r.model_copy(update=switch) for r in policy.rules]
     return policy.model_copy(update={"rules": rules, "default": policy.default.model_copy(update=switch)})
+
+
+def whole_budget_policy(max_bytes: int) -> MemoryPolicy:
+    """Candidate default: the default rules without fixed ratios or a period, so nothing is compacted until the
+    cap requires it and then only as far as the cap requires (rule weights say which kinds give up most)."""
+    policy = default_policy()
+    rules = [r if r.protected else r.model_copy(update={"ratio": None}) for r in policy.rules]
+    budget = policy.budget.model_copy(update={"max_bytes": max_bytes, "interval": None, "target_fraction": 0.9})
+    default = policy.default.model_copy(update={"ratio": None})
+    return policy.model_copy(update={"rules": rules, "default": default, "budget": budget})
 
 
 def to_langchain(messages: list[dict]) -> list:
@@ -131,27 +149,32 @@ class ClearToolUses(DropOldest):
 
 
 class Summarization:
-    """LangChain's SummarizationMiddleware (the local model summarises) over the running conversation: its
-    state update replaces the messages, as in an agent; probes see that state without summarising again."""
+    """LangChain's SummarizationMiddleware (the local model summarises) over the running conversation. As in
+    ``create_agent``, the system prompt stays outside the agent state and the middleware's state update
+    replaces the messages; probes see that state without summarising again."""
 
     def __init__(self, count_tokens, budget: int, engine):
-        summariser = ChatKVMemory(engine=engine, policy=MemoryPolicy(), max_new_tokens=160)
-        self.middleware = SummarizationMiddleware(
-            summariser, trigger=("tokens", budget), keep=("tokens", budget // 2), token_counter=count_tokens
+        summariser = ChatKVMemory(engine=engine, policy=MemoryPolicy(), max_new_tokens=128)
+        self.system, self.state, self.seen, self.summaries = [], [], 1, 0
+        self.middleware = SummarizationMiddleware(  # counts the system prompt too: the budget is what is sent
+            summariser,
+            trigger=("tokens", budget),
+            keep=("tokens", budget // 2),
+            token_counter=lambda messages: count_tokens(self.system + list(messages)),
         )
-        self.state, self.seen, self.summaries = [], 0, 0
 
     def show(self, history: list[dict]) -> list[dict]:
+        self.system = to_langchain(history[:1])
         self.state += to_langchain(history[self.seen :])
         self.seen = len(history)
         update = self.middleware.before_model({"messages": self.state}, None)
         if update is not None:
             self.state = [m for m in update["messages"] if m.type != "remove"]
             self.summaries += 1
-        return to_chat_dicts(self.state)
+        return to_chat_dicts(self.system + self.state)
 
     def probe(self, history: list[dict], extra: list[dict]) -> list[dict]:
-        return to_chat_dicts(self.state + to_langchain(history[self.seen :] + extra))
+        return to_chat_dicts(self.system + self.state + to_langchain(history[self.seen :] + extra))
 
 
 # ---- measuring --------------------------------------------------------------------------------------
@@ -225,6 +248,8 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
         view = ClearToolUses(count_tokens, cap_tokens)
     elif condition == "summarization":
         view = Summarization(count_tokens, cap_tokens, engine)
+    elif condition == "whole-budget":
+        memory = MemoryManager(whole_budget_policy(cap_tokens * engine.kv_bytes_per_token))
     elif condition != "uncompacted":
         method, params = KV_METHODS.get(condition, (None, None))
         memory = MemoryManager(capped_policy(cap_tokens * engine.kv_bytes_per_token, method, params))
@@ -371,13 +396,15 @@ def main() -> None:
             f"exact {hits}/{len(row['facts'])}  peak {row['peak_kv_bytes'] / 1e6:.1f} MB  {row['seconds']:.0f} s",
             flush=True,
         )
-        return {**row, "divisor": divisor}
+        row = {**row, "divisor": divisor}
+        rows.append(row)
+        save("agent_memory", {"caps": args.caps, "replies": args.replies, "rows": rows, "partial": True})
+        return row
 
+    rows, summary = [], []
     full = [run(trace, "uncompacted", 1) for trace in traces]
-    rows, summary = list(full), []
     for divisor in args.caps:
         mine = [run(trace, c, divisor) for trace in traces for c in args.conditions if c != "uncompacted"]
-        rows += mine
         summary += summarise(full + mine, none, divisor)
         print(table([r for r in summary if r["cap"] == f"1/{divisor}"], list(summary[0])), flush=True)
     plot(summary, RESULTS / "agent_memory.png")
