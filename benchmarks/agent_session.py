@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.messages import HumanMessage, ToolMessage
 
 from agents.coding_agent.scripted_session import STEPS, fact_questions, replay
+from benchmarks.agent_memory import DropOldest
 from benchmarks.agent_traces import scripted_session_tools
 from benchmarks.common import RESULTS, save, table
 from integrations.chat_model import to_chat_dicts
@@ -48,16 +49,7 @@ def rendered_length(session, messages) -> int:
 
 def drop_oldest(session, messages, budget: int):
     """Keep the system prompt and task, then the newest messages that fit; tool calls and results go together."""
-    head, rest = messages[:2], list(messages[2:])
-    while rest and rendered_length(session, head + rest) > budget:
-        cut = 1
-        if isinstance(rest[0], AIMessage) and rest[0].tool_calls:
-            while cut < len(rest) and isinstance(rest[cut], ToolMessage):
-                cut += 1
-        rest = rest[cut:]
-        while rest and isinstance(rest[0], ToolMessage):  # never leave an orphaned tool result
-            rest = rest[1:]
-    return head + rest
+    return DropOldest(lambda shown: rendered_length(session, shown), budget).fit(messages)
 
 
 def clear_old_tool_outputs(session, messages, budget: int, keep_last: int = 2):

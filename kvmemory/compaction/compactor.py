@@ -67,7 +67,7 @@ def compact_spans(
 ) -> list[CompactionRecord]:
     """Compact several disjoint spans in one plan: each span is selected and fitted against the cache as it
     is, then the cache is rebuilt once (a pass over many segments costs one rebuild, not one per segment)."""
-    session._check_open()
+    session.check_open()
     engine, cache = session.engine, session.cache
     spans, drafts = [], []
     with engine.lock, torch.no_grad():

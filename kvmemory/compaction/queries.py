@@ -69,16 +69,13 @@ def _context(session, positions: torch.Tensor) -> list[torch.Tensor] | None:
 
 def _capture(session, token_batches: list[list[int]]) -> list[torch.Tensor]:
     recorder = session.record_queries(session.query_recorder.window if session.query_recorder else 0)
-    with session.scratch():
+    with session.scratch() as run:
         recorder.frozen = True
         recorder.start_capture()
         try:
-            position = len(session.tokens)
             for ids in token_batches:
                 for a in range(0, len(ids), session.prefill_chunk_size):
-                    chunk = ids[a : a + session.prefill_chunk_size]
-                    session._forward(chunk, segment_id=-1, positions_from=position)
-                    position += len(chunk)
+                    run(ids[a : a + session.prefill_chunk_size])
         finally:
             captured = recorder.stop_capture()
             recorder.frozen = False
@@ -97,18 +94,17 @@ def _self_study(session, max_tokens: int) -> list[torch.Tensor]:
     instruction = tokenizer.encode(SELF_STUDY_INSTRUCTION, add_special_tokens=False)
     recorder = session.record_queries(session.query_recorder.window if session.query_recorder else 0)
     eos = session.engine.eos_token_ids
-    with session.scratch():
+    with session.scratch() as run:
         recorder.frozen = True
         recorder.start_capture()
         try:
-            position = len(session.tokens)
-            logits = session._forward(instruction, segment_id=-1, positions_from=position)[-1]
-            position += len(instruction)
+            logits = run(instruction)[-1]
+            position = len(session.tokens) + len(instruction)
             for _ in range(max_tokens):
                 token = int(torch.argmax(logits))
                 if token in eos or position >= session.engine.position_limit:
                     break
-                logits = session._forward([token], segment_id=-1, positions_from=position)[-1]
+                logits = run([token])[-1]
                 position += 1
         finally:
             captured = recorder.stop_capture()

@@ -172,7 +172,7 @@ class Generation:
         with session._lock:
             if self.finish is not None or self.closed:
                 return None
-            session._check_open()
+            session.check_open()
             if len(self.generated) >= params.max_new_tokens or not session._room_for_one_more():
                 self.finish = "length"
                 return self._release(self._text())

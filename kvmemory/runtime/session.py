@@ -133,7 +133,7 @@ def _exclusive(method):
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         with self._lock:
-            self._check_open()
+            self.check_open()
             self._check_no_stream()
             with self._atomic():
                 return method(self, *args, **kwargs)
@@ -237,14 +237,14 @@ class Session:
         """Several steps as one call: serialised with other threads' calls, and all undone if one raises
         (the memory manager compacts through it; allowed while a stream is open, as compaction is)."""
         with self._lock:
-            self._check_open()
+            self.check_open()
             with self._atomic():
                 yield self
 
     def set_memory(self, memory: SessionMemory | None) -> None:
         """Give the session a memory manager (or none) from now on; it may compact at the next append."""
         with self._lock:
-            self._check_open()
+            self.check_open()
             self._check_no_stream()
             if memory is not None:
                 memory.attach(self)
@@ -297,7 +297,7 @@ class Session:
         ``with_memory`` gives the copy its own copy of the memory manager (same policy and cap, separate
         history), so what is appended to it is compacted as the original would be."""
         with self._lock:
-            self._check_open()
+            self.check_open()
             self._check_no_stream()
             child = Session(self.engine, session_id, memory=None, prefill_chunk_size=self.prefill_chunk_size)
             if with_memory and self.memory is not None:
@@ -627,7 +627,7 @@ class Session:
 
     def _begin_generation(self, generation: Generation) -> tuple[int, int]:
         with self._lock:
-            self._check_open()
+            self.check_open()
             self._check_no_stream()
             if not self.tokens:
                 raise InvalidArgumentError("the session is empty: append a prompt before generating")
@@ -718,20 +718,31 @@ class Session:
         first = torch.log_softmax(self._last_logits.float(), -1)[ids[0]].reshape(1).cpu()
         if len(ids) == 1:
             return first
-        with self.scratch():
-            logits = self._forward(ids[:-1], segment_id=-1, positions_from=len(self.tokens), all_logits=True)
+        with self.scratch() as run:
+            logits = run(ids[:-1], all_logits=True)
         rest = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ids[1:], device=logits.device)[:, None])
         return torch.cat([first, rest.squeeze(1).cpu()])
 
     @contextlib.contextmanager
     def scratch(self):
         """Run forwards past the end of the session, then forget them: the whole session state is restored
-        (every layer's slots bit for bit), and the last-layer recorder sees none of them."""
+        (every layer's slots bit for bit), and the last-layer recorder sees none of them.
+
+        Yields ``run``: ``run(ids)`` forwards ``ids`` after everything run so far in the block and returns
+        the last token's logits (all of them with ``all_logits=True``)."""
         with self._lock:
             state = self.snapshot()
             hidden, self.hidden_recorder = self.hidden_recorder, None
+            position = len(self.tokens)
+
+            def run(ids, all_logits: bool = False) -> torch.Tensor:
+                nonlocal position
+                logits = self._forward(list(ids), segment_id=-1, positions_from=position, all_logits=all_logits)
+                position += len(ids)
+                return logits
+
             try:
-                yield
+                yield run
             finally:
                 self.hidden_recorder = hidden
                 self.restore(state)
@@ -741,7 +752,7 @@ class Session:
         """Apply a compaction plan to the cache (validated first: a bad plan changes nothing). Allowed while
         a stream is open: this is how the memory manager makes room mid-reply."""
         with self._lock:
-            self._check_open()
+            self.check_open()
             with self._atomic(), self.engine.lock:
                 self.cache.apply_plan(plan)
 
@@ -929,7 +940,8 @@ class Session:
         return self._append_tokens(ids, kind="recall", role="user", text=text, recall_of=seg.id)
 
     # ---- internals -------------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise SessionClosedError if the session is closed."""
         if self.closed:
             raise SessionClosedError(f"session {self.id} is closed")
 
