@@ -257,9 +257,9 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
     started, peak = time.perf_counter(), 0
     step_ends = list(range(5, len(messages) + 1, 3))  # after each (tool call, tool output, note)
     for end in step_ends[:-1]:
-        session.set_messages(view.show(messages[:end]))
+        shown = view.show(messages[:end])
+        session.set_messages(shown)
         peak = max(peak, session.stats().kv_bytes)
-    shown = view.show(messages[: step_ends[-2]])
     last_turn = continuation_ids(renderer, shown, messages[step_ends[-2] :])
     nll = float(-session.logprobs(last_turn).mean())
     session.set_messages(view.show(messages))
@@ -306,8 +306,9 @@ def gain_share(facts: list[tuple[float, float, float]]) -> float:
 
 def bootstrap(values: list, statistic, seed: int = 0) -> tuple[float, float]:
     rng = random.Random(seed)
-    samples = sorted(statistic([rng.choice(values) for _ in values]) for _ in range(BOOTSTRAP))
-    return samples[int(0.025 * BOOTSTRAP)], samples[int(0.975 * BOOTSTRAP) - 1]
+    samples = [statistic([rng.choice(values) for _ in values]) for _ in range(BOOTSTRAP)]
+    samples = sorted(x for x in samples if x == x)  # a resample with no fact the trace helps has no share
+    return samples[int(0.025 * len(samples))], samples[int(0.975 * len(samples)) - 1]
 
 
 def summarise(rows: list[dict], none: dict, divisor: int) -> list[dict]:
@@ -357,7 +358,8 @@ def plot(summary: list[dict], path) -> None:
         lows = [float(r["gain_ci"][1:-1].split(",")[0]) for r in mine]
         highs = [float(r["gain_ci"][1:-1].split(",")[1]) for r in mine]
         values = [r["fact_gain_kept"] for r in mine]
-        colors = ["tab:blue" if r["condition"].startswith(("kvmemory", *KV_METHODS)) else "tab:gray" for r in mine]
+        kv = ("kvmemory", "whole-budget", *KV_METHODS)
+        colors = ["tab:blue" if r["condition"].startswith(kv) else "tab:gray" for r in mine]
         ax.bar(range(len(mine)), values, color=colors)
         ax.errorbar(
             range(len(mine)),
