@@ -51,3 +51,11 @@ class InvalidMessageError(KVMemoryError, ValueError):
 
 class SessionBusyError(KVMemoryError, RuntimeError):
     """A call arrived while a stream is open on the session: finish or close the stream first."""
+
+
+class SessionFileError(KVMemoryError, ValueError):
+    """A saved session that cannot be loaded: missing, truncated, damaged, or of another format version."""
+
+
+class ModelMismatchError(SessionFileError):
+    """A saved session whose cache belongs to another model (architecture, shapes, dtype or weights)."""

@@ -145,15 +145,15 @@ class CompactLayer(CacheLayerMixin):
         if self.keys is not None:
             self.biased = bool((self.bias[..., : self.length] != 0).any())
 
-    _STATE = ("keys", "values", "bias", "positions", "rope", "segments", "length", "biased", "is_initialized")
+    STATE = ("keys", "values", "bias", "positions", "rope", "segments", "length", "biased", "is_initialized")
 
     def snapshot(self) -> tuple:
         """This layer's buffers and length, shared, not copied (see the module docstring)."""
         self.shared_length = max(self.shared_length, self.length)
-        return tuple(getattr(self, name, None) for name in self._STATE) + (self.shared_length,)
+        return tuple(getattr(self, name, None) for name in self.STATE) + (self.shared_length,)
 
     def restore(self, state: tuple) -> None:
-        for name, value in zip(self._STATE + ("shared_length",), state):
+        for name, value in zip(self.STATE + ("shared_length",), state):
             setattr(self, name, value)
         if self.keys is not None:
             self.dtype, self.device = self.keys.dtype, self.keys.device

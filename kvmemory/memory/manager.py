@@ -20,6 +20,7 @@ from kvmemory.compaction.compactor import CompactionRecord, SpanJob, compact_spa
 from kvmemory.compaction.registry import get_method
 from kvmemory.errors import InvalidArgumentError, MemoryCapError
 from kvmemory.memory.policy import CompactionRule, MemoryPolicy, _as_list, default_policy
+from kvmemory.runtime.memory_hooks import register_memory_loader
 from kvmemory.runtime.segments import Segment
 
 
@@ -47,6 +48,24 @@ class MemoryManager:
     def restore(self, state: tuple) -> None:
         n, self.peak_slots, self.peak_kv_bytes, self._last_compaction_at = state
         del self.timeline[n:]
+
+    def export(self) -> dict:
+        """The policy and history, JSON-ready, for a saved session (``MemoryManager.from_export`` reads it)."""
+        return {
+            "kind": "memory_manager",
+            "policy": self.policy.model_dump(mode="json"),
+            "timeline": self.timeline,
+            "state": list(self.state()),
+        }
+
+    @classmethod
+    def from_export(cls, data: dict) -> MemoryManager:
+        manager = cls(MemoryPolicy.model_validate(data["policy"]))
+        manager.timeline = [
+            {**event, "segments": {int(k): v for k, v in event["segments"].items()}} for event in data["timeline"]
+        ]
+        manager.restore(tuple(data["state"]))
+        return manager
 
     # ---- session hooks ---------------------------------------------------------------------------
     def attach(self, session) -> None:
@@ -315,3 +334,6 @@ def _merge_oldest(spans: list[_Span], room: float) -> list[_Span]:
             )
         ]
     return spans
+
+
+register_memory_loader("memory_manager", MemoryManager.from_export)

@@ -15,6 +15,7 @@ from kvmemory.runtime.loading import (
     load_model_and_tokenizer,
     pick_device_and_dtype,
 )
+from kvmemory.runtime.persistence import load_session
 from kvmemory.runtime.session import Session
 
 MAX_LOGICAL_POSITIONS = 2**31 - 1  # the cache stores positions as int32
@@ -123,6 +124,12 @@ class Engine:
             prefill_chunk_size=prefill_chunk_size,
             show_progress=show_progress,
         )
+
+    def load_session(self, path, session_id: str | None = None) -> Session:
+        """A session saved with ``session.save(path)``, exactly as it was (same next-token logits, same
+        greedy continuation, same memory manager under the same cap). A missing, truncated or damaged file,
+        another format version or another model raises ``SessionFileError`` / ``ModelMismatchError``."""
+        return load_session(self, path, session_id)
 
     def async_session(
         self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512, show_progress: bool = False

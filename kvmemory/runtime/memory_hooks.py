@@ -3,8 +3,10 @@ the runtime only knows this protocol, so it never imports the memory layer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
+from kvmemory.errors import SessionFileError
 from kvmemory.runtime.segments import Segment
 
 
@@ -36,3 +38,22 @@ class SessionMemory(Protocol):
 
     def fork(self, session) -> SessionMemory:
         """A manager with the same policy and history, attached to ``session`` (a fork)."""
+
+    def export(self) -> dict:
+        """JSON-ready ``{"kind": ..., ...}`` for a saved session; the loader registered for that kind
+        (``register_memory_loader``) builds an unattached manager from it."""
+
+
+_LOADERS: dict[str, Callable[[dict], SessionMemory]] = {}
+
+
+def register_memory_loader(kind: str, load: Callable[[dict], SessionMemory]) -> None:
+    """Let saved sessions whose memory ``export()`` says ``{"kind": kind, ...}`` be loaded with ``load``."""
+    _LOADERS[kind] = load
+
+
+def memory_loader(kind: str) -> Callable[[dict], SessionMemory]:
+    if kind not in _LOADERS:
+        known = ", ".join(sorted(_LOADERS)) or "none (import kvmemory.memory)"
+        raise SessionFileError(f"the saved session's memory is of kind {kind!r}; kinds that load: {known}")
+    return _LOADERS[kind]

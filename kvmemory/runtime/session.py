@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from numbers import Integral
+from pathlib import Path
 
 import torch
 
@@ -59,9 +60,11 @@ from kvmemory.runtime.conversation import (
 )
 from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
 from kvmemory.runtime.memory_hooks import SessionMemory
+from kvmemory.runtime.persistence import save_session
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 from kvmemory.runtime.search import rank_segments
 from kvmemory.runtime.segments import SEGMENT_KINDS, Segment
+from kvmemory.runtime.state import SessionState
 
 QUERY_WINDOW = 64  # selector-window queries every session records (R)
 ProgressCallback = Callable[[int, int], None]
@@ -82,28 +85,6 @@ class SessionStats:
     @property
     def compression(self) -> float:
         return self.uncompacted_kv_bytes / self.kv_bytes if self.kv_bytes else 1.0
-
-
-@dataclass
-class SessionState:
-    """Everything a Session's calls can change, captured cheaply (the cache part is copy-on-write)."""
-
-    cache: object
-    tokens: list[int]
-    pending: list[int]
-    last_logits: torch.Tensor | None
-    segments: list[Segment]
-    next_segment_id: int
-    messages: list[dict]
-    message_spans: list[tuple[str, int, int]]
-    tools_key: str | None
-    reply: tuple[int, int] | None
-    compaction_log: int
-    prefilled_tokens: int
-    turn_prefilled: int
-    queries: object
-    hidden: dict | None
-    memory: tuple | None
 
 
 def _tqdm_progress(total: int, inner: ProgressCallback | None) -> ProgressCallback:
@@ -231,6 +212,12 @@ class Session:
             self.hidden_recorder.store = dict(state.hidden)
         if self.memory is not None and state.memory is not None:
             self.memory.restore(state.memory)
+
+    @_exclusive
+    def save(self, path) -> Path:
+        """Write the whole session (compacted cache, transcript, recorders, memory manager) to one file,
+        atomically; ``engine.load_session(path)`` gives it back bit for bit. See ``runtime/persistence.py``."""
+        return save_session(self, path)
 
     @contextlib.contextmanager
     def transaction(self):

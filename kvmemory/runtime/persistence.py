@@ -1,0 +1,267 @@
+"""Saving a session to one file and loading it back, bit for bit: ``session.save(path)``,
+``engine.load_session(path)``.
+
+The file is a safetensors file. Its tensors are each layer's live slots (keys, values, β, positions, RoPE
+positions, segment ids), the last logits and the recorded reference queries; its metadata holds one JSON
+document: a manifest (format name and version, library version, the model's identity — architecture,
+shapes, dtype and a fingerprint of the weights — and a SHA-256 of every tensor's bytes) and the session's
+state (transcript, segments, chat state, cache counters, recorders, and the memory manager's policy and
+history). Writing goes to a temporary file in the same folder that replaces the old one only once complete,
+so a crash mid-save leaves the previous file intact. Loading checks everything before building anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from kvmemory.cache.compact_cache import CacheSnapshot, CompactLayer
+from kvmemory.errors import ModelMismatchError, SessionFileError
+from kvmemory.runtime.memory_hooks import memory_loader
+from kvmemory.runtime.segments import Segment
+from kvmemory.runtime.state import SessionState
+
+FORMAT, FORMAT_VERSION = "kvmemory-session", 1
+LAYER_TENSORS = ("keys", "values", "bias", "positions", "rope", "segments")
+LAYER_STATE = CompactLayer.STATE  # the order of a layer's snapshot tuple
+
+
+def library_version() -> str:
+    try:
+        return version("kvmemory")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def model_identity(engine) -> dict:
+    """What a saved cache is only valid for: the architecture, its shapes, the dtype and the weights."""
+    if getattr(engine, "_identity", None) is None:
+        digest = hashlib.sha256()
+        for name, tensor in sorted(engine.model.state_dict().items()):
+            sample = tensor.detach().flatten()[:4096].float().cpu().contiguous()
+            digest.update(name.encode() + str(tuple(tensor.shape)).encode() + sample.numpy().tobytes())
+        config = engine.config
+        engine._identity = {
+            "architecture": config.model_type,
+            "layers": engine.num_layers,
+            "kv_heads": engine.num_kv_heads,
+            "head_dim": engine.head_dim,
+            "vocab_size": config.vocab_size,
+            "dtype": str(engine.model.dtype),
+            "weights_sha256": digest.hexdigest(),
+        }
+    return engine._identity
+
+
+def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode() + tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ---- saving ------------------------------------------------------------------------------------------
+def save_session(session, path) -> Path:
+    """Write ``session`` to ``path`` atomically (see the module docstring); returns the path."""
+    path = Path(path)
+    tensors, state = _payload(session, session.snapshot())
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "library": library_version(),
+        "model": model_identity(session.engine),
+        "tensors_sha256": _tensor_digest(tensors),
+    }
+    blob = save_tensors(tensors, metadata={"kvmemory": json.dumps({"manifest": manifest, "state": state})})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(blob)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _payload(session, snap: SessionState) -> tuple[dict[str, torch.Tensor], dict]:
+    """The snapshot's tensors (live slots only) by name, and everything else as JSON-ready values."""
+    tensors: dict[str, torch.Tensor] = {}
+    layers = []
+    for i, layer_state in enumerate(snap.cache.layers):
+        fields = dict(zip(LAYER_STATE, layer_state))
+        n = fields["length"]
+        layers.append({"length": n, "biased": fields["biased"], "initialized": bool(fields["is_initialized"])})
+        if fields["is_initialized"]:
+            for name in LAYER_TENSORS:
+                live = fields[name][:, :, :n] if name in ("keys", "values") else fields[name][..., :n]
+                tensors[f"layer.{i}.{name}"] = live.detach().cpu().contiguous()
+    if snap.last_logits is not None:
+        tensors["last_logits"] = snap.last_logits.detach().cpu().contiguous()
+    rec, queries = session.query_recorder, None
+    if rec is not None and snap.queries is not None:
+        recent, context, current_segment = snap.queries
+        tensors.update({f"queries.recent.{i}": q.cpu().contiguous() for i, q in enumerate(recent) if q is not None})
+        for seg_id, per_layer in context.items():
+            for i, q in enumerate(per_layer):
+                if q is not None:
+                    tensors[f"queries.context.{seg_id}.{i}"] = q.cpu().contiguous()
+        queries = {
+            "window": rec.window,
+            "context_tokens": rec.context_tokens,
+            "groups": rec.groups,
+            "current_segment": current_segment,
+            "context_segments": sorted(context),
+        }
+    hidden = None
+    if snap.hidden is not None:
+        hidden = sorted(snap.hidden)
+        if hidden:
+            tensors["hidden"] = torch.stack([snap.hidden[p] for p in hidden]).cpu().contiguous()
+    cache = snap.cache
+    state = {
+        "id": session.id,
+        "prefill_chunk_size": session.prefill_chunk_size,
+        "tokens": snap.tokens,
+        "pending": snap.pending,
+        "segments": [asdict(s) for s in snap.segments],
+        "next_segment_id": snap.next_segment_id,
+        "messages": snap.messages,
+        "message_spans": snap.message_spans,
+        "tools_key": snap.tools_key,
+        "reply": snap.reply,
+        "compaction_log": session.compaction_log[: snap.compaction_log],
+        "prefilled_tokens": snap.prefilled_tokens,
+        "turn_prefilled": snap.turn_prefilled,
+        "cache": {
+            "logical_length": cache.logical_length,
+            "rope_length": cache.rope_length,
+            "compactions": cache.compactions,
+            "default_segment": cache.default_segment,
+            "layers": layers,
+        },
+        "queries": queries,
+        "hidden_positions": hidden,
+        "memory": session.memory.export() if session.memory is not None else None,
+    }
+    return tensors, state
+
+
+# ---- loading -----------------------------------------------------------------------------------------
+def read_session_file(path, engine) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, state) of a session file, after every check; raises SessionFileError naming the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise SessionFileError(f"no session file at {path}")
+    blob = path.read_bytes()
+    try:
+        header_size = int.from_bytes(blob[:8], "little")
+        header = json.loads(blob[8 : 8 + header_size])
+        document = json.loads(header["__metadata__"]["kvmemory"])
+        manifest, state = document["manifest"], document["state"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise SessionFileError(f"{path} is not a kvmemory session file (or its header is damaged): {err}") from err
+    if manifest.get("format") != FORMAT:
+        raise SessionFileError(f"{path} is a {manifest.get('format')!r} file, not a {FORMAT!r} file")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise SessionFileError(
+            f"{path} has session format version {manifest.get('version')}; this kvmemory "
+            f"({library_version()}) reads version {FORMAT_VERSION}"
+        )
+    expected = model_identity(engine)
+    differs = {k: (manifest["model"].get(k), v) for k, v in expected.items() if manifest["model"].get(k) != v}
+    if differs:
+        what = ", ".join(f"{k}: file {a!r}, engine {b!r}" for k, (a, b) in differs.items())
+        raise ModelMismatchError(f"{path} was saved from another model ({what})")
+    try:
+        tensors = load_tensors(blob)
+    except (SafetensorError, ValueError, RuntimeError) as err:
+        raise SessionFileError(f"{path} is truncated or damaged: {err}") from err
+    if _tensor_digest(tensors) != manifest["tensors_sha256"]:
+        raise SessionFileError(f"{path} is damaged: its tensors do not match the checksum written with them")
+    return tensors, state
+
+
+def load_session(engine, path, session_id: str | None = None):
+    """A new session on ``engine`` exactly as ``path`` holds it (compacted cache, transcript, recorders and
+    memory manager); it continues as the saved one would."""
+    tensors, state = read_session_file(path, engine)
+    device = engine.device
+
+    def tensor(name: str):
+        return tensors[name].to(device) if name in tensors else None
+
+    memory = memory_loader(state["memory"]["kind"])(state["memory"]) if state["memory"] is not None else None
+    session = engine.session(session_id or state["id"], prefill_chunk_size=state["prefill_chunk_size"])
+    if state["hidden_positions"] is not None:
+        session.record_last_layer_inputs()
+    if memory is not None:
+        session.set_memory(memory)  # switches on the recorders its methods read; their contents follow
+    queries = state["queries"]
+    if queries is not None:
+        session.record_queries(queries["window"], context=queries["context_tokens"]).groups = queries["groups"]
+    layers = []
+    for i, meta in enumerate(state["cache"]["layers"]):
+        n = meta["length"]
+        fields = {name: tensor(f"layer.{i}.{name}") for name in LAYER_TENSORS}
+        fields.update(length=n, biased=meta["biased"], is_initialized=meta["initialized"], shared_length=n)
+        layers.append(tuple(fields[name] for name in (*LAYER_STATE, "shared_length")))
+    saved_cache = state["cache"]
+    session.compaction_log = list(state["compaction_log"])
+    session.restore(
+        SessionState(
+            cache=CacheSnapshot(
+                layers,
+                saved_cache["logical_length"],
+                saved_cache["rope_length"],
+                saved_cache["compactions"],
+                saved_cache["default_segment"],
+            ),
+            tokens=state["tokens"],
+            pending=state["pending"],
+            last_logits=tensor("last_logits"),
+            segments=[Segment(**{**s, "tags": tuple(s["tags"])}) for s in state["segments"]],
+            next_segment_id=state["next_segment_id"],
+            messages=state["messages"],
+            message_spans=[tuple(span) for span in state["message_spans"]],
+            tools_key=state["tools_key"],
+            reply=tuple(state["reply"]) if state["reply"] is not None else None,
+            compaction_log=len(session.compaction_log),
+            prefilled_tokens=state["prefilled_tokens"],
+            turn_prefilled=state["turn_prefilled"],
+            queries=_query_state(queries, tensor, engine.num_layers),
+            hidden=_hidden_state(state["hidden_positions"], tensor),
+            memory=memory.state() if memory is not None else None,
+        )
+    )
+    return session
+
+
+def _query_state(saved: dict | None, tensor, num_layers: int):
+    """The query recorder's ``state()`` tuple from a saved session."""
+    if saved is None:
+        return None
+    recent = [tensor(f"queries.recent.{i}") for i in range(num_layers)]
+    context = {s: [tensor(f"queries.context.{s}.{i}") for i in range(num_layers)] for s in saved["context_segments"]}
+    return recent, context, saved["current_segment"]
+
+
+def _hidden_state(positions: list[int] | None, tensor) -> dict | None:
+    """The last-layer input recorder's store from a saved session."""
+    if positions is None:
+        return None
+    stacked = tensor("hidden")
+    return {p: stacked[k] for k, p in enumerate(positions)}

@@ -1,0 +1,31 @@
+"""A Session's whole state at one moment: what every rollback restores and what a saved session holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmemory.runtime.segments import Segment
+
+
+@dataclass
+class SessionState:
+    """Everything a Session's calls can change, captured cheaply (the cache part is copy-on-write)."""
+
+    cache: object
+    tokens: list[int]
+    pending: list[int]
+    last_logits: torch.Tensor | None
+    segments: list[Segment]
+    next_segment_id: int
+    messages: list[dict]
+    message_spans: list[tuple[str, int, int]]
+    tools_key: str | None
+    reply: tuple[int, int] | None
+    compaction_log: int
+    prefilled_tokens: int
+    turn_prefilled: int
+    queries: object
+    hidden: dict | None
+    memory: tuple | None
