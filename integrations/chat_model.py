@@ -25,7 +25,7 @@ from langchain_core.runnables.config import ensure_config
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from kvmemory import ContextLengthError, Engine, MemoryCapError, Session, ToolCallParseError
+from kvmemory import ContextLengthError, Engine, MemoryCapError, Session, SessionStore, ToolCallParseError
 from kvmemory.memory import MemoryManager, MemoryPolicy, default_policy
 from kvmemory.runtime.async_session import finish_step
 from kvmemory.runtime.chat import TOOL_CALL_RE, parse_tool_calls
@@ -92,7 +92,9 @@ class ChatKVMemory(BaseChatModel):
     top_p: float = 1.0
     seed: int | None = None
 
-    _sessions: dict = PrivateAttr(default_factory=dict)
+    store: Any = Field(None, exclude=True, description="a SessionStore; by default one that keeps threads in memory")
+    save_turns: bool = Field(True, description="with a store that has a directory: save each thread after each call")
+
     _locks: dict = PrivateAttr(default_factory=dict)
     _guard: Any = PrivateAttr(default_factory=threading.Lock)
 
@@ -112,10 +114,16 @@ class ChatKVMemory(BaseChatModel):
     def model_post_init(self, context: Any) -> None:
         if self.policy is None:  # a resident cache with no cap would grow until the model's context runs out
             self.policy = default_policy(max_slots=min(DEFAULT_MAX_SLOTS, self.engine.max_context))
+        if self.store is None:
+            self.store = SessionStore(self.engine)
+
+    def _new_memory(self) -> MemoryManager:
+        return MemoryManager(self.policy)
 
     def session_for(self, thread_id: str | None = None) -> Session:
-        """The thread's session (created on first use; after a restart it is rebuilt from the messages)."""
-        return self._thread(thread_id)[0]
+        """The thread's session: resident, or loaded from the store's saved file, or new (a thread the store
+        does not know is rebuilt from the messages of its next call)."""
+        return self.store.get(thread_id or DEFAULT_THREAD, self._new_memory)
 
     def set_thread_policy(self, thread_id: str | None, policy: MemoryPolicy) -> None:
         """Serve one thread with its own policy; the other threads keep the model's ``policy``."""
@@ -124,18 +132,15 @@ class ChatKVMemory(BaseChatModel):
 
     @contextlib.contextmanager
     def thread(self, thread_id: str | None = None) -> Iterator[Session]:
-        """The thread's session, held for a sequence of calls no other call on that thread interleaves with."""
-        session, lock = self._thread(thread_id)
-        with lock:
-            yield session
-
-    def _thread(self, thread_id: str | None) -> tuple[Session, threading.Lock]:
+        """The thread's session, held for a sequence of calls no other call on that thread interleaves with
+        (and never spilled meanwhile); saved afterwards when the store has a directory."""
         thread_id = thread_id or DEFAULT_THREAD
         with self._guard:
-            if thread_id not in self._sessions:
-                self._sessions[thread_id] = self.engine.session(session_id=thread_id, memory=MemoryManager(self.policy))
-                self._locks[thread_id] = threading.Lock()
-            return self._sessions[thread_id], self._locks[thread_id]
+            lock = self._locks.setdefault(thread_id, threading.Lock())
+        with lock, self.store.use(thread_id, self._new_memory) as session:
+            yield session
+            if self.save_turns and self.store.directory is not None:
+                self.store.save(thread_id)
 
     @staticmethod
     def current_thread_id(kwargs: dict, config: RunnableConfig | None = None) -> str:
@@ -168,11 +173,10 @@ class ChatKVMemory(BaseChatModel):
         )
 
     def drop_thread(self, thread_id: str) -> None:
+        """Forget a thread: its session, and its saved file if the store has one."""
         with self._guard:
-            session = self._sessions.pop(thread_id, None)
             self._locks.pop(thread_id, None)
-        if session is not None:
-            session.close()
+        self.store.drop(thread_id)
 
     # ---- tools -------------------------------------------------------------------------------
     def bind_tools(self, tools: Sequence, *, tool_choice: str | None = None, **kwargs) -> Runnable:
@@ -185,9 +189,6 @@ class ChatKVMemory(BaseChatModel):
         return len(renderer.render(to_chat_dicts(messages), tools, add_generation_prompt=True))
 
     # ---- generation ----------------------------------------------------------------------------
-    def _prepare(self, messages, kwargs):
-        session, lock = self._thread(self.current_thread_id(kwargs))
-        return session, lock, to_chat_dicts(messages), kwargs.get("tools")
 
     def _prefill(self, session, dicts, tools) -> tuple[int, int]:
         """Sync the thread's cache with the conversation; returns (prompt tokens, tokens reused from cache)."""
@@ -255,9 +256,8 @@ class ChatKVMemory(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        session, lock, dicts, tools = self._prepare(messages, kwargs)
-        with lock:
-            prompt, cached = self._prefill(session, dicts, tools)
+        with self.thread(self.current_thread_id(kwargs)) as session:
+            prompt, cached = self._prefill(session, to_chat_dicts(messages), kwargs.get("tools"))
             result = None
             for piece, result in self._steps(session, stop, kwargs):
                 if piece and run_manager is not None:
@@ -274,9 +274,8 @@ class ChatKVMemory(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        session, lock, dicts, tools = self._prepare(messages, kwargs)
-        with lock:
-            prompt, cached = self._prefill(session, dicts, tools)
+        with self.thread(self.current_thread_id(kwargs)) as session:
+            prompt, cached = self._prefill(session, to_chat_dicts(messages), kwargs.get("tools"))
             result, shown = None, 0
             for piece, result in self._steps(session, stop, kwargs):
                 visible = _visible_content(result.text)

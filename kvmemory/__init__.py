@@ -44,7 +44,16 @@ from kvmemory.errors import (
     UnsupportedArchitectureError,
 )
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryManager, MemoryPolicy, SegmentMatch, default_policy
-from kvmemory.runtime import AsyncSession, Engine, GenerationResult, SamplingParams, Segment, Session, SessionStats
+from kvmemory.runtime import (
+    AsyncSession,
+    Engine,
+    GenerationResult,
+    SamplingParams,
+    Segment,
+    Session,
+    SessionStats,
+    SessionStore,
+)
 
 __all__ = [
     "TAM",
@@ -86,6 +95,7 @@ __all__ = [
     "SessionClosedError",
     "SessionFileError",
     "SessionStats",
+    "SessionStore",
     "SnapKV",
     "StreamingLLM",
     "ToolCallParseError",

@@ -8,8 +8,18 @@ from unittest import mock
 
 import pytest
 import torch
+from langchain_core.messages import HumanMessage
 
-from kvmemory import Engine, MemoryManager, ModelMismatchError, SessionFileError
+from integrations import ChatKVMemory
+from kvmemory import (
+    Engine,
+    InvalidArgumentError,
+    MemoryManager,
+    ModelMismatchError,
+    SessionBusyError,
+    SessionFileError,
+    SessionStore,
+)
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy
 from tests.conftest import random_tokens, tiny_model
 from tests.test_contract import assert_same_state, state_of, uneven_plan
@@ -120,3 +130,50 @@ def test_a_crash_mid_save_leaves_the_previous_file(tmp_path, tiny_engine):
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["s.kvm"]  # no temporary file left behind
     assert tiny_engine.load_session(path).tokens == session.tokens[:20]
+
+
+# ---- the session store ---------------------------------------------------------------------------------
+def test_the_store_spills_the_least_recently_used_and_loads_it_back_bit_identical(tmp_path, tiny_engine):
+    store = SessionStore(tiny_engine, tmp_path, max_resident_bytes=int(1.5 * 60 * tiny_engine.kv_bytes_per_token))
+    with store.use("a") as a:
+        a.append_tokens(random_tokens(60))
+        before = state_of(a)
+    with store.use("b") as b:
+        b.append_tokens(random_tokens(60, seed=2))
+    assert store.stats()["resident"] == ["b"] and store.spills == 1 and "a" in store
+    with store.use("a") as a:
+        assert_same_state(state_of(a), before)
+        a.append_tokens(random_tokens(5, seed=3))
+    assert store.loads == 1 and store.stats()["resident"] == ["a"]
+    assert store.resident_bytes() <= store.max_resident_bytes
+
+
+def test_a_session_in_use_is_never_spilled(tmp_path, tiny_engine):
+    store = SessionStore(tiny_engine, tmp_path, max_resident_bytes=tiny_engine.kv_bytes_per_token * 10)
+    with store.use("a") as a:
+        a.append_tokens(random_tokens(40))
+        with store.use("b") as b:
+            b.append_tokens(random_tokens(40))
+        assert "a" in store.stats()["resident"]  # over the budget, but pinned
+        with pytest.raises(SessionBusyError):
+            store.spill("a")
+    assert store.stats()["resident"] == [] and store.spills == 2  # both spilled once free
+
+
+def test_a_byte_budget_needs_a_directory(tiny_engine):
+    with pytest.raises(InvalidArgumentError, match="directory"):
+        SessionStore(tiny_engine, max_resident_bytes=10)
+
+
+def test_a_chat_thread_resumes_after_a_restart_from_its_saved_cache(tmp_path, default_engine):
+    first = ChatKVMemory(engine=default_engine, store=SessionStore(default_engine, tmp_path), max_new_tokens=6)
+    config = {"configurable": {"thread_id": "t"}}
+    history = [HumanMessage("Name one colour.")]
+    history.append(first.invoke(history, config=config))
+    history.append(HumanMessage("And another?"))
+    restarted = ChatKVMemory(engine=default_engine, store=SessionStore(default_engine, tmp_path), max_new_tokens=6)
+    reply = restarted.invoke(history, config=config)
+    assert restarted.store.loads == 1
+    assert reply.usage_metadata["input_token_details"]["cache_read"] > 30  # the held turns came from the file
+    continued = first.invoke(history, config=config)  # the same call without a restart
+    assert (reply.content, reply.usage_metadata) == (continued.content, continued.usage_metadata)

@@ -5,6 +5,7 @@ from kvmemory.runtime.engine import Engine
 from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
 from kvmemory.runtime.segments import Segment
 from kvmemory.runtime.session import Session, SessionStats
+from kvmemory.runtime.store import SessionStore
 
 __all__ = [
     "AsyncSession",
@@ -15,4 +16,5 @@ __all__ = [
     "Segment",
     "Session",
     "SessionStats",
+    "SessionStore",
 ]

@@ -1,0 +1,132 @@
+"""Many sessions on one engine: resident up to a byte budget, the rest saved on disk.
+
+``SessionStore(engine, directory, max_resident_bytes)`` keeps sessions by id. ``with store.use(id) as s``
+gives the session (resident, else loaded from its saved file, else new) and pins it for the block; when
+the KV bytes of the resident sessions pass the budget, the least recently used unpinned ones are saved and
+closed (spilled), to come back from their files, bit for bit, on their next use. Nothing is dropped
+silently: a spill is a save, and ``stats()`` counts spills and loads. With a directory, ``save(id)`` after a
+turn makes a session survive a process restart; without one the store only holds sessions in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from kvmemory.errors import InvalidArgumentError, SessionBusyError
+from kvmemory.runtime.memory_hooks import SessionMemory
+from kvmemory.runtime.session import Session
+
+
+class SessionStore:
+    """Sessions by id (see the module docstring)."""
+
+    def __init__(self, engine, directory=None, max_resident_bytes: int | None = None):
+        if max_resident_bytes is not None and directory is None:
+            raise InvalidArgumentError("max_resident_bytes needs a directory to spill sessions to")
+        if max_resident_bytes is not None and max_resident_bytes < 1:
+            raise InvalidArgumentError(f"max_resident_bytes must be positive, got {max_resident_bytes}")
+        self.engine = engine
+        self.directory = Path(directory) if directory is not None else None
+        self.max_resident_bytes = max_resident_bytes
+        self._resident: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._pins: Counter[str] = Counter()
+        self._lock = threading.RLock()
+        self.loads = self.spills = 0
+
+    def path(self, session_id: str) -> Path | None:
+        """Where ``session_id`` is saved: a readable prefix of the id plus a hash (ids may hold any text)."""
+        if self.directory is None:
+            return None
+        readable = re.sub(r"[^A-Za-z0-9_.-]", "_", session_id)[:40]
+        return self.directory / f"{readable}-{hashlib.sha256(session_id.encode()).hexdigest()[:12]}.kvm"
+
+    def __contains__(self, session_id: str) -> bool:
+        path = self.path(session_id)
+        return session_id in self._resident or (path is not None and path.is_file())
+
+    @contextlib.contextmanager
+    def use(self, session_id: str, new_memory: Callable[[], SessionMemory | None] | None = None) -> Iterator[Session]:
+        """The session, pinned (never spilled) for the block; ``new_memory()`` serves a session made new."""
+        with self._lock:
+            session = self.get(session_id, new_memory)
+            self._pins[session_id] += 1
+        try:
+            yield session
+        finally:
+            with self._lock:
+                self._pins[session_id] -= 1
+                self._fit()
+
+    def get(self, session_id: str, new_memory: Callable[[], SessionMemory | None] | None = None) -> Session:
+        """The session (resident, loaded from its file, or new), without pinning it."""
+        with self._lock:
+            if session_id in self._resident:
+                self._resident.move_to_end(session_id)
+                return self._resident[session_id]
+            path = self.path(session_id)
+            if path is not None and path.is_file():
+                session = self.engine.load_session(path, session_id)
+                self.loads += 1
+            else:
+                session = self.engine.session(session_id, memory=new_memory() if new_memory else None)
+            self._resident[session_id] = session
+            self._fit(keep=session_id)
+            return session
+
+    def save(self, session_id: str) -> Path:
+        """Write a resident session to its file (what a restart or a spill brings back)."""
+        with self._lock:
+            if self.directory is None:
+                raise InvalidArgumentError("this store has no directory to save to")
+            return self._resident[session_id].save(self.path(session_id))
+
+    def spill(self, session_id: str) -> None:
+        """Save a resident, unpinned session and free its memory; its next use loads it back."""
+        with self._lock:
+            if self._pins[session_id]:
+                raise SessionBusyError(f"session {session_id!r} is in use and cannot be spilled")
+            self.save(session_id)
+            self._resident.pop(session_id).close()
+            self.spills += 1
+
+    def drop(self, session_id: str) -> None:
+        """Forget a session: close it and delete its file."""
+        with self._lock:
+            if self._pins[session_id]:
+                raise SessionBusyError(f"session {session_id!r} is in use and cannot be dropped")
+            session = self._resident.pop(session_id, None)
+            if session is not None:
+                session.close()
+            path = self.path(session_id)
+            if path is not None:
+                path.unlink(missing_ok=True)
+
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(s.cache.kv_bytes() for s in self._resident.values())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "resident": list(self._resident),
+                "resident_bytes": self.resident_bytes(),
+                "max_resident_bytes": self.max_resident_bytes,
+                "loads": self.loads,
+                "spills": self.spills,
+            }
+
+    def _fit(self, keep: str | None = None) -> None:
+        """Spill the least recently used unpinned sessions (never ``keep``) while over the budget."""
+        if self.max_resident_bytes is None:
+            return
+        for session_id in list(self._resident):
+            if self.resident_bytes() <= self.max_resident_bytes:
+                return
+            if session_id != keep and not self._pins[session_id]:
+                self.spill(session_id)
