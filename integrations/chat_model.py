@@ -28,7 +28,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from kvmemory import ContextLengthError, Engine, MemoryCapError, Session, SessionStore, ToolCallParseError
 from kvmemory.memory import MemoryManager, MemoryPolicy, default_policy
 from kvmemory.runtime.async_session import finish_step
-from kvmemory.runtime.chat import TOOL_CALL_RE, parse_tool_calls
+from kvmemory.runtime.chat import TOOL_CALL_RE, parse_tool_calls, visible_content
 
 DEFAULT_THREAD = "default"
 DEFAULT_MAX_SLOTS = 2048  # the cap a chat model gets when no policy is given (as in the agent benchmark)
@@ -278,7 +278,7 @@ class ChatKVMemory(BaseChatModel):
             prompt, cached = self._prefill(session, to_chat_dicts(messages), kwargs.get("tools"))
             result, shown = None, 0
             for piece, result in self._steps(session, stop, kwargs):
-                visible = _visible_content(result.text)
+                visible = visible_content(result.text)
                 if len(visible) > shown:
                     chunk = ChatGenerationChunk(message=AIMessageChunk(content=visible[shown:]))
                     shown = len(visible)
@@ -290,7 +290,7 @@ class ChatKVMemory(BaseChatModel):
         )
         if not final.tool_call_chunks and not final.invalid_tool_calls:
             content = parse_tool_calls(result.text)[0]
-            if content.startswith(_visible_content(result.text)) and len(content) > shown:
+            if content.startswith(visible_content(result.text)) and len(content) > shown:
                 final.content = content[shown:]
         yield ChatGenerationChunk(message=final)
 
@@ -341,17 +341,6 @@ class ChatKVMemory(BaseChatModel):
 
 def _without_thread(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k != "thread_id"}
-
-
-def _visible_content(text: str) -> str:
-    """Text before any tool call (a partial '<tool_call' prefix at the end is held back)."""
-    cut = text.find("<tool_call>")
-    if cut >= 0:
-        return text[:cut]
-    for k in range(len("<tool_call>") - 1, 0, -1):
-        if text.endswith("<tool_call>"[:k]):
-            return text[:-k]
-    return text
 
 
 __all__ = ["ChatKVMemory", "to_chat_dicts"]

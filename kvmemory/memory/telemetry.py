@@ -17,10 +17,9 @@ KIND_COLORS = {
 }
 
 
-def plot_memory_map(
-    timeline: list[dict], segments, path: str | Path, cap: int | None = None, title: str = "KV memory map"
-) -> Path:
-    """Stacked slots per segment (coloured by kind) at every recorded event; the cap as a line."""
+def plot_memory_map(timeline: list[dict], segments, path, cap: int | None = None, title: str = "KV memory map"):
+    """Stacked slots per segment (coloured by kind) at every recorded event; the cap as a line. ``path``: a
+    file path (its folder is created) or a binary file object; the PNG is written there and ``path`` returned."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,8 +45,9 @@ def plot_memory_map(
     ax.set_ylim(0, max(max(e["physical"] for e in timeline) * 1.3, cap or 0) if timeline else 1)
     ax.set_title(title)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    if isinstance(path, (str, Path)):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
     return path

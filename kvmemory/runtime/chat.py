@@ -119,3 +119,14 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
             calls.append({"name": item["name"], "args": args, "id": f"call_{uuid.uuid4().hex[:12]}"})
     content = TOOL_CALL_RE.sub("", text).strip() if calls else text
     return content, calls
+
+
+def visible_content(text: str) -> str:
+    """Text before any tool call, for streaming (a partial '<tool_call' prefix at the end is held back)."""
+    cut = text.find("<tool_call>")
+    if cut >= 0:
+        return text[:cut]
+    for k in range(len("<tool_call>") - 1, 0, -1):
+        if text.endswith("<tool_call>"[:k]):
+            return text[:-k]
+    return text

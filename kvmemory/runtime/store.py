@@ -95,6 +95,24 @@ class SessionStore:
             self._resident.pop(session_id).close()
             self.spills += 1
 
+    def reload(self, session_id: str) -> Session:
+        """Replace the resident session with its saved file (an explicit restore: what was not saved is
+        discarded). A missing or bad file raises before the resident session is touched."""
+        with self._lock:
+            if self._pins[session_id]:
+                raise SessionBusyError(f"session {session_id!r} is in use and cannot be restored")
+            path = self.path(session_id)
+            if path is None:
+                raise InvalidArgumentError("this store has no directory to restore from")
+            session = self.engine.load_session(path, session_id)
+            old = self._resident.pop(session_id, None)
+            if old is not None:
+                old.close()
+            self._resident[session_id] = session
+            self.loads += 1
+            self._fit(keep=session_id)
+            return session
+
     def drop(self, session_id: str) -> None:
         """Forget a session: close it and delete its file."""
         with self._lock:

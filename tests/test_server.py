@@ -1,0 +1,173 @@
+"""The OpenAI-compatible server, live on localhost, driven by the clients a user would use: the ``openai``
+client (plain, streaming, tool messages, errors) and ``langchain-openai`` inside a LangGraph agent."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from integrations.server import create_app, reply_message
+from kvmemory import SessionStore
+
+pytestmark = pytest.mark.default_model
+
+
+@contextmanager
+def live_server(engine, sessions=None, busy_timeout: float = 30.0):
+    """The app on a free localhost port, served by uvicorn in a thread; yields (base URL, app)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app = create_app(engine, SessionStore(engine, sessions))
+    app.state.server.busy_timeout = busy_timeout
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def client(base: str, session_id: str | None = None) -> openai.OpenAI:
+    headers = {"x-session-id": session_id} if session_id else None
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", default_headers=headers, max_retries=0)
+
+
+def ask(chat: openai.OpenAI, messages: list[dict], **kwargs):
+    return chat.chat.completions.create(model="default", messages=messages, max_tokens=8, **kwargs)
+
+
+def test_a_session_prefills_only_new_messages_across_requests(default_engine):
+    with live_server(default_engine) as (base, _):
+        chat = client(base, "agent-1")
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."}]
+        first = ask(chat, messages)
+        assert first.choices[0].message.role == "assistant" and first.usage.prompt_tokens_details.cached_tokens == 0
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+        messages += [{"role": "user", "content": "And a vegetable?"}]
+        second = ask(chat, messages)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached >= first.usage.prompt_tokens  # the whole first turn came from the resident cache
+        stateless = ask(client(base), messages)  # no session id: a fresh session re-prefills everything
+        assert stateless.usage.prompt_tokens_details.cached_tokens == 0
+        assert stateless.choices[0].message.content == second.choices[0].message.content
+        models = chat.models.list()
+        assert [m.id for m in models.data] == [default_engine.name]
+
+
+def test_streaming_ends_with_a_usage_chunk_and_matches_the_plain_reply(default_engine):
+    with live_server(default_engine) as (base, _):
+        messages = [{"role": "user", "content": "Count to five."}]
+        plain = ask(client(base), messages)
+        chunks = list(ask(client(base), messages, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == plain.choices[0].message.content
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_tool_messages_round_trip_and_tool_calls_come_back_in_the_openai_shape(default_engine):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "description": "Read a file",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+    ]
+    messages = [
+        {"role": "user", "content": "What port is configured?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "PORT = 5433"},
+    ]
+    with live_server(default_engine) as (base, _):
+        reply = ask(client(base, "tools"), messages, tools=tools)
+        assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    message, finish = reply_message('<tool_call>{"name": "read_file", "arguments": {"path": "b.py"}}</tool_call>')
+    assert finish == "tool_calls" and message["tool_calls"][0]["function"] == {
+        "name": "read_file",
+        "arguments": '{"path": "b.py"}',
+    }
+
+
+def test_bad_requests_get_openai_errors_and_leave_the_session_as_it_was(default_engine):
+    with live_server(default_engine, busy_timeout=0.2) as (base, app):
+        chat = client(base, "s")
+        ask(chat, [{"role": "user", "content": "Hi"}])
+        before = list(app.state.server.store.get("s").tokens)
+        with pytest.raises(openai.BadRequestError, match="role"):
+            ask(chat, [{"role": "robot", "content": "Hi"}])
+        with pytest.raises(openai.BadRequestError, match="tool call arguments are not JSON"):
+            bad_call = {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+            ask(chat, [{"role": "assistant", "content": "", "tool_calls": [bad_call]}])
+        with pytest.raises(openai.UnprocessableEntityError, match="invalid kvmemory policy"):
+            bad_policy = {"kvmemory": {"policy": {"budget": {"max_slots": -1}}}}
+            ask(chat, [{"role": "user", "content": "Hi"}], extra_body=bad_policy)
+        with pytest.raises(openai.BadRequestError, match="must be a string"):
+            ask(chat, [{"role": "user", "content": 5}])
+        assert app.state.server.store.get("s").tokens == before
+        with app.state.server.lock("s"):  # another request holds the session
+            with pytest.raises(openai.ConflictError, match="busy"):
+                ask(chat, [{"role": "user", "content": "Hi"}])
+        assert httpx.get(f"{base}/v1/sessions/nobody").status_code == 404
+
+
+def test_a_saved_session_survives_a_server_restart(tmp_path, default_engine):
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    with live_server(default_engine, tmp_path) as (base, _):
+        first = ask(client(base, "keep"), messages)
+        assert httpx.post(f"{base}/v1/sessions/keep/save").json()["saved"]
+        stats = httpx.get(f"{base}/v1/sessions/keep").json()
+        png = httpx.get(f"{base}/v1/sessions/keep/memory_map.png")
+        assert png.headers["content-type"] == "image/png" and png.content[:4] == b"\x89PNG"
+    follow = messages + [{"role": "assistant", "content": first.choices[0].message.content}]
+    follow += [{"role": "user", "content": "And the mountains?"}]
+    with live_server(default_engine, tmp_path) as (base, _):
+        restored = httpx.post(f"{base}/v1/sessions/keep/restore").json()
+        assert restored["logical_tokens"] == stats["logical_tokens"]
+        again = ask(client(base, "keep"), follow)
+        assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        reference = ask(client(base), follow)  # the same conversation, prefilled from scratch
+        assert again.choices[0].message.content == reference.choices[0].message.content
+        assert httpx.delete(f"{base}/v1/sessions/keep").json()["deleted"]
+        assert httpx.get(f"{base}/v1/sessions/keep").status_code == 404
+
+
+def test_langchain_openai_drives_a_langgraph_agent_through_the_server(default_engine):
+    from langchain.agents import create_agent
+    from langchain_openai import ChatOpenAI
+
+    def lookup_port(service: str) -> str:
+        """Look up the port a service listens on."""
+        return "5433"
+
+    with live_server(default_engine) as (base, app):
+        thread = {"x-session-id": "lg"}  # the agent thread's session on the server
+        model = ChatOpenAI(base_url=f"{base}/v1", api_key="-", model="default", max_tokens=12, default_headers=thread)
+        agent = create_agent(model, tools=[lookup_port], system_prompt="You are a helpful assistant.")
+        state = agent.invoke({"messages": [{"role": "user", "content": "Which port does the db use?"}]})
+        assert state["messages"][-1].type == "ai"
+        state["messages"].append({"role": "user", "content": "Thanks. Anything else?"})
+        state = agent.invoke(state)
+        usage = state["messages"][-1].usage_metadata
+        assert usage["input_token_details"]["cache_read"] > 0  # the thread's cache stayed resident
+        assert "lg" in app.state.server.store.stats()["resident"]
