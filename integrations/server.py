@@ -21,6 +21,7 @@ import argparse
 import io
 import json
 import math
+import socket
 import threading
 import time
 import uuid
@@ -336,6 +337,27 @@ def create_app(engine, store: SessionStore | None = None, policy: MemoryPolicy |
             raise APIError(404, f"no session {session_id!r}", "not_found_error", "session_not_found")
 
     return app
+
+
+@contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Serve ``app`` with uvicorn in a background thread (port 0: a free one); yields the base URL."""
+    import uvicorn
+
+    if port == 0:
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> None:

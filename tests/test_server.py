@@ -3,17 +3,13 @@ client (plain, streaming, tool messages, errors) and ``langchain-openai`` inside
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from integrations.server import create_app, reply_message
+from integrations.server import create_app, reply_message, serve_in_thread
 from kvmemory import SessionStore
 
 pytestmark = pytest.mark.default_model
@@ -22,21 +18,10 @@ pytestmark = pytest.mark.default_model
 @contextmanager
 def live_server(engine, sessions=None, busy_timeout: float = 30.0):
     """The app on a free localhost port, served by uvicorn in a thread; yields (base URL, app)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     app = create_app(engine, SessionStore(engine, sessions))
     app.state.server.busy_timeout = busy_timeout
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serve_in_thread(app) as base:
+        yield base, app
 
 
 def client(base: str, session_id: str | None = None) -> openai.OpenAI:
