@@ -338,3 +338,13 @@ def test_a_capped_session_runs_far_past_the_trained_positions():
     with pytest.raises(ContextLengthError, match="position limit of 256"):
         for i in range(30):
             unrotated.append_tokens(random_tokens(20, seed=i), kind="text")
+
+
+def test_the_room_a_span_cannot_take_goes_to_the_others():
+    """Under cap pressure the room is split by share, but a span already below its share keeps what it has
+    and the rest goes to the others: the cap's budget is used, not wasted."""
+    from kvmemory.memory.manager import _fill
+
+    assert _fill(100, [1, 1, 1], [10, 100, 100], [1, 1, 1]) == [10, 45, 45]
+    assert _fill(100, [1, 3], [100, 100], [1, 1]) == [25, 75]
+    assert _fill(10, [1, 1], [100, 100], [8, 8]) == [8, 8]  # floors hold even past the room

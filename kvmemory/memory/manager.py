@@ -270,14 +270,10 @@ class MemoryManager:
             if excess > 0:  # the rules' budgets are not enough: share what is left by importance
                 room = max(sum(s.wanted for s in spans) - excess, 0)
                 spans = _merge_oldest(spans, room)
-                weights = self._importance(spans)
-                raw = [s.rule.weight * math.sqrt(max(w, 1e-9)) * len(s.positions) for s, w in zip(spans, weights)]
-                scale = room / max(sum(raw), 1e-12)
-                return [
-                    (s, t, t < s.wanted)
-                    for s, x in zip(spans, raw)
-                    if (t := int(max(s.floor, min(s.wanted, math.floor(x * scale))))) < s.current - 0.5
-                ]
+                importance = self._importance(spans)
+                shares = [s.rule.weight * math.sqrt(max(w, 1e-9)) * len(s.positions) for s, w in zip(spans, importance)]
+                targets = _fill(room, shares, [s.wanted for s in spans], [s.floor for s in spans])
+                return [(s, t, t < s.wanted) for s, t in zip(spans, targets) if t < s.current - 0.5]
         return [(s, int(s.wanted), False) for s in spans if s.wanted < s.current - 0.5]
 
     # ---- telemetry -------------------------------------------------------------------------------
@@ -310,6 +306,26 @@ class _Span:
     @property
     def floor(self) -> int:
         return min(self.rule.min_slots, len(self.positions))
+
+
+def _fill(room: float, shares: list[float], caps: list[float], floors: list[int]) -> list[int]:
+    """Split ``room`` slots in proportion to ``shares``, no span above its cap nor below its floor; the room
+    a capped span cannot take goes to the others (water-filling), so the cap's budget is used, not wasted."""
+    targets: list[float | None] = [None] * len(shares)
+    open_spans = set(range(len(shares)))
+    while open_spans:
+        total = sum(shares[i] for i in open_spans) or 1e-12
+        full = [i for i in open_spans if room * shares[i] / total >= caps[i]]
+        if not full:
+            break
+        for i in full:
+            targets[i] = caps[i]
+            room -= caps[i]
+            open_spans.remove(i)
+    total = sum(shares[i] for i in open_spans) or 1e-12
+    for i in open_spans:
+        targets[i] = max(0.0, room) * shares[i] / total
+    return [int(max(floor, math.floor(t))) for t, floor in zip(targets, floors)]
 
 
 def _merge_oldest(spans: list[_Span], room: float) -> list[_Span]:
