@@ -207,11 +207,22 @@ def usage(prompt: int, cached: int, completion: int) -> dict:
     }
 
 
-def create_app(engine, store: SessionStore | None = None, policy: MemoryPolicy | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; sessions live in ``store`` (in memory by default)."""
+def create_app(
+    engine, store: SessionStore | None = None, policy: MemoryPolicy | None = None, max_request_mb: float = 32.0
+) -> FastAPI:
+    """The FastAPI app serving ``engine``; sessions live in ``store`` (in memory by default); request bodies
+    over ``max_request_mb`` get 413."""
     server = Server(engine, store or SessionStore(engine), policy or default_policy(max_slots=2048))
     app = FastAPI(title="kvmemory", description=__doc__)
     app.state.server = server
+
+    @app.middleware("http")
+    async def limit_size(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_request_mb * 1e6:
+            message = f"request body of {int(size):,} bytes is over the server's {max_request_mb:g} MB limit"
+            return error_response(413, message, "invalid_request_error", "request_too_large")
+        return await call_next(request)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError):
@@ -370,13 +381,14 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--sessions", default=None, help="directory where sessions are saved (and spilled)")
     serve.add_argument("--max-resident-mb", type=float, default=None, help="KV of resident sessions, then spill")
     serve.add_argument("--max-slots", type=int, default=2048, help="the default policy's cap per session")
+    serve.add_argument("--max-request-mb", type=float, default=32.0, help="larger request bodies get 413")
     args = parser.parse_args(argv)
     import uvicorn
 
     engine = Engine.from_pretrained(args.model)
     budget = int(args.max_resident_mb * 1e6) if args.max_resident_mb else None
     store = SessionStore(engine, args.sessions, budget)
-    app = create_app(engine, store, default_policy(max_slots=args.max_slots))
+    app = create_app(engine, store, default_policy(max_slots=args.max_slots), args.max_request_mb)
     uvicorn.run(app, host=args.host, port=args.port)
 
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.default_model
 @contextmanager
 def live_server(engine, sessions=None, busy_timeout: float = 30.0):
     """The app on a free localhost port, served by uvicorn in a thread; yields (base URL, app)."""
-    app = create_app(engine, SessionStore(engine, sessions))
+    app = create_app(engine, SessionStore(engine, sessions), max_request_mb=1)
     app.state.server.busy_timeout = busy_timeout
     with serve_in_thread(app) as base:
         yield base, app
@@ -114,6 +114,10 @@ def test_bad_requests_get_openai_errors_and_leave_the_session_as_it_was(default_
             with pytest.raises(openai.ConflictError, match="busy"):
                 ask(chat, [{"role": "user", "content": "Hi"}])
         assert httpx.get(f"{base}/v1/sessions/nobody").status_code == 404
+        with pytest.raises(openai.APIStatusError, match="over the server's 1 MB limit") as err:
+            ask(chat, [{"role": "user", "content": "x" * 2_000_000}])
+        assert err.value.status_code == 413
+        assert app.state.server.store.get("s").tokens == before
 
 
 def test_a_saved_session_survives_a_server_restart(tmp_path, default_engine):
