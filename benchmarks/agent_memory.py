@@ -21,11 +21,13 @@ free replies (empty, repetitive or off-topic) among sampled answers to an open q
 bootstrap intervals over facts.
 
     python -m benchmarks.agent_memory [--caps 8 4] [--conditions ...] [--traces ...] [--replies 4]
+    python -m benchmarks.agent_memory --from-saved   # summarise what a stopped run saved
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 import statistics
@@ -378,46 +380,55 @@ def plot(summary: list[dict], path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def finish(rows: list[dict], none: dict, caps: list[int], replies: int) -> None:
+    """Summary tables, PNG and JSON over the traces every condition ran on (a stopped run's complete ones)."""
+    wanted = {(r["condition"], r["divisor"]) for r in rows} | {("uncompacted", 1)}
+    have = {(r["trace"], r["condition"], r["divisor"]) for r in rows}
+    complete = [t for t in dict.fromkeys(r["trace"] for r in rows) if all((t, *w) in have for w in wanted)]
+    rows = [r for r in rows if r["trace"] in complete]
+    full = [r for r in rows if r["condition"] == "uncompacted"]
+    summary = []
+    for divisor in caps:
+        capped = [r for r in rows if r["divisor"] == divisor and r["condition"] != "uncompacted"]
+        summary += summarise(full + capped, none, divisor)
+        print(table([r for r in summary if r["cap"] == f"1/{divisor}"], list(summary[0])), flush=True)
+    plot(summary, RESULTS / "agent_memory.png")
+    out = {"caps": caps, "replies": replies, "traces": complete, "summary": summary, "rows": rows}
+    out["no_trace"] = [list(k) + [v] for k, v in none.items()]
+    print(f"saved {save('agent_memory', out)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--caps", type=int, nargs="+", default=[8, 4], help="cap = trace tokens / N")
     parser.add_argument("--conditions", nargs="+", default=CONDITIONS, choices=CONDITIONS)
     parser.add_argument("--traces", nargs="+", default=None)
     parser.add_argument("--replies", type=int, default=4, help="free replies per trace and condition")
+    parser.add_argument("--from-saved", action="store_true", help="only summarise the rows a stopped run saved")
     args = parser.parse_args()
+    if args.from_saved:
+        saved = json.loads((RESULTS / "agent_memory.json").read_text())
+        finish(saved["rows"], {(t, q): lp for t, q, lp in saved["no_trace"]}, saved["caps"], saved["replies"])
+        return
     engine = Engine.from_pretrained("default")
     traces = load_traces(args.traces)
     none = {(t["name"], q): lp for t in traces for (q, _), lp in zip(t["facts"], no_trace_logprobs(engine, t))}
     lengths = {t["name"]: len(engine.session().renderer.render(t["messages"])) for t in traces}
-
-    def run(trace, condition, divisor):
-        row = replay(engine, trace, condition, lengths[trace["name"]] // divisor, args.replies)
-        hits = sum(f["exact"] for f in row["facts"])
-        print(
-            f"1/{divisor} {trace['name']:<10} {condition:<17} NLL {row['nll_last_turn']:.3f}  "
-            f"exact {hits}/{len(row['facts'])}  peak {row['peak_kv_bytes'] / 1e6:.1f} MB  {row['seconds']:.0f} s",
-            flush=True,
-        )
-        row = {**row, "divisor": divisor}
-        rows.append(row)
-        save("agent_memory", {"caps": args.caps, "replies": args.replies, "rows": rows, "partial": True})
-        return row
-
-    rows, summary = [], []
-    full = [run(trace, "uncompacted", 1) for trace in traces]
-    for divisor in args.caps:
-        mine = [run(trace, c, divisor) for trace in traces for c in args.conditions if c != "uncompacted"]
-        summary += summarise(full + mine, none, divisor)
-        print(table([r for r in summary if r["cap"] == f"1/{divisor}"], list(summary[0])), flush=True)
-    plot(summary, RESULTS / "agent_memory.png")
-    out = {
-        "caps": args.caps,
-        "replies": args.replies,
-        "summary": summary,
-        "rows": rows,
-        "no_trace": [list(k) + [v] for k, v in none.items()],
-    }
-    print(f"saved {save('agent_memory', out)}")
+    rows = []
+    for trace in traces:  # trace by trace: a stopped run still compares every condition on the traces it did
+        runs = [("uncompacted", 1)] + [(c, d) for d in args.caps for c in args.conditions if c != "uncompacted"]
+        for condition, divisor in runs:
+            row = replay(engine, trace, condition, lengths[trace["name"]] // divisor, args.replies)
+            hits = sum(f["exact"] for f in row["facts"])
+            print(
+                f"1/{divisor} {trace['name']:<10} {condition:<17} NLL {row['nll_last_turn']:.3f}  "
+                f"exact {hits}/{len(row['facts'])}  peak {row['peak_kv_bytes'] / 1e6:.1f} MB  {row['seconds']:.0f} s",
+                flush=True,
+            )
+            rows.append({**row, "divisor": divisor})
+            partial = {"caps": args.caps, "replies": args.replies, "rows": rows, "partial": True}
+            save("agent_memory", {**partial, "no_trace": [list(k) + [v] for k, v in none.items()]})
+    finish(rows, none, args.caps, args.replies)
 
 
 if __name__ == "__main__":
