@@ -216,7 +216,7 @@ def main() -> None:
     )
     for name, fn in sections:
         data = load(name)
-        if data:
+        if data and not data.get("partial"):  # a benchmark still running (or stopped) has no summary yet
             parts.append(fn(data))
     print("\n\n".join(parts))
 
