@@ -206,6 +206,45 @@ def agent_memory_section(d: dict) -> str:
     return "\n".join(out)
 
 
+def persistence_section(d: dict) -> str:
+    rows = [
+        [
+            f"{r['logical_tokens']:,}",
+            r["slots"],
+            f"{r['file_mb']:.0f}",
+            f"{r['save_s']:.2f}",
+            f"{r['load_s']:.2f}",
+            f"{r['rebuild_s']:.1f}",
+            f"{r['load_vs_rebuild']:.0f}×",
+            "yes" if r["identical_logits"] else "no",
+        ]
+        for r in d["rows"]
+    ]
+    columns = ["logical tokens", "slots", "file MB", "save s", "load s", "re-prefill s", "load speed-up", "same logits"]
+    return (
+        f"**Saved sessions** (`python -m benchmarks.persistence`): a session under a {d['cap']}-slot cap, saved "
+        "with `session.save`, loaded with `engine.load_session` (medians of 3), against rebuilding it by "
+        "re-prefilling its transcript under the same policy.\n\n" + md(rows, columns)
+    )
+
+
+def serve_section(d: dict) -> str:
+    rows = [
+        [r["mode"], r["turns"], f"{r['prefilled_tokens']:,}", f"{r['median_turn_s']:.2f}", f"{r['total_s']:.1f}"]
+        for r in d["summary"]
+    ]
+    restore = d["restore"]
+    return (
+        f"**Serving** (`python -m benchmarks.serve`): the `{d['trace']}` agent trace sent turn by turn to a live "
+        "`kvmemory serve` through the `openai` client, with an `x-session-id` (the cache stays resident) and "
+        "without (every turn re-prefills the history, as a server without session affinity does).\n\n"
+        + md(rows, ["mode", "turns", "prefilled tokens", "median turn s", "total s"])
+        + f"\n\nRestoring the finished session ({restore['logical_tokens']:,} tokens) from its file over HTTP: "
+        f"{restore['restore_s']:.2f} s, against {restore['reprefill_s']:.1f} s to re-prefill it "
+        f"({restore['speedup']:.0f}×)."
+    )
+
+
 def main() -> None:
     parts = []
     sections = (
@@ -213,6 +252,8 @@ def main() -> None:
         ("quality", quality_section),
         ("agent_memory", agent_memory_section),
         ("agent_session", agent_section),
+        ("persistence", persistence_section),
+        ("serve", serve_section),
     )
     for name, fn in sections:
         data = load(name)
