@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
@@ -350,6 +350,36 @@ def create_app(
     return app
 
 
+def loading_app(load: Callable[[], FastAPI]) -> FastAPI:
+    """An app that answers 503 (OpenAI-style, with Retry-After) while ``load()`` builds the real app in a
+    background thread, then serves it: the port is open from the start, as a server loading a model should."""
+    outer = FastAPI(title="kvmemory")
+    ready = threading.Event()
+    failed: list[BaseException] = []
+
+    def build():
+        try:
+            outer.mount("/", load())
+        except BaseException as err:  # reported to every request instead of dying silently in a thread
+            failed.append(err)
+        finally:
+            ready.set()
+
+    @outer.middleware("http")
+    async def while_loading(request: Request, call_next):
+        if not ready.is_set():
+            response = error_response(503, "the model is still loading; retry shortly", "server_error", "loading")
+            response.headers["Retry-After"] = "5"
+            return response
+        if failed:
+            return error_response(500, f"the server failed to load: {failed[0]}", "server_error", "load_failed")
+        return await call_next(request)
+
+    threading.Thread(target=build, daemon=True).start()
+    outer.state.ready = ready
+    return outer
+
+
 @contextmanager
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     """Serve ``app`` with uvicorn in a background thread (port 0: a free one); yields the base URL."""
@@ -385,11 +415,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import uvicorn
 
-    engine = Engine.from_pretrained(args.model)
-    budget = int(args.max_resident_mb * 1e6) if args.max_resident_mb else None
-    store = SessionStore(engine, args.sessions, budget)
-    app = create_app(engine, store, default_policy(max_slots=args.max_slots), args.max_request_mb)
-    uvicorn.run(app, host=args.host, port=args.port)
+    def load() -> FastAPI:
+        engine = Engine.from_pretrained(args.model)
+        budget = int(args.max_resident_mb * 1e6) if args.max_resident_mb else None
+        store = SessionStore(engine, args.sessions, budget)
+        return create_app(engine, store, default_policy(max_slots=args.max_slots), args.max_request_mb)
+
+    uvicorn.run(loading_app(load), host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,14 @@ client (plain, streaming, tool messages, errors) and ``langchain-openai`` inside
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
 
-from integrations.server import create_app, reply_message, serve_in_thread
+from integrations.server import create_app, loading_app, reply_message, serve_in_thread
 from kvmemory import SessionStore
 
 pytestmark = pytest.mark.default_model
@@ -160,3 +161,20 @@ def test_langchain_openai_drives_a_langgraph_agent_through_the_server(default_en
         usage = state["messages"][-1].usage_metadata
         assert usage["input_token_details"]["cache_read"] > 0  # the thread's cache stayed resident
         assert "lg" in app.state.server.store.stats()["resident"]
+
+
+def test_the_server_answers_503_while_the_model_loads(tiny_engine):
+    loaded = threading.Event()
+
+    def load():
+        loaded.wait(timeout=60)
+        return create_app(tiny_engine)
+
+    app = loading_app(load)
+    with serve_in_thread(app) as base:
+        early = httpx.get(f"{base}/v1/models")
+        assert early.status_code == 503 and early.headers["retry-after"] == "5"
+        assert early.json()["error"]["code"] == "loading"
+        loaded.set()
+        app.state.ready.wait(timeout=60)
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["object"] == "model"
