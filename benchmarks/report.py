@@ -182,9 +182,10 @@ def agent_section(d: dict) -> str:
 def agent_memory_section(d: dict) -> str:
     columns = ["condition", "fact gain kept", "95% CI", "exact match", "ΔNLL last turn", "degenerate", "peak KV MB"]
     out = [
-        "**Agent memory** (`python -m benchmarks.agent_memory`): four real coding-agent traces (5.3k-6.3k tokens, "
-        "11-12 single-mention facts each, asked at the end), replayed step by step under a cap of 1/N of each "
-        "trace; kvmemory conditions at equal KV bytes, text baselines at the same token budget. *Fact gain kept*: "
+        "**Agent memory** (`python -m benchmarks.agent_memory`): real coding-agent traces "
+        f"({', '.join(d['traces'])}; 5.3k-6.3k tokens, 11-12 single-mention facts each, asked at the end), "
+        "replayed step by step under a cap of 1/N of each trace; kvmemory conditions at equal KV bytes, text "
+        "baselines at the same token budget. *Fact gain kept*: "
         "the share of the answer log-probability gain that the whole trace gives over no trace (1 = as good as "
         "uncompacted); *degenerate*: empty, repetitive or off-topic free replies."
     ]
