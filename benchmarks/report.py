@@ -246,6 +246,42 @@ def serve_section(d: dict) -> str:
     )
 
 
+def concurrency_section(d: dict) -> str:
+    rows = [
+        [
+            r["sessions"],
+            f"{r['kvmemory_tok_s']:.1f}",
+            f"{r['speedup_vs_one']:.1f}×",
+            f"{r['sessions_per_pass']:.1f}",
+            f"{r['per_session_tok_s']:.1f}",
+            f"{r['unbatched_tok_s']:.1f}",
+            f"{r['transformers_tok_s']:.1f}",
+            f"{r['ttft_median_s']:.2f} / {r['unbatched_ttft_median_s']:.2f}",
+            f"{r['kv_mb']:.0f} / {r['transformers_kv_mb']:.0f}",
+        ]
+        for r in d["rows"]
+    ]
+    columns = [
+        "sessions",
+        "kvmemory tok/s",
+        "vs 1 session",
+        "sessions per pass",
+        "per session tok/s",
+        "unbatched tok/s",
+        "transformers tok/s",
+        "TTFT s batched / unbatched",
+        "KV MiB kvmemory / transformers",
+    ]
+    return (
+        f"**Many agents at once** (`python -m benchmarks.concurrency`): concurrent agent sessions on the default "
+        f"model, each holding an agent trace (about {d['context']} tokens of real tool calls and outputs) under the "
+        f"default policy, decode {d['tokens']} greedy tokens at once (aggregate decode tokens/s), then append their "
+        "next tool result and stream a reply (time to first token). Side by side: the engine batching the sessions' "
+        "forwards, the same engine one session per forward, and transformers `generate` over the same contexts "
+        "left-padded into one batch.\n\n" + md(rows, columns)
+    )
+
+
 def main() -> None:
     parts = []
     sections = (
@@ -255,6 +291,7 @@ def main() -> None:
         ("agent_session", agent_section),
         ("persistence", persistence_section),
         ("serve", serve_section),
+        ("concurrency", concurrency_section),
     )
     for name, fn in sections:
         data = load(name)

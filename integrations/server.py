@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server whose sessions keep their compacted KV cache between requests.
 
-    kvmemory serve [--model default] [--port 8000] [--sessions DIR] [--max-slots 2048]
+    kvmemory serve [--model default] [--port 8000] [--sessions DIR [--save-after-turn]] [--max-slots 2048]
+    kvmemory serve --ray --replicas 2 --sessions DIR   (Ray Serve: see integrations/ray_serve.py)
 
 ``POST /v1/chat/completions`` takes the OpenAI request (messages, tools, temperature, top_p, max_tokens,
 stop, seed, ``stream`` with ``stream_options.include_usage``). The ``x-session-id`` header (or the ``user``
@@ -38,6 +39,7 @@ from pydantic import BaseModel, ConfigDict
 from kvmemory import (
     ContextLengthError,
     Engine,
+    InvalidArgumentError,
     KVMemoryError,
     MemoryCapError,
     MemoryManager,
@@ -45,6 +47,7 @@ from kvmemory import (
     PolicyError,
     SessionFileError,
     SessionStore,
+    StoreFullError,
     ToolCallParseError,
     default_policy,
 )
@@ -85,6 +88,21 @@ def error_response(status: int, message: str, kind: str, code: str | None = None
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
 
 
+def error_status(err: APIError | KVMemoryError) -> tuple[int, str, str, str | None]:
+    """(HTTP status, message, OpenAI error type, code) for an error a request caused."""
+    if isinstance(err, APIError):
+        return err.status, err.message, err.kind, err.code
+    if isinstance(err, (ContextLengthError, MemoryCapError)):
+        return 400, str(err), "invalid_request_error", "context_length_exceeded"
+    if isinstance(err, StoreFullError):
+        return 503, str(err), "server_error", "store_full"
+    if isinstance(err, SessionFileError):
+        return 404 if "no session file" in str(err) else 400, str(err), "invalid_request_error", None
+    if isinstance(err, ValueError):
+        return 400, str(err), "invalid_request_error", None
+    return 500, str(err), "server_error", None
+
+
 def chat_messages(messages: list[dict]) -> list[dict]:
     """OpenAI messages → the dicts a Session renders (text parts joined, tool-call arguments parsed)."""
     out = []
@@ -110,8 +128,18 @@ def chat_messages(messages: list[dict]) -> list[dict]:
 class Server:
     """The engine, the session store and the per-session locks behind the HTTP app."""
 
-    def __init__(self, engine, store: SessionStore, policy: MemoryPolicy, busy_timeout: float = 30.0):
+    def __init__(
+        self,
+        engine,
+        store: SessionStore,
+        policy: MemoryPolicy,
+        busy_timeout: float = 30.0,
+        save_after_turn: bool = False,
+    ):
+        if save_after_turn and store.directory is None:
+            raise InvalidArgumentError("save_after_turn needs a store with a directory")
         self.engine, self.store, self.policy, self.busy_timeout = engine, store, policy, busy_timeout
+        self.save_after_turn = save_after_turn
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -142,6 +170,68 @@ class Server:
             if policy is not None:
                 session.memory.set_policy(memory_policy)
             yield session
+
+    def complete(self, session_id: str | None, request: ChatRequest) -> dict:
+        """The chat completion for ``request`` on the session (a failure leaves it as it was)."""
+        with self.session(session_id, (request.kvmemory or {}).get("policy")) as session:
+            with session.transaction():
+                prompt, cached = prefill(session, request)
+                result = session.generate(**sampling(request))
+            self._after_turn(session_id)
+        message, finish = reply_message(result.text)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.engine.name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish or result.finish_reason}],
+            "usage": usage(prompt, cached, len(result.token_ids)),
+        }
+
+    def stream(self, session_id: str | None, request: ChatRequest) -> Iterator[str]:
+        """The completion as server-sent events, ending with a usage chunk when asked and ``[DONE]``; errors
+        come as an error event (the status line is sent before the first token)."""
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+            body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.engine.name}
+            body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish}] if delta is not None else []
+            return f"data: {json.dumps({**body, **extra})}\n\n"
+
+        try:
+            with self.session(session_id, (request.kvmemory or {}).get("policy")) as session:
+                before = session.snapshot()  # a failure (not a disconnect) puts the session back as it was
+                try:
+                    prompt, cached = prefill(session, request)
+                    yield chunk({"role": "assistant", "content": ""})
+                    shown, result = 0, None
+                    for _, result in session.start_generation(**sampling(request)):
+                        visible = visible_content(result.text)
+                        if len(visible) > shown:
+                            yield chunk({"content": visible[shown:]})
+                            shown = len(visible)
+                except Exception:
+                    session.restore(before)
+                    raise
+                self._after_turn(session_id)
+                message, finish = reply_message(result.text)
+                if message.get("tool_calls"):
+                    calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+                    yield chunk({"tool_calls": calls})
+                elif (message["content"] or "")[shown:]:
+                    yield chunk({"content": message["content"][shown:]})
+                yield chunk({}, finish or result.finish_reason)
+                if (request.stream_options or {}).get("include_usage"):
+                    yield chunk(None, usage=usage(prompt, cached, len(result.token_ids)))
+        except (APIError, KVMemoryError) as err:
+            _, message, kind, code = error_status(err)
+            yield f"data: {json.dumps({'error': {'message': message, 'type': kind, 'code': code}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _after_turn(self, session_id: str | None) -> None:
+        """Save the session after each turn when asked to (what a restarted or failed-over server resumes)."""
+        if self.save_after_turn and session_id is not None:
+            self.store.save(session_id)
 
     def _policy(self, requested: dict | None) -> MemoryPolicy:
         if requested is None:
@@ -208,11 +298,16 @@ def usage(prompt: int, cached: int, completion: int) -> dict:
 
 
 def create_app(
-    engine, store: SessionStore | None = None, policy: MemoryPolicy | None = None, max_request_mb: float = 32.0
+    engine,
+    store: SessionStore | None = None,
+    policy: MemoryPolicy | None = None,
+    max_request_mb: float = 32.0,
+    save_after_turn: bool = False,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine``; sessions live in ``store`` (in memory by default); request bodies
-    over ``max_request_mb`` get 413."""
-    server = Server(engine, store or SessionStore(engine), policy or default_policy(max_slots=2048))
+    """The FastAPI app serving ``engine``; sessions live in ``store`` (in memory by default), saved to its
+    directory after every turn with ``save_after_turn``; request bodies over ``max_request_mb`` get 413."""
+    store = store or SessionStore(engine)
+    server = Server(engine, store, policy or default_policy(max_slots=2048), save_after_turn=save_after_turn)
     app = FastAPI(title="kvmemory", description=__doc__)
     app.state.server = server
 
@@ -225,22 +320,13 @@ def create_app(
         return await call_next(request)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, err: APIError):
-        return error_response(err.status, err.message, err.kind, err.code)
+    @app.exception_handler(KVMemoryError)
+    async def request_error(_: Request, err: Exception):
+        return error_response(*error_status(err))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, err: RequestValidationError):
         return error_response(400, f"invalid request: {err.errors()}", "invalid_request_error")
-
-    @app.exception_handler(KVMemoryError)
-    async def kvmemory_error(_: Request, err: KVMemoryError):
-        if isinstance(err, (ContextLengthError, MemoryCapError)):
-            return error_response(400, str(err), "invalid_request_error", "context_length_exceeded")
-        if isinstance(err, SessionFileError):
-            return error_response(404 if "no session file" in str(err) else 400, str(err), "invalid_request_error")
-        if isinstance(err, ValueError):
-            return error_response(400, str(err), "invalid_request_error")
-        return error_response(500, str(err), "server_error")
 
     @app.get("/v1/models")
     def models():
@@ -249,59 +335,9 @@ def create_app(
     @app.post("/v1/chat/completions")
     def chat_completions(request: ChatRequest, x_session_id: str | None = Header(None)):
         session_id = x_session_id or request.user
-        policy = (request.kvmemory or {}).get("policy")
         if request.stream:
-            return StreamingResponse(stream(session_id, policy, request), media_type="text/event-stream")
-        with server.session(session_id, policy) as session, session.transaction():
-            prompt, cached = prefill(session, request)
-            result = session.generate(**sampling(request))
-        message, finish = reply_message(result.text)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": engine.name,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish or result.finish_reason}],
-            "usage": usage(prompt, cached, len(result.token_ids)),
-        }
-
-    def stream(session_id, policy, request: ChatRequest) -> Iterator[str]:
-        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-            body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": engine.name}
-            body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish}] if delta is not None else []
-            return f"data: {json.dumps({**body, **extra})}\n\n"
-
-        try:
-            with server.session(session_id, policy) as session:
-                before = session.snapshot()  # a failure (not a disconnect) puts the session back as it was
-                try:
-                    prompt, cached = prefill(session, request)
-                    yield chunk({"role": "assistant", "content": ""})
-                    shown, result = 0, None
-                    for _, result in session.start_generation(**sampling(request)):
-                        visible = visible_content(result.text)
-                        if len(visible) > shown:
-                            yield chunk({"content": visible[shown:]})
-                            shown = len(visible)
-                except Exception:
-                    session.restore(before)
-                    raise
-                message, finish = reply_message(result.text)
-                if message.get("tool_calls"):
-                    calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-                    yield chunk({"tool_calls": calls})
-                elif (message["content"] or "")[shown:]:
-                    yield chunk({"content": message["content"][shown:]})
-                yield chunk({}, finish or result.finish_reason)
-                if (request.stream_options or {}).get("include_usage"):
-                    yield chunk(None, usage=usage(prompt, cached, len(result.token_ids)))
-        except APIError as err:
-            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'code': err.code}})}\n\n"
-        except KVMemoryError as err:
-            yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'invalid_request_error'}})}\n\n"
-        yield "data: [DONE]\n\n"
+            return StreamingResponse(server.stream(session_id, request), media_type="text/event-stream")
+        return server.complete(session_id, request)
 
     @app.get("/v1/sessions/{session_id}")
     def session_stats(session_id: str):
@@ -412,14 +448,27 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-resident-mb", type=float, default=None, help="KV of resident sessions, then spill")
     serve.add_argument("--max-slots", type=int, default=2048, help="the default policy's cap per session")
     serve.add_argument("--max-request-mb", type=float, default=32.0, help="larger request bodies get 413")
+    serve.add_argument("--save-after-turn", action="store_true", help="save each session after every turn")
+    serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (see integrations/ray_serve.py)")
+    serve.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas")
     args = parser.parse_args(argv)
+    if args.ray:
+        if args.sessions is None:
+            parser.error("--ray needs --sessions DIR: a directory every replica can read (sessions fail over)")
+        from integrations.ray_serve import run
+
+        run(args.model, args.sessions, args.replicas, args.host, args.port, args.max_slots)
+        return
+    if args.save_after_turn and args.sessions is None:
+        parser.error("--save-after-turn needs --sessions DIR")
     import uvicorn
 
     def load() -> FastAPI:
         engine = Engine.from_pretrained(args.model)
         budget = int(args.max_resident_mb * 1e6) if args.max_resident_mb else None
         store = SessionStore(engine, args.sessions, budget)
-        return create_app(engine, store, default_policy(max_slots=args.max_slots), args.max_request_mb)
+        policy = default_policy(max_slots=args.max_slots)
+        return create_app(engine, store, policy, args.max_request_mb, args.save_after_turn)
 
     uvicorn.run(loading_app(load), host=args.host, port=args.port)
 

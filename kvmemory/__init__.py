@@ -40,6 +40,7 @@ from kvmemory.errors import (
     SessionBusyError,
     SessionClosedError,
     SessionFileError,
+    StoreFullError,
     ToolCallParseError,
     UnsupportedArchitectureError,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "SessionBusyError",
     "SessionClosedError",
     "SessionFileError",
+    "StoreFullError",
     "SessionStats",
     "SessionStore",
     "SnapKV",

@@ -59,3 +59,7 @@ class SessionFileError(KVMemoryError, ValueError):
 
 class ModelMismatchError(SessionFileError):
     """A saved session whose cache belongs to another model (architecture, shapes, dtype or weights)."""
+
+
+class StoreFullError(KVMemoryError, TimeoutError):
+    """A session store at its memory budget could not admit a session in time (every resident session is in use)."""

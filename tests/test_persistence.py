@@ -4,6 +4,7 @@ bit (every cache shape, recorders, memory manager), and a bad file fails with an
 from __future__ import annotations
 
 import os
+import threading
 from unittest import mock
 
 import pytest
@@ -19,6 +20,7 @@ from kvmemory import (
     SessionBusyError,
     SessionFileError,
     SessionStore,
+    StoreFullError,
 )
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy
 from tests.conftest import random_tokens, tiny_model
@@ -150,14 +152,57 @@ def test_the_store_spills_the_least_recently_used_and_loads_it_back_bit_identica
 
 def test_a_session_in_use_is_never_spilled(tmp_path, tiny_engine):
     store = SessionStore(tiny_engine, tmp_path, max_resident_bytes=tiny_engine.kv_bytes_per_token * 10)
-    with store.use("a") as a:
+    with store.use("a") as a, store.use("b") as b:  # both admitted while small
         a.append_tokens(random_tokens(40))
-        with store.use("b") as b:
-            b.append_tokens(random_tokens(40))
-        assert "a" in store.stats()["resident"]  # over the budget, but pinned
+        b.append_tokens(random_tokens(40))
+        assert store.stats()["resident"] == ["a", "b"]  # over the budget, but pinned
         with pytest.raises(SessionBusyError):
             store.spill("a")
     assert store.stats()["resident"] == [] and store.spills == 2  # both spilled once free
+
+
+def test_a_newcomer_waits_while_every_resident_session_is_in_use(tmp_path, tiny_engine):
+    budget = tiny_engine.kv_bytes_per_token * 50
+    store = SessionStore(tiny_engine, tmp_path, max_resident_bytes=budget)
+    admitted = threading.Event()
+
+    def newcomer():
+        with store.use("b") as b:
+            b.append_tokens(random_tokens(10, seed=2))
+            admitted.set()
+
+    with store.use("a") as a:
+        a.append_tokens(random_tokens(60))  # over the budget, and in use: "b" must wait
+        waiting = threading.Thread(target=newcomer)
+        waiting.start()
+        assert not admitted.wait(0.3) and store.waits == 1
+    waiting.join(timeout=30)  # "a" released: spilled, and "b" comes in
+    assert admitted.is_set() and store.spills == 1 and store.stats()["resident"] == ["b"]
+    assert tiny_engine.stats()["kv_bytes"] >= store.resident_bytes()
+
+
+def test_a_store_that_stays_full_refuses_in_time_and_changes_nothing(tmp_path, tiny_engine):
+    store = SessionStore(tiny_engine, tmp_path, tiny_engine.kv_bytes_per_token * 50, admission_timeout=0.2)
+    with store.use("a") as a:
+        a.append_tokens(random_tokens(60))
+        with pytest.raises(StoreFullError, match="in use"):
+            with store.use("b"):
+                pass
+        assert store.stats()["resident"] == ["a"] and "b" not in store
+
+
+def test_a_waiting_store_never_spills_by_itself(tmp_path, tiny_engine):
+    store = SessionStore(
+        tiny_engine, tmp_path, tiny_engine.kv_bytes_per_token * 50, when_full="wait", admission_timeout=30
+    )
+    with store.use("a") as a:
+        a.append_tokens(random_tokens(60))
+    assert store.stats()["resident"] == ["a"] and store.spills == 0  # over the budget, but never spilled
+    threading.Timer(0.3, store.spill, args=("a",)).start()  # an operator frees the room
+    with store.use("b"):
+        assert store.waits == 1 and store.stats()["resident"] == ["b"]
+    with pytest.raises(InvalidArgumentError, match="when_full"):
+        SessionStore(tiny_engine, tmp_path, 10, when_full="drop")
 
 
 def test_a_byte_budget_needs_a_directory(tiny_engine):

@@ -74,14 +74,25 @@ def folded_sdpa(query, key, value, bias, scaling):
 
 
 def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Registered as ``attn_implementation="kvmemory"``; transformers calls it from every attention layer."""
-    bias = _attention_bias(module, kwargs)
-    recorder = kwargs.get("query_recorder")
-    if recorder is not None:
-        recorder.record(module.layer_idx, query)
+    """Registered as ``attn_implementation="kvmemory"``; transformers calls it from every attention layer.
+
+    Two ways in: one sequence whose cache is passed as ``compact_cache`` (its β is added), or a packed pass
+    of several sessions (``packed_cache``, see ``kvmemory.runtime.batching``): then ``key`` and ``value``
+    are lists, one per session, and each session's queries attend to its own cache only.
+    """
     path = kwargs.get("attention_path") or ("folded" if query.is_cuda else "mask")
     fn = folded_sdpa if path == "folded" else mask_sdpa
-    out = fn(query, key, value, bias, scaling)
+    packed = kwargs.get("packed_cache")
+    if packed is None:
+        out = fn(query, key, value, _attention_bias(module, kwargs), scaling)
+    else:
+        pieces = []
+        for (start, end, layer, recorder), k, v in zip(packed.attention_parts(module.layer_idx), key, value):
+            q = query[:, :, start:end]
+            if recorder is not None:
+                recorder.record(module.layer_idx, q)
+            pieces.append(fn(q, k, v, layer.attention_bias(), scaling))
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -68,9 +68,9 @@ def compact_spans(
     """Compact several disjoint spans in one plan: each span is selected and fitted against the cache as it
     is, then the cache is rebuilt once (a pass over many segments costs one rebuild, not one per segment)."""
     session.check_open()
-    engine, cache = session.engine, session.cache
+    cache = session.cache
     spans, drafts = [], []
-    with engine.lock, torch.no_grad():
+    with torch.no_grad():
         for job in jobs:
             started = time.perf_counter()
             method = get_method(job.method) if isinstance(job.method, str) else job.method

@@ -1,12 +1,15 @@
-"""Engine: owns the model and tokenizer; sessions borrow it one forward pass at a time."""
+"""Engine: owns the model and tokenizer; the forward passes of its sessions run batched (``ForwardBatcher``)."""
 
 from __future__ import annotations
 
-import threading
+import weakref
+from dataclasses import asdict
 
 import torch
 
 from kvmemory.attention import ATTENTION_NAME
+from kvmemory.runtime.batching import ForwardBatcher
+from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.loading import (
     DEFAULT_MODEL,
     DEFAULT_MODEL_NAME,
@@ -37,6 +40,7 @@ class Engine:
         position_limit: int | None = None,
         rebase_positions: bool = True,
         rebase_at: int | None = None,
+        max_batch_tokens: int = 2048,
     ):
         check_architecture(model.config)
         keep_every_token(model.config)
@@ -56,7 +60,10 @@ class Engine:
         self.rebase_at = rebase_at or model.config.max_position_embeddings
         unbounded = MAX_LOGICAL_POSITIONS if rebase_positions else 4 * model.config.max_position_embeddings
         self.position_limit = position_limit or unbounded
-        self.lock = threading.RLock()  # one forward at a time: sessions never see each other's state
+        # Concurrent sessions' forwards run as packed passes over their own caches, one pass at a time.
+        self.batcher = ForwardBatcher(self.model, max_tokens=max_batch_tokens)
+        self._renderer: ChatRenderer | None = None
+        self.sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every session made on this engine
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None, **limits) -> Engine:
@@ -111,6 +118,24 @@ class Engine:
             value = getattr(source, "eos_token_id", None) if source is not None else None
             ids.update(value if isinstance(value, (list, tuple, set)) else [value] if value is not None else [])
         return ids
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True):
+        """The token ids a session holds for ``messages`` (the chat template, tools folded in where the
+        template has no place for them): what a conversation costs in tokens before it is appended."""
+        if self._renderer is None:
+            self._renderer = ChatRenderer(self.tokenizer)
+        return self._renderer.render(messages, tools, add_generation_prompt=add_generation_prompt)
+
+    def stats(self) -> dict:
+        """The open sessions and the KV bytes they hold (live slots, and allocated with headroom), and the
+        batcher's counters: what admission control and monitoring read."""
+        live = [s for s in list(self.sessions) if not s.closed]
+        return {
+            "sessions": len(live),
+            "kv_bytes": sum(s.cache.kv_bytes() for s in live),
+            "allocated_bytes": sum(s.cache.allocated_bytes() for s in live),
+            "batching": asdict(self.batcher.stats),
+        }
 
     # ---- sessions ------------------------------------------------------------------------------
     def session(

@@ -22,7 +22,9 @@ from kvmemory.errors import InvalidArgumentError
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample a reply. Greedy when ``temperature`` is 0; ``stop`` strings end the reply and are not
-    part of it. Every field is checked when the value is made, so a bad one fails before anything runs."""
+    part of it; ``ignore_eos`` keeps sampling past end-of-turn tokens (fixed-length runs for benchmarks, as
+    in vLLM and llama.cpp). Every field is checked when the value is made, so a bad one fails before
+    anything runs."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -30,6 +32,7 @@ class SamplingParams:
     top_k: int = 0
     stop: tuple[str, ...] = field(default=())
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self):
         def whole(name, value, low):
@@ -50,6 +53,8 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             whole("seed", self.seed, 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         stop = self.stop
         if stop is None:
             stop = ()
@@ -184,7 +189,7 @@ class Generation:
                 self.close()
                 raise
             self._undo = state
-            if token in session.engine.eos_token_ids:
+            if token in session.engine.eos_token_ids and not params.ignore_eos:
                 self.finish = "stop"
                 return self._release(self._text())
             self.generated.append(token)

@@ -124,31 +124,18 @@ class QueryRecorder:
 
 
 class HiddenRecorder:
-    """Input hidden state of the last decoder layer for every position (fast counter-causal score)."""
+    """Input hidden state of the last decoder layer for every position (fast counter-causal score). The
+    engine's batcher hands each forward's states to the recorder of the session they belong to."""
 
-    def __init__(self, model, dtype=torch.float32):
+    def __init__(self, dtype=torch.float32):
         self.store: dict[int, torch.Tensor] = {}
         self.dtype = dtype
-        self._positions: torch.Tensor | None = None
-        self._handle = model.model.layers[-1].register_forward_pre_hook(self._hook, with_kwargs=True)
-        self.active = False
 
-    def expect(self, positions: torch.Tensor) -> None:
-        self._positions = positions
-        self.active = True
-
-    def _hook(self, module, args, kwargs):
-        if not self.active:
-            return None
-        hidden = args[0] if args else kwargs["hidden_states"]
-        for pos, h in zip(self._positions.tolist(), hidden[0].detach().to(self.dtype)):
+    def record(self, positions: torch.Tensor, hidden: torch.Tensor) -> None:
+        """``hidden`` (T, hidden size): the last layer's input for the tokens at ``positions`` (T,)."""
+        for pos, h in zip(positions.tolist(), hidden.detach().to(self.dtype)):
             self.store[pos] = h.clone()
-        self.active = False
-        return None
 
     def drop_from(self, position: int) -> None:
         for pos in [p for p in self.store if p >= position]:
             del self.store[pos]
-
-    def close(self) -> None:
-        self._handle.remove()

@@ -47,6 +47,7 @@ from kvmemory.errors import (
     SessionBusyError,
     SessionClosedError,
 )
+from kvmemory.runtime.batching import ForwardRequest
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.conversation import (
     common_prefix,
@@ -165,6 +166,7 @@ class Session:
         self.record_queries(QUERY_WINDOW)  # what query-based compaction needs, recorded from the first token
         if memory is not None:
             memory.attach(self)
+        engine.sessions.add(self)
 
     # ---- context managers ------------------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -260,7 +262,7 @@ class Session:
     def record_last_layer_inputs(self) -> HiddenRecorder:
         """Keep each position's input to the last decoder layer (for the fast counter-causal score)."""
         if self.hidden_recorder is None:
-            self.hidden_recorder = HiddenRecorder(self.engine.model)
+            self.hidden_recorder = HiddenRecorder()
         return self.hidden_recorder
 
     @_exclusive
@@ -272,7 +274,7 @@ class Session:
         return self._rebase()
 
     def _rebase(self) -> int:
-        with self.engine.lock, torch.no_grad():
+        with torch.no_grad():
             shift = self.cache.rebase(self.engine.rope_inv_freq)
             if self.query_recorder is not None:
                 self.query_recorder.shift(shift, self.engine.rope_inv_freq)
@@ -302,9 +304,7 @@ class Session:
         """Free the cache. The transcript stays readable."""
         with self._lock:
             self.closed = True
-            if self.hidden_recorder is not None:
-                self.hidden_recorder.close()
-                self.hidden_recorder = None
+            self.hidden_recorder = None
             self.cache = CompactCache(self.engine.num_layers)
             self._last_logits = None
 
@@ -570,8 +570,9 @@ class Session:
         seed: int | None = None,
         params: SamplingParams | None = None,
     ) -> GenerationResult:
-        """Generate a continuation of the session (greedy unless ``temperature`` > 0)."""
-        with self._lock:
+        """Generate a continuation of the session (greedy unless ``temperature`` > 0). If it fails, the
+        caller received nothing and the session is left as it was before the call."""
+        with self._lock, self._atomic():
             generation = self.start_generation(
                 params,
                 max_new_tokens=max_new_tokens,
@@ -740,7 +741,7 @@ class Session:
         a stream is open: this is how the memory manager makes room mid-reply."""
         with self._lock:
             self.check_open()
-            with self._atomic(), self.engine.lock:
+            with self._atomic():
                 self.cache.apply_plan(plan)
 
     @_exclusive
@@ -1030,7 +1031,6 @@ class Session:
         """Run ``ids`` through the model at ``positions_from`` into the cache. Callers own the rollback
         (``_atomic`` or ``scratch``)."""
         engine = self.engine
-        input_ids = torch.tensor([ids], device=engine.device)
         positions = torch.arange(positions_from, positions_from + len(ids), device=engine.device)
         if (
             segment_id >= 0
@@ -1039,24 +1039,17 @@ class Session:
             and self.cache.rope_length > self.cache.physical_length + len(ids)
         ):  # only when there are gaps to close
             self._rebase()
-        rope = self.cache.rope_positions(positions)
-        extra = {"query_recorder": self.query_recorder} if self.query_recorder is not None else {}
-        with engine.lock, torch.no_grad():
-            self.cache.begin_append(positions, segment_id)
-            if self.hidden_recorder is not None:
-                self.hidden_recorder.expect(positions)
-            if self.query_recorder is not None:
-                self.query_recorder.current_segment = segment_id
-            out = engine.model(
-                input_ids=input_ids,
-                position_ids=rope[None],
-                cache=self.cache,
-                use_cache=True,
-                logits_to_keep=0 if all_logits else 1,
-                compact_cache=self.cache,
-                **extra,
-            )
-        logits = out.logits[0]
+        request = ForwardRequest(
+            self.cache,
+            ids,
+            positions,
+            self.cache.rope_positions(positions),
+            segment_id,
+            all_logits,
+            self.query_recorder,
+            self.hidden_recorder,
+        )
+        logits = engine.batcher.run(request)
         if segment_id >= 0:
             self.prefilled_tokens += len(ids)
         if not all_logits:

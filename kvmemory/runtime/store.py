@@ -6,6 +6,11 @@ the KV bytes of the resident sessions pass the budget, the least recently used u
 closed (spilled), to come back from their files, bit for bit, on their next use. Nothing is dropped
 silently: a spill is a save, and ``stats()`` counts spills and loads. With a directory, ``save(id)`` after a
 turn makes a session survive a process restart; without one the store only holds sessions in memory.
+
+Admission: a session that would take the resident bytes past the budget (a returning one counts its saved
+size) waits while every resident session is in use, and comes in when one is released (and spilled).
+With ``when_full="wait"`` the store never spills by itself: newcomers wait until ``spill`` or ``drop``
+frees room. A wait longer than ``admission_timeout`` raises ``StoreFullError``; ``stats()`` counts waits.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ import contextlib
 import hashlib
 import re
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kvmemory.errors import InvalidArgumentError, SessionBusyError
+from kvmemory.errors import InvalidArgumentError, SessionBusyError, StoreFullError
 from kvmemory.runtime.memory_hooks import SessionMemory
 from kvmemory.runtime.session import Session
 
@@ -26,18 +32,28 @@ from kvmemory.runtime.session import Session
 class SessionStore:
     """Sessions by id (see the module docstring)."""
 
-    def __init__(self, engine, directory=None, max_resident_bytes: int | None = None):
+    def __init__(
+        self,
+        engine,
+        directory=None,
+        max_resident_bytes: int | None = None,
+        when_full: str = "spill",
+        admission_timeout: float | None = 60.0,
+    ):
         if max_resident_bytes is not None and directory is None:
             raise InvalidArgumentError("max_resident_bytes needs a directory to spill sessions to")
         if max_resident_bytes is not None and max_resident_bytes < 1:
             raise InvalidArgumentError(f"max_resident_bytes must be positive, got {max_resident_bytes}")
+        if when_full not in ("spill", "wait"):
+            raise InvalidArgumentError(f"when_full must be 'spill' or 'wait', got {when_full!r}")
         self.engine = engine
         self.directory = Path(directory) if directory is not None else None
         self.max_resident_bytes = max_resident_bytes
+        self.when_full, self.admission_timeout = when_full, admission_timeout
         self._resident: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._pins: Counter[str] = Counter()
-        self._lock = threading.RLock()
-        self.loads = self.spills = 0
+        self._lock = threading.Condition(threading.RLock())  # notified when a session is released or leaves
+        self.loads = self.spills = self.waits = 0
 
     def path(self, session_id: str) -> Path | None:
         """Where ``session_id`` is saved: a readable prefix of the id plus a hash (ids may hold any text)."""
@@ -52,8 +68,10 @@ class SessionStore:
 
     @contextlib.contextmanager
     def use(self, session_id: str, new_memory: Callable[[], SessionMemory | None] | None = None) -> Iterator[Session]:
-        """The session, pinned (never spilled) for the block; ``new_memory()`` serves a session made new."""
+        """The session, pinned (never spilled) for the block; ``new_memory()`` serves a session made new.
+        Waits while admitting it would pass the budget (see the module docstring)."""
         with self._lock:
+            self._admit(session_id)
             session = self.get(session_id, new_memory)
             self._pins[session_id] += 1
         try:
@@ -61,7 +79,9 @@ class SessionStore:
         finally:
             with self._lock:
                 self._pins[session_id] -= 1
-                self._fit()
+                if self.when_full == "spill":
+                    self._fit()
+                self._lock.notify_all()
 
     def get(self, session_id: str, new_memory: Callable[[], SessionMemory | None] | None = None) -> Session:
         """The session (resident, loaded from its file, or new), without pinning it."""
@@ -76,7 +96,8 @@ class SessionStore:
             else:
                 session = self.engine.session(session_id, memory=new_memory() if new_memory else None)
             self._resident[session_id] = session
-            self._fit(keep=session_id)
+            if self.when_full == "spill":
+                self._fit(keep=session_id)
             return session
 
     def save(self, session_id: str) -> Path:
@@ -94,6 +115,7 @@ class SessionStore:
             self.save(session_id)
             self._resident.pop(session_id).close()
             self.spills += 1
+            self._lock.notify_all()
 
     def reload(self, session_id: str) -> Session:
         """Replace the resident session with its saved file (an explicit restore: what was not saved is
@@ -110,7 +132,8 @@ class SessionStore:
                 old.close()
             self._resident[session_id] = session
             self.loads += 1
-            self._fit(keep=session_id)
+            if self.when_full == "spill":
+                self._fit(keep=session_id)
             return session
 
     def drop(self, session_id: str) -> None:
@@ -124,6 +147,7 @@ class SessionStore:
             path = self.path(session_id)
             if path is not None:
                 path.unlink(missing_ok=True)
+            self._lock.notify_all()
 
     def resident_bytes(self) -> int:
         with self._lock:
@@ -137,14 +161,39 @@ class SessionStore:
                 "max_resident_bytes": self.max_resident_bytes,
                 "loads": self.loads,
                 "spills": self.spills,
+                "waits": self.waits,
             }
 
-    def _fit(self, keep: str | None = None) -> None:
-        """Spill the least recently used unpinned sessions (never ``keep``) while over the budget."""
+    def _admit(self, session_id: str) -> None:
+        """Return once ``session_id`` fits under the budget (spilling idle sessions when allowed), or raise
+        ``StoreFullError`` after ``admission_timeout`` seconds. Holds the store's lock (released while waiting)."""
+        if self.max_resident_bytes is None or session_id in self._resident:
+            return
+        path = self.path(session_id)
+        incoming = path.stat().st_size if path.is_file() else 0  # a saved session's size bounds its KV bytes
+        deadline = None if self.admission_timeout is None else time.monotonic() + self.admission_timeout
+        waited = False
+        while True:
+            if self.when_full == "spill":
+                self._fit(room=incoming)
+            if self.resident_bytes() + incoming <= self.max_resident_bytes or not self._resident:
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise StoreFullError(
+                    f"session {session_id!r} needs {incoming:,} bytes; the store holds {self.resident_bytes():,} of "
+                    f"its {self.max_resident_bytes:,} in sessions that stay in use"
+                )
+            if not waited:
+                self.waits, waited = self.waits + 1, True
+            self._lock.wait(left)
+
+    def _fit(self, keep: str | None = None, room: int = 0) -> None:
+        """Spill the least recently used unpinned sessions (never ``keep``) while over the budget (less ``room``)."""
         if self.max_resident_bytes is None:
             return
         for session_id in list(self._resident):
-            if self.resident_bytes() <= self.max_resident_bytes:
+            if self.resident_bytes() + room <= self.max_resident_bytes:
                 return
             if session_id != keep and not self._pins[session_id]:
                 self.spill(session_id)

@@ -1,0 +1,240 @@
+"""Continuous batching: the forward passes of concurrent sessions run as one packed pass.
+
+Every forward a session needs (a decode step, a prefill chunk, a scratch forward for scoring) becomes a
+``ForwardRequest`` queued on the engine's ``ForwardBatcher``. Whichever thread finds the engine idle runs
+everything queued as one forward: the new tokens of all requests are packed into one sequence, so the
+linear layers read the weights once for all of them, while attention runs per request over that
+session's own compacted cache (its own length, β and per-head padding; nothing is copied or padded to a
+common shape). Sessions join and leave between passes; a request that arrives while a pass runs goes
+into the next one, so a lone session runs exactly as it would unbatched.
+
+A pass that fails is undone for every request in it (each cache and recorder is put back) and, when it
+held several requests, each is retried alone, so one session's failure never becomes another's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache
+
+from kvmemory.cache import CompactCache
+from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
+
+
+@dataclass(eq=False)
+class ForwardRequest:
+    """New tokens for one session's cache, at transcript ``positions`` and RoPE positions ``rope``."""
+
+    cache: CompactCache
+    ids: list[int]
+    positions: torch.Tensor
+    rope: torch.Tensor
+    segment_id: int
+    all_logits: bool = False
+    query_recorder: QueryRecorder | None = None
+    hidden_recorder: HiddenRecorder | None = None
+    logits: torch.Tensor | None = None  # (T, V) with all_logits, else (1, V)
+    error: BaseException | None = None
+    done: bool = False
+
+    def checkpoint(self):
+        """What ``rollback`` needs to undo this request's part of a failed pass (references, no copies).
+        Last-layer inputs need no undo: a retry records the same states at the same positions."""
+        queries = self.query_recorder.state() if self.query_recorder is not None else None
+        return self.cache.snapshot(), queries
+
+    def rollback(self, checkpoint) -> None:
+        cache, queries = checkpoint
+        self.cache.restore(cache)
+        if queries is not None:
+            self.query_recorder.restore(queries)
+
+
+class PackedCache(Cache):
+    """The caches of one packed pass: each request's slice of the new keys and values goes to its own
+    cache, and attention gets one (keys, values) pair per request (see ``kvmemory_attention``)."""
+
+    is_compileable = False
+
+    def __init__(self, requests: list[ForwardRequest]):
+        super().__init__(layers=requests[0].cache.layers)  # transformers only asks these for their kind
+        self.requests = requests
+        bounds = [0]
+        for request in requests:
+            bounds.append(bounds[-1] + len(request.ids))
+        self.bounds = list(zip(bounds[:-1], bounds[1:]))
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        keys, values = [], []
+        for request, (start, end) in zip(self.requests, self.bounds):
+            k, v = request.cache.update(key_states[:, :, start:end], value_states[:, :, start:end], layer_idx)
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given explicitly; there is no one length for a packed pass
+
+    def attention_parts(self, layer_idx: int):
+        """Per request: its span of the packed queries, its cache layer (for β) and its query recorder."""
+        return [
+            (start, end, request.cache.layers[layer_idx], request.query_recorder)
+            for request, (start, end) in zip(self.requests, self.bounds)
+        ]
+
+
+@dataclass
+class BatchStats:
+    """Counters of the passes run so far (what ``Engine.stats()`` reports)."""
+
+    passes: int = 0
+    requests: int = 0
+    tokens: int = 0
+    largest: int = 0  # most requests in one pass
+    retried: int = 0  # failed passes retried request by request
+    sizes: dict[int, int] = field(default_factory=dict)  # requests per pass -> passes
+
+    def count(self, batch: list[ForwardRequest]) -> None:
+        self.passes += 1
+        self.requests += len(batch)
+        self.tokens += sum(len(r.ids) for r in batch)
+        self.largest = max(self.largest, len(batch))
+        self.sizes[len(batch)] = self.sizes.get(len(batch), 0) + 1
+
+
+class ForwardBatcher:
+    """Runs queued forward requests as packed passes, one pass at a time (see the module docstring).
+
+    ``max_tokens`` bounds the new tokens of one pass (a request is never split: a longer one runs alone).
+    After a pass, the next one waits briefly for the sessions that were in it, which are sampling their
+    next token, so that concurrent decoders stay in step instead of splitting into groups that alternate:
+    at most ``max_gather_seconds`` and half the last pass's time, and not at all once they are all back.
+    """
+
+    def __init__(self, model, max_tokens: int = 2048, max_gather_seconds: float = 0.02):
+        self.model = model
+        self.max_tokens = max_tokens
+        self.max_gather_seconds = max_gather_seconds
+        self.stats = BatchStats()
+        self._queue: list[ForwardRequest] = []
+        self._busy = False
+        self._returning: set[int] = set()  # caches of the last pass that have not queued again
+        self._gather_until = 0.0
+        self._cond = threading.Condition()
+        last_layer = model.model.layers[-1]
+        if not getattr(last_layer, "_kvmemory_hooked", False):  # once per model, however many engines share it
+            last_layer.register_forward_pre_hook(_record_last_layer_inputs, with_kwargs=True)
+            last_layer._kvmemory_hooked = True
+
+    def run(self, request: ForwardRequest) -> torch.Tensor:
+        """Queue ``request``, take part in passes until it has run, and return its logits."""
+        with self._cond:
+            self._queue.append(request)
+            self._returning.discard(id(request.cache))
+            self._cond.notify_all()
+            while not request.done:
+                if self._busy:
+                    self._cond.wait()
+                    continue
+                wait = self._gather_until - time.perf_counter()
+                if self._returning and wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                batch = self._take()
+                self._busy = True
+                self._cond.release()
+                started = time.perf_counter()
+                try:
+                    self._run(batch)
+                finally:
+                    self._cond.acquire()
+                    self._busy = False
+                    now = time.perf_counter()
+                    self._returning = {id(r.cache) for r in batch}
+                    self._gather_until = now + min(self.max_gather_seconds, (now - started) / 2)
+                    self._cond.notify_all()
+        if request.error is not None:
+            raise request.error
+        return request.logits
+
+    def _take(self) -> list[ForwardRequest]:
+        """The oldest queued requests whose tokens fit in one pass (at least one)."""
+        batch, tokens = [], 0
+        while self._queue and (not batch or tokens + len(self._queue[0].ids) <= self.max_tokens):
+            tokens += len(self._queue[0].ids)
+            batch.append(self._queue.pop(0))
+        return batch
+
+    def _run(self, batch: list[ForwardRequest]) -> None:
+        """Run one pass; on failure undo it and retry each request alone (a lone request's own session
+        undoes what it began)."""
+        checkpoints = [r.checkpoint() for r in batch] if len(batch) > 1 else []
+        try:
+            self._forward(batch)
+        except BaseException as error:
+            for request, checkpoint in zip(batch, checkpoints):
+                request.rollback(checkpoint)
+            if len(batch) == 1 or not isinstance(error, Exception):
+                for request in batch:
+                    request.error, request.done = error, True
+                if not isinstance(error, Exception):
+                    raise
+                return
+            self.stats.retried += 1
+            for request in batch:
+                self._run([request])
+            return
+        for request in batch:
+            request.done = True
+
+    def _forward(self, batch: list[ForwardRequest]) -> None:
+        cache = PackedCache(batch)
+        device = batch[0].rope.device
+        input_ids = torch.tensor([[t for r in batch for t in r.ids]], device=device)
+        rope = torch.cat([r.rope for r in batch])[None]
+        if len(batch) == 1:
+            keep = 0 if batch[0].all_logits else 1
+        else:
+            rows = [range(start if r.all_logits else end - 1, end) for r, (start, end) in zip(batch, cache.bounds)]
+            keep = torch.tensor([i for span in rows for i in span], device=device)
+        for request in batch:
+            request.cache.begin_append(request.positions, request.segment_id)
+            if request.query_recorder is not None:
+                request.query_recorder.current_segment = request.segment_id
+        _running.recording = [(r, s, e) for r, (s, e) in zip(batch, cache.bounds) if r.hidden_recorder is not None]
+        try:
+            with torch.no_grad():
+                out = self.model(
+                    input_ids=input_ids,
+                    position_ids=rope,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=keep,
+                    packed_cache=cache,
+                )
+        finally:
+            _running.recording = []
+        logits, start = out.logits[0], 0
+        for request in batch:
+            rows = len(request.ids) if request.all_logits else 1
+            request.logits = logits[start : start + rows]
+            start += rows
+        self.stats.count(batch)
+
+
+_running = threading.local()  # what the pass this thread runs records (read by the last-layer hook)
+
+
+def _record_last_layer_inputs(module, args, kwargs):
+    """Hand each recording request its tokens' input to the last decoder layer (fast counter-causal)."""
+    recording = getattr(_running, "recording", None)
+    if not recording:
+        return None
+    hidden = args[0] if args else kwargs["hidden_states"]
+    for request, start, end in recording:
+        request.hidden_recorder.record(request.positions, hidden[0, start:end])
+    return None

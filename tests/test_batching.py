@@ -1,0 +1,166 @@
+"""Continuous batching: concurrent sessions' forwards run as packed passes, and each session's output is
+what it would have been alone, whatever its cache's shape; a failed pass is no one else's failure."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvmemory import Engine
+from kvmemory.memory import MemoryManager, MemoryPolicy
+from tests.conftest import random_tokens, tiny_model
+from tests.test_contract import assert_same_state, state_of, uneven_plan
+
+CAP = 64
+
+
+def capped_policy() -> MemoryPolicy:
+    return MemoryPolicy.from_dict(
+        {"default": {"method": "snapkv", "ratio": 2}, "budget": {"max_slots": CAP, "recent_tokens": 8}}
+    )
+
+
+def build(engine: Engine, kind: str):
+    """A session whose cache has one of the shapes a batch must mix."""
+    if kind == "plain":
+        session = engine.session()
+        session.append_tokens(random_tokens(23, seed=1))
+    elif kind == "matched":  # Attention Matching: fitted values and non-zero β
+        session = engine.session()
+        session.append_tokens(random_tokens(90, seed=2))
+        session.compact("attention_matching", slots=30, keep_last=16)
+    elif kind == "uneven":  # every layer and head a different length, padding slots at −∞
+        session = engine.session()
+        session.append_tokens(random_tokens(70, seed=3))
+        session.apply_plan(uneven_plan(session, seed=3))
+    elif kind == "capped":  # a memory manager that compacts while the reply is generated
+        session = engine.session(memory=MemoryManager(capped_policy()))
+        session.append_tokens(random_tokens(60, seed=4))
+    else:
+        raise ValueError(kind)
+    return session
+
+
+KINDS = ("plain", "matched", "uneven", "capped")
+
+
+def slow_passes(engine: Engine, seconds: float = 0.02) -> None:
+    """Make each pass take a while, so that the other sessions' steps queue up behind it and batch."""
+    forward = engine.model.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    engine.model.forward = slow
+
+
+def run_together(sessions, call):
+    """``call(session)`` on every session at once, one thread each; returns results (or raised errors)."""
+    results = [None] * len(sessions)
+    start = threading.Barrier(len(sessions))
+
+    def work(i):
+        start.wait()
+        try:
+            results[i] = call(sessions[i])
+        except Exception as error:  # noqa: BLE001 - handed back to the test
+            results[i] = error
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(sessions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def greedy(n: int):
+    return lambda session: session.generate(max_new_tokens=n).token_ids
+
+
+def test_concurrent_sessions_of_every_cache_shape_decode_as_they_would_alone():
+    engine = Engine(tiny_model("llama", eos_token_id=None))
+    alone = [greedy(24)(build(engine, kind)) for kind in KINDS]
+    passes_alone = engine.batcher.stats.passes
+    sessions = [build(engine, kind) for kind in KINDS]
+    slow_passes(engine)
+    together = run_together(sessions, greedy(24))
+    assert together == alone
+    stats = engine.batcher.stats
+    assert stats.largest == len(KINDS)  # at some step every session was in one pass
+    assert stats.passes - passes_alone < len(KINDS) * 24  # fewer passes than steps: they were shared
+    capped = sessions[KINDS.index("capped")]
+    assert capped.compaction_log and capped.memory.peak_slots <= CAP  # compacted mid-reply, under the cap
+
+
+def test_packed_logits_match_lone_logits_on_every_architecture(arch):
+    engine = Engine(tiny_model(arch))
+    prompts = [random_tokens(n, seed=n) for n in (5, 17, 40)]
+    alone = []
+    for prompt in prompts:
+        session = engine.session()
+        session.append_tokens(prompt)
+        alone.append(session.logprobs(random_tokens(6, seed=9)))
+    sessions = [engine.session() for _ in prompts]
+    slow_passes(engine)
+    run_together(list(zip(sessions, prompts)), lambda pair: pair[0].append_tokens(pair[1]))
+    together = run_together(sessions, lambda s: s.logprobs(random_tokens(6, seed=9)))
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert engine.batcher.stats.largest > 1
+
+
+def test_a_pass_that_fails_with_several_sessions_is_undone_and_each_retried_alone():
+    engine = Engine(tiny_model("llama", eos_token_id=None))
+    alone = [greedy(12)(build(engine, kind)) for kind in ("matched", "uneven")]
+    sessions = [build(engine, kind) for kind in ("matched", "uneven")]
+    forward, failed = engine.model.forward, []
+
+    def fails_when_shared(*args, **kwargs):  # as a pass too large for the device would
+        time.sleep(0.02)
+        if len(kwargs["packed_cache"].requests) > 1 and not failed:
+            failed.append(True)
+            raise RuntimeError("out of memory")
+        return forward(*args, **kwargs)
+
+    engine.model.forward = fails_when_shared
+    assert run_together(sessions, greedy(12)) == alone  # the half-applied pass left no trace
+    assert failed and engine.batcher.stats.retried == 1
+
+
+def test_one_sessions_failure_leaves_it_unchanged_and_the_others_running():
+    engine = Engine(tiny_model("llama", eos_token_id=None))
+    expected = greedy(12)(build(engine, "plain"))
+    healthy, broken = build(engine, "plain"), build(engine, "uneven")
+    before = state_of(broken)
+
+    def record(layer, query):
+        raise RuntimeError("recorder failed")
+
+    broken.query_recorder.record = record
+    slow_passes(engine)
+    results = run_together([healthy, broken], greedy(12))
+    assert results[0] == expected
+    assert isinstance(results[1], RuntimeError)
+    assert_same_state(state_of(broken), before)
+
+
+@pytest.mark.default_model
+def test_concurrent_chats_on_the_default_model_match_their_lone_replies(default_engine):
+    prompts = ["Name three primary colours.", "What is 12 times 12?", "Write a haiku about rain."]
+
+    def chat(prompt, memory=None):
+        session = default_engine.session(memory=memory)
+        session.append_messages([{"role": "user", "content": prompt}])
+        return session
+
+    alone = [chat(p).generate(max_new_tokens=16).token_ids for p in prompts]
+    sessions = [chat(p) for p in prompts]
+    largest = default_engine.batcher.stats.largest
+    together = run_together(sessions, greedy(16))
+    assert together == alone
+    assert default_engine.batcher.stats.largest >= max(largest, 2)
