@@ -115,7 +115,7 @@ class ForwardBatcher:
     at most ``max_gather_seconds`` and half the last pass's time, and not at all once they are all back.
     """
 
-    def __init__(self, model, max_tokens: int = 2048, max_gather_seconds: float = 0.02):
+    def __init__(self, model, max_tokens: int = 2048, max_gather_seconds: float = 0.1):
         self.model = model
         self.max_tokens = max_tokens
         self.max_gather_seconds = max_gather_seconds

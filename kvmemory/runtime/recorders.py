@@ -47,15 +47,18 @@ class QueryRecorder:
             self.captured[layer].append(group_queries(query, self.num_kv_heads).to(self.dtype))
         if self.frozen:
             return
-        if self.context_tokens and self.current_segment >= 0:
-            self._keep_context(layer, group_queries(query, self.num_kv_heads).to(self.context_dtype), groups)
+        keep_context = self.context_tokens and self.current_segment >= 0
+        if not keep_context and self.window <= 0:
+            return
+        # grouped once for both stores; without context, only the tokens the window keeps
+        grouped = group_queries(query if keep_context else query[:, :, -self.window :], self.num_kv_heads)
+        if keep_context:
+            self._keep_context(layer, grouped.to(self.context_dtype), groups)
         if self.window <= 0:
             return
-        tail = group_queries(query[:, :, -self.window :], self.num_kv_heads).to(
-            self.dtype
-        )  # only what the window keeps
+        tail = grouped[:, -self.window * groups :].to(self.dtype)
         prev = self.recent[layer]
-        merged = tail if prev is None else torch.cat([prev, tail], dim=1)
+        merged = tail.clone() if prev is None else torch.cat([prev, tail], dim=1)  # never a view of `grouped`
         keep_rows = self.window * groups
         self.recent[layer] = merged[:, -keep_rows:].clone() if merged.shape[1] > keep_rows else merged
 
