@@ -38,7 +38,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from starlette.concurrency import iterate_in_threadpool
 
-from integrations.server import APIError, ChatRequest, Server, error_status
+from integrations.server import APIError, ChatRequest, Server, error_body, error_response, error_status
 from kvmemory import Engine, KVMemoryError, MemoryManager, SessionFileError, SessionStore, default_policy
 from kvmemory.runtime.loading import DEFAULT_MODEL_NAME
 
@@ -49,9 +49,9 @@ SESSIONS_PER_REPLICA = 64  # multiplexed ids a replica keeps; its store's byte b
 
 def error_payload(err: APIError | KVMemoryError | ValidationError) -> tuple[int, dict]:
     if isinstance(err, ValidationError):
-        return 400, {"error": {"message": f"invalid request: {err.errors()}", "type": "invalid_request_error"}}
+        return 400, error_body(f"invalid request: {err.errors()}", "invalid_request_error")
     status, message, kind, code = error_status(err)
-    return status, {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return status, error_body(message, kind, code)
 
 
 class ResidentSession:
@@ -159,9 +159,7 @@ class OpenAIIngress:
         except ValueError:
             body = None
         if not isinstance(body, dict):
-            return JSONResponse(
-                {"error": {"message": "the body must be a JSON object", "type": "invalid_request_error"}}, 400
-            )
+            return error_response(400, "the body must be a JSON object", "invalid_request_error")
         session_id = x_session_id or body.get("user") or ""
         handle = self.replicas.options(multiplexed_model_id=session_id)
         if body.get("stream"):
@@ -173,8 +171,7 @@ class OpenAIIngress:
             except RETRYABLE as err:
                 log.warning("replica gone (%s); retrying session %r elsewhere", type(err).__name__, session_id)
                 if attempt == self.retries:
-                    message = "no replica could serve the request; retry shortly"
-                    return JSONResponse({"error": {"message": message, "type": "server_error"}}, 503)
+                    return error_response(503, "no replica could serve the request; retry shortly", "server_error")
                 await asyncio.sleep(0.5 * (attempt + 1))
 
     async def _stream(self, handle, body: dict):
@@ -188,8 +185,8 @@ class OpenAIIngress:
                 return
             except RETRYABLE:
                 if sent or attempt == self.retries:
-                    error = {"message": "the replica serving this stream was lost", "type": "server_error"}
-                    yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
+                    error = error_body("the replica serving this stream was lost", "server_error")
+                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n"
                     return
                 await asyncio.sleep(0.5 * (attempt + 1))
 

@@ -84,8 +84,13 @@ class APIError(Exception):
         self.status, self.message, self.kind, self.code = status, message, kind, code
 
 
+def error_body(message: str, kind: str, code: str | None = None) -> dict:
+    """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
 def error_response(status: int, message: str, kind: str, code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+    return JSONResponse(error_body(message, kind, code), status)
 
 
 def error_status(err: APIError | KVMemoryError) -> tuple[int, str, str, str | None]:

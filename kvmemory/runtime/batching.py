@@ -178,15 +178,15 @@ class ForwardBatcher:
         except BaseException as error:
             for request, checkpoint in zip(batch, checkpoints):
                 request.rollback(checkpoint)
-            if len(batch) == 1 or not isinstance(error, Exception):
+            if len(batch) > 1 and isinstance(error, Exception):
+                self.stats.retried += 1
                 for request in batch:
-                    request.error, request.done = error, True
-                if not isinstance(error, Exception):
-                    raise
+                    self._run([request])
                 return
-            self.stats.retried += 1
             for request in batch:
-                self._run([request])
+                request.error, request.done = error, True
+            if not isinstance(error, Exception):  # an interrupt: every waiter gets it, and so does this thread
+                raise
             return
         for request in batch:
             request.done = True

@@ -122,9 +122,14 @@ class Engine:
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True):
         """The token ids a session holds for ``messages`` (the chat template, tools folded in where the
         template has no place for them): what a conversation costs in tokens before it is appended."""
+        return self.renderer.render(messages, tools, add_generation_prompt=add_generation_prompt)
+
+    @property
+    def renderer(self) -> ChatRenderer:
+        """The chat template renderer every session of this engine shares (made on first use)."""
         if self._renderer is None:
             self._renderer = ChatRenderer(self.tokenizer)
-        return self._renderer.render(messages, tools, add_generation_prompt=add_generation_prompt)
+        return self._renderer
 
     def stats(self) -> dict:
         """The open sessions and the KV bytes they hold (live slots, and allocated with headroom), and the

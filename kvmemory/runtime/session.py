@@ -154,7 +154,6 @@ class Session:
         self._message_spans: list[tuple[str, int, int]] = []  # (fingerprint, start, end) per message
         self._tools_key: str | None = None
         self._reply: tuple[int, int] | None = None  # open chat reply: (prompt start, content start)
-        self._renderer: ChatRenderer | None = None
         self._next_segment_id = 0
         self.query_recorder: QueryRecorder | None = None
         self.hidden_recorder: HiddenRecorder | None = None
@@ -311,9 +310,7 @@ class Session:
     # ---- properties ----------------------------------------------------------------------------
     @property
     def renderer(self) -> ChatRenderer:
-        if self._renderer is None:
-            self._renderer = ChatRenderer(self.engine.tokenizer)
-        return self._renderer
+        return self.engine.renderer
 
     @property
     def logical_length(self) -> int:
