@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
     )
     print(
         f"final: {stats.logical_tokens} tokens, {max(stats.physical_slots)} slots, {stats.compactions} compactions, "
-        f"padding overhead {stats.padding_overhead:.1%}, {time.perf_counter() - started:.0f} s"
+        f"{stats.allocated_bytes / 2**20:.1f} MiB allocated, {time.perf_counter() - started:.0f} s"
     )
     errors = [e["reconstruction_error"] for e in session.compaction_log if e["reconstruction_error"] is not None]
     if errors:

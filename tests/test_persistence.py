@@ -23,6 +23,7 @@ from kvmemory import (
     StoreFullError,
 )
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy
+from kvmemory.runtime.persistence import FORMAT_VERSION
 from tests.conftest import random_tokens, tiny_model
 from tests.test_contract import assert_same_state, state_of, uneven_plan
 
@@ -113,7 +114,7 @@ def test_bad_files_raise_errors_that_name_the_problem(tmp_path, tiny_engine):
         other.load_session(path)
     with pytest.raises(ModelMismatchError, match="layers"):
         Engine(tiny_model("llama", num_hidden_layers=3)).load_session(path)
-    newer = blob.replace(b'\\"version\\": 1', b'\\"version\\": 9')
+    newer = blob.replace(f'\\"version\\": {FORMAT_VERSION}'.encode(), b'\\"version\\": 9')
     assert newer != blob
     (tmp_path / "newer.kvm").write_bytes(newer)
     with pytest.raises(SessionFileError, match="version 9;"):

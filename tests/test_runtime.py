@@ -153,25 +153,6 @@ def test_appends_after_compaction_keep_true_positions(tiny_pair):
     assert torch.allclose(session._last_logits, out.logits[0, -1], atol=1e-5)
 
 
-def test_per_head_budgets_pad_and_free_memory(tiny_engine):
-    session = tiny_engine.session()
-    session.append_tokens(random_tokens(300, seed=11))
-    before = session.stats()
-    plans = []
-    for _ in session.cache.layers:
-        plans.append(LayerPlan(keep=[torch.arange(0, 300, 3), torch.arange(0, 300, 10)]))  # 100 and 30 slots
-    session.apply_plan(CompactionPlan(plans))
-    after = session.stats()
-    assert after.physical_slots == [100, 100]
-    assert after.padding_overhead == pytest.approx(70 / 200)
-    assert after.allocated_bytes < before.allocated_bytes / 2
-    assert after.kv_bytes == 100 * session.cache.bytes_per_token()
-    layer = session.cache.layers[0]
-    assert torch.isinf(layer.bias[0, 1, 30:100]).all() and (layer.positions[1, 30:100] == -1).all()
-    result = session.generate(max_new_tokens=5)  # padding never wins attention: generation still works
-    assert len(result.token_ids) == 5 and torch.isfinite(session._last_logits).all()
-
-
 def test_folded_bias_path_equals_mask_path():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 6, 1, 16), torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)

@@ -12,6 +12,10 @@ Two code paths:
   one extra head dimension instead, q′ = [q, c], k′ = [k, β/(scale·c)], v′ = [v, 0] (padded to a
   multiple of 8), so scale·q′·k′ = scale·q·k + β and decoding runs a mask-free fast kernel.
   −∞ padding becomes a large negative finite number. Numerically equal to ``mask`` (tested on CPU).
+
+A layer whose KV heads hold different numbers of slots (ragged storage, see ``kvmemory.cache``) hands
+attention one key and value tensor per KV head; each runs through the same path over its own slots only,
+with its GQA group of query heads, so no padding is ever built or read.
 """
 
 from __future__ import annotations
@@ -35,11 +39,6 @@ def causal_mask(q_len: int, kv_len: int, dtype: torch.dtype, device: torch.devic
     new = torch.full((q_len, q_len), float("-inf"), dtype=dtype, device=device).triu(1)
     mask[:, kv_len - q_len :] = new
     return mask
-
-
-def _attention_bias(module, kwargs) -> torch.Tensor | None:
-    cache = kwargs.get("compact_cache")
-    return None if cache is None else cache.layers[module.layer_idx].attention_bias()
 
 
 def mask_sdpa(query, key, value, bias, scaling):
@@ -73,6 +72,20 @@ def folded_sdpa(query, key, value, bias, scaling):
     return out[..., : value.shape[-1]]
 
 
+def attend(fn, query, key, value, bias, scaling):
+    """``fn`` over one cache layer: even heads in one call, or per KV head when ``key`` is a list of them."""
+    if not isinstance(key, list):
+        return fn(query, key, value, bias, scaling)
+    groups = query.shape[1] // len(key)
+    return torch.cat(
+        [
+            fn(query[:, h * groups : (h + 1) * groups], k, v, None if bias is None else bias[h][None, None], scaling)
+            for h, (k, v) in enumerate(zip(key, value))
+        ],
+        dim=1,
+    )
+
+
 def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Registered as ``attn_implementation="kvmemory"``; transformers calls it from every attention layer.
 
@@ -84,14 +97,16 @@ def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, 
     fn = folded_sdpa if path == "folded" else mask_sdpa
     packed = kwargs.get("packed_cache")
     if packed is None:
-        out = fn(query, key, value, _attention_bias(module, kwargs), scaling)
+        cache = kwargs.get("compact_cache")
+        bias = None if cache is None else cache.layers[module.layer_idx].attention_bias()
+        out = attend(fn, query, key, value, bias, scaling)
     else:
         pieces = []
         for (start, end, layer, recorder), k, v in zip(packed.attention_parts(module.layer_idx), key, value):
             q = query[:, :, start:end]
             if recorder is not None:
                 recorder.record(module.layer_idx, q)
-            pieces.append(fn(q, k, v, layer.attention_bias(), scaling))
+            pieces.append(attend(fn, q, k, v, layer.attention_bias(), scaling))
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

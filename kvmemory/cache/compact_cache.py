@@ -1,24 +1,35 @@
 """CompactCache: a transformers ``Cache`` whose layers can be compacted in place mid-session.
 
-Per layer and KV head, every physical slot holds a key (RoPE-rotated at the token's original position),
-a value, an additive attention bias β (fp32: 0 for verbatim tokens, fitted for compacted slots, −∞ for
-padding), the token's original (logical) position and the id of the segment it came from.
+Per layer and KV head, every slot holds a key (RoPE-rotated at the token's original position), a value,
+an additive attention bias β (fp32: 0 for verbatim tokens, fitted for compacted slots), the token's
+original (logical) position, the RoPE position its key is rotated at and the id of the segment it came
+from.
 
-The logical length (what new positions count from) is separate from the physical slot count, so tokens
-appended after a compaction keep their true positions. Slots live in buffers with a little headroom so
-decoding does not reallocate every step; a compaction allocates fresh, exactly-sized buffers and drops
-the old ones, so the memory is really returned.
+Storage is ragged per KV head, so a head costs exactly the slots it keeps. Each field is one flat tensor
+whose rows are grouped by head: head h owns rows ``[start[h], start[h] + capacity[h])`` and uses the
+first ``length[h]`` of them (``Slots`` and ``CompactLayer``). When every head has the same capacity the
+flat tensors are exactly the usual (heads, slots, dim) layout, read through views with no copy; heads
+with different budgets (REAL, AdaKV-style sharing, TAM's per-head budgets) each keep only their own
+slots, and attention reads each head's rows directly (``kvmemory.attention``). Nothing is padded, so a
+cache's bytes are its kept slots' bytes. Compaction code that wants whole-layer tensors reads
+``keys``/``values``/``bias``/``positions``/``rope``/``segments``: (heads, longest head, ...) views, or for
+uneven heads a padded copy (keys and values 0, β −∞, positions −1 on each shorter head's tail).
 
-Snapshots are copy-on-write: ``snapshot()`` records each layer's buffers and length without copying, and
-nothing ever writes below a length a snapshot still refers to (appends write past it, compactions and
-rebases allocate new buffers, a truncation only lowers the length and the next append into the
-truncated part copies the buffers first). ``restore()`` therefore gives back every layer's keys, values,
-β and positions bit for bit, whatever the layers' lengths, at the cost of a few references.
+The logical length (what new positions count from) is separate from the slot counts, so tokens appended
+after a compaction keep their true positions. Appends write into headroom left past each head's length;
+a compaction allocates fresh, exactly-sized storage and drops the old, so the memory is really returned.
+
+Snapshots are copy-on-write: ``snapshot()`` records the storage and each head's length without copying,
+and nothing ever writes below a length a snapshot still refers to (appends write past it, compactions
+and rebases allocate new storage, a truncation only lowers lengths and the next append into the
+truncated part copies the storage first). ``restore()`` therefore gives back every head's keys, values,
+β and positions bit for bit, whatever its length, at the cost of a few references.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -28,6 +39,7 @@ from kvmemory.errors import InvalidPlanError
 
 PAD_POSITION = -1
 NEG_INF = float("-inf")
+META_BYTES = 4 + 4 + 4 + 4  # β, position, RoPE position and segment id of one slot of one head
 
 
 def _headroom(slots: int) -> int:
@@ -45,45 +57,188 @@ def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
     return (k * emb.cos() + rotated_half * emb.sin()).to(keys.dtype)
 
 
+class Slots(NamedTuple):
+    """One layer's storage: a flat tensor per field, rows grouped by KV head (never mutated as a tuple, so
+    a snapshot can hold it)."""
+
+    keys: torch.Tensor  # (N, D)
+    values: torch.Tensor  # (N, Dv)
+    bias: torch.Tensor  # (N,) fp32
+    positions: torch.Tensor  # (N,) int32: the token's index in the transcript
+    rope: torch.Tensor  # (N,) int32: the position its key is rotated at
+    segments: torch.Tensor  # (N,) int32
+
+    def take(self, rows: torch.Tensor) -> Slots:
+        """Fresh, exactly-sized storage holding ``rows`` of this one, in that order."""
+        return Slots(*(t.index_select(0, rows) for t in self))
+
+
+PADDING = Slots(0.0, 0.0, NEG_INF, PAD_POSITION, PAD_POSITION, -1)  # what the padded views show past a head's length
+
+
+class LayerState(NamedTuple):
+    """A layer at one moment (what ``snapshot`` returns and ``restore`` takes): storage shared, not copied."""
+
+    slots: Slots | None
+    starts: tuple[int, ...]
+    capacities: tuple[int, ...]
+    lengths: tuple[int, ...]
+    shared: tuple[int, ...]  # per head: rows [0, shared) belong to a snapshot too
+    biased: bool
+
+    @classmethod
+    def packed(cls, slots: Slots, lengths: tuple[int, ...], biased: bool) -> LayerState:
+        """Storage holding exactly each head's live rows, back to back (a compaction's result, a loaded file)."""
+        starts = tuple(sum(lengths[:h]) for h in range(len(lengths)))
+        return cls(slots, starts, lengths, lengths, (0,) * len(lengths), biased)
+
+    def live(self) -> Slots:
+        """Each head's live rows, back to back (what a saved file holds)."""
+        return self.slots.take(_rows(self.starts, self.lengths, self.slots.keys.device))
+
+    @classmethod
+    def from_padded(cls, padded: Slots) -> LayerState:
+        """From (H, S, ...) tensors in which positions −1 mark padding (the layout before ragged storage)."""
+        valid = padded.positions >= 0
+        lengths = tuple(int(n) for n in valid.sum(1))
+        slots = Slots(*(t[valid] for t in padded))
+        return cls.packed(slots, lengths, bool((slots.bias != 0).any()))
+
+
+EMPTY_LAYER = LayerState(None, (), (), (), (), False)
+
+
+def _rows(starts, lengths, device) -> torch.Tensor:
+    """Flat row indices of each head's first ``lengths[h]`` rows, head after head."""
+    return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths)])
+
+
 class CompactLayer(CacheLayerMixin):
-    """One layer's compactable KV storage (batch size 1: a session is one sequence)."""
+    """One layer's compactable KV storage, ragged per KV head (batch size 1: a session is one sequence)."""
 
     is_compileable = False
     is_sliding = False
 
-    def __init__(self):
-        super().__init__()
-        self.bias: torch.Tensor | None = None  # (1, H, cap) fp32
-        self.positions: torch.Tensor | None = None  # (H, cap) int32: the token's index in the transcript
-        self.rope: torch.Tensor | None = None  # (H, cap) int32: the position its key is rotated at
-        self.segments: torch.Tensor | None = None  # (H, cap) int32
-        self.length = 0
-        self.biased = False  # True once any slot has a non-zero β (then attention must add it)
-        self.shared_length = 0  # slots [0, shared_length) of these buffers belong to a snapshot too
+    def __init__(self):  # the mixin's keys/values attributes are views here (properties below)
+        self.is_initialized = False
+        self._set(EMPTY_LAYER)
+
+    # ---- layout ----------------------------------------------------------------------------------
+    def _set(self, state: LayerState) -> None:
+        self.slots, self.starts, self.capacities, self.lengths, self.shared, self.biased = state
+        heads = len(self.starts)
+        # every head has the same capacity and length: the flat tensors are (H, C, ...) views as they stand
+        # (starts are always the running sum of the capacities)
+        self.uniform = heads > 0 and len(set(self.capacities)) == 1 and len(set(self.lengths)) == 1
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.starts)
+
+    @property
+    def length(self) -> int:
+        """The longest head's slot count (the width of the whole-layer views)."""
+        return max(self.lengths, default=0)
+
+    @property
+    def slot_count(self) -> int:
+        """Slots held, summed over heads (what memory pays for)."""
+        return sum(self.lengths)
+
+    def head_views(self, name: str) -> list[torch.Tensor]:
+        """Each head's live rows of one field (views, no copy)."""
+        t = getattr(self.slots, name)
+        return [t[s : s + n] for s, n in zip(self.starts, self.lengths)]
+
+    def _dense_view(self, name: str) -> torch.Tensor:
+        t = getattr(self.slots, name)
+        return t.view(self.num_heads, self.capacities[0], *t.shape[1:])
+
+    def _whole(self, name: str) -> torch.Tensor | None:
+        """(H, S, ...) of one field: a view when the heads are even, else a padded copy (module docstring)."""
+        if self.slots is None:
+            return None
+        if self.uniform:
+            return self._dense_view(name)
+        t = getattr(self.slots, name)
+        out = t.new_full((self.num_heads, self.length, *t.shape[1:]), getattr(PADDING, name))
+        for h, rows in enumerate(self.head_views(name)):
+            out[h, : rows.shape[0]] = rows
+        return out
+
+    keys = property(lambda self: None if self.slots is None else self._whole("keys")[None])
+    values = property(lambda self: None if self.slots is None else self._whole("values")[None])
+    bias = property(lambda self: None if self.slots is None else self._whole("bias")[None])
+    positions = property(lambda self: self._whole("positions"))
+    rope = property(lambda self: self._whole("rope"))
+    segments = property(lambda self: self._whole("segments"))
+
+    def _allocate(self, capacities: tuple[int, ...], key_dim: int, value_dim: int) -> Slots:
+        n = sum(capacities)
+        kw = dict(dtype=self.dtype, device=self.device)
+        meta = dict(dtype=torch.int32, device=self.device)
+        # rows past a head's length are never read, so keys and values need no initialisation
+        return Slots(
+            torch.empty(n, key_dim, **kw),
+            torch.empty(n, value_dim, **kw),
+            torch.zeros(n, dtype=torch.float32, device=self.device),
+            torch.full((n,), PAD_POSITION, **meta),
+            torch.full((n,), PAD_POSITION, **meta),
+            torch.full((n,), -1, **meta),
+        )
+
+    def _relayout(self, capacities: tuple[int, ...]) -> None:
+        """Move the live rows into fresh storage with these per-head capacities."""
+        fresh = self._allocate(capacities, self.slots.keys.shape[-1], self.slots.values.shape[-1])
+        starts = tuple(sum(capacities[:h]) for h in range(len(capacities)))
+        src = _rows(self.starts, self.lengths, self.device)
+        dst = _rows(starts, self.lengths, self.device)
+        for new, old in zip(fresh, self.slots):
+            new[dst] = old[src]
+        self._set(LayerState(fresh, starts, capacities, self.lengths, (0,) * len(starts), self.biased))
 
     # ---- transformers' layer interface ---------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        _, heads, _, head_dim = key_states.shape
-        self._allocate(heads, head_dim, value_states.shape[-1], 0)
+        heads = key_states.shape[1]
+        slots = self._allocate((0,) * heads, key_states.shape[-1], value_states.shape[-1])
+        self._set(LayerState(slots, (0,) * heads, (0,) * heads, (0,) * heads, (0,) * heads, False))
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, positions=None, segment_ids=None, rope=None, **kwargs):
+        """Append ``q`` new tokens to every head. Returns the keys and values attention reads: (1, H, S, D)
+        views when the heads are even, else one (1, 1, S_h, D) view per head."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
-        if self.length < self.shared_length:  # writing over slots a snapshot still holds: copy first
-            self._reallocate(self.length + q)
-        self._ensure_capacity(self.length + q)
-        end = self.length + q
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
-        self.bias[:, :, self.length : end] = 0.0
-        self.positions[:, self.length : end] = positions.to(self.positions)
-        self.rope[:, self.length : end] = (positions if rope is None else rope).to(self.rope)
-        self.segments[:, self.length : end] = segment_ids.to(self.segments)
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        grown = tuple(n + q for n in self.lengths)
+        copy_first = any(n < s for n, s in zip(self.lengths, self.shared))  # a snapshot holds those rows
+        if copy_first or any(g > c for g, c in zip(grown, self.capacities)):
+            self._relayout(tuple(max(c, g + _headroom(g)) for c, g in zip(self.capacities, grown)))
+        rope = positions if rope is None else rope
+        new = (key_states[0], value_states[0], 0.0, positions, rope, segment_ids)
+        if self.uniform:
+            n = self.lengths[0]
+            for name, value in zip(Slots._fields, new):
+                view = self._dense_view(name)
+                view[:, n : n + q] = value.to(view) if isinstance(value, torch.Tensor) else value
+        else:
+            rows = _rows([s + n for s, n in zip(self.starts, self.lengths)], (q,) * self.num_heads, self.device)
+            for name, value in zip(Slots._fields, new):
+                store = getattr(self.slots, name)
+                if not isinstance(value, torch.Tensor):
+                    store.index_fill_(0, rows, value)
+                elif value.dim() == 1:  # per token, the same in every head
+                    store.index_copy_(0, rows, value.to(store).repeat(self.num_heads))
+                else:
+                    store.index_copy_(0, rows, value.reshape(-1, value.shape[-1]))
+        self._set(self._state(lengths=grown))
+        if self.uniform:
+            return self._dense_view("keys")[None, :, : grown[0]], self._dense_view("values")[None, :, : grown[0]]
+        return (
+            [k[None, None] for k in self.head_views("keys")],
+            [v[None, None] for v in self.head_views("values")],
+        )
 
     def get_seq_length(self) -> int:
         return self.length
@@ -101,76 +256,49 @@ class CompactLayer(CacheLayerMixin):
         raise NotImplementedError("CompactCache holds one sequence; beam search is not supported")
 
     # ---- kvmemory ------------------------------------------------------------------------------
-    @property
-    def num_heads(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[1]
+    def attention_bias(self) -> torch.Tensor | list[torch.Tensor] | None:
+        """β of the live slots: (1, H, S) fp32 for even heads, one (S_h,) tensor per head otherwise; None
+        when every β is 0 (the fast path)."""
+        if not self.biased:
+            return None
+        if self.uniform:
+            return self._dense_view("bias")[None, :, : self.lengths[0]]
+        return self.head_views("bias")
 
-    @property
-    def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+    def _state(self, **changes) -> LayerState:
+        return LayerState(self.slots, self.starts, self.capacities, self.lengths, self.shared, self.biased)._replace(
+            **changes
+        )
 
-    def attention_bias(self) -> torch.Tensor | None:
-        """(1, H, S) fp32 β of the live slots, or None when every β is 0 (the fast path)."""
-        return self.bias[:, :, : self.length] if self.biased else None
+    def _recount_biased(self) -> bool:
+        return any(bool((b != 0).any()) for b in self.head_views("bias"))
 
-    def _allocate(self, heads: int, key_dim: int, value_dim: int, capacity: int) -> None:
-        kw = dict(dtype=self.dtype, device=self.device)
-        # slots past ``length`` are never read, so keys and values need no initialisation
-        self.keys = torch.empty(1, heads, capacity, key_dim, **kw)
-        self.values = torch.empty(1, heads, capacity, value_dim, **kw)
-        self.bias = torch.zeros(1, heads, capacity, dtype=torch.float32, device=self.device)
-        self.positions = torch.full((heads, capacity), PAD_POSITION, dtype=torch.int32, device=self.device)
-        self.rope = torch.full((heads, capacity), PAD_POSITION, dtype=torch.int32, device=self.device)
-        self.segments = torch.full((heads, capacity), -1, dtype=torch.int32, device=self.device)
-        self.shared_length = 0
+    def truncate(self, lengths: int | tuple[int, ...]) -> None:
+        """Forget each head's slots from ``lengths[h]`` on (one int: every head). Only lengths change (rows
+        past them are never read), so a snapshot sharing this storage stays intact."""
+        if self.slots is None:
+            return
+        cut = (lengths,) * self.num_heads if isinstance(lengths, int) else tuple(lengths)
+        self._set(self._state(lengths=tuple(min(n, c) for n, c in zip(self.lengths, cut))))
+        self.biased = self._recount_biased()
 
-    def _ensure_capacity(self, needed: int) -> None:
-        if needed > self.capacity:
-            self._reallocate(needed)
+    def snapshot(self) -> LayerState:
+        """This layer's storage and lengths, shared, not copied (see the module docstring)."""
+        self.shared = tuple(max(s, n) for s, n in zip(self.shared, self.lengths))
+        return self._state()
 
-    def _reallocate(self, needed: int) -> None:
-        """Move the live slots into fresh buffers with room for ``needed`` slots."""
-        old = (self.keys, self.values, self.bias, self.positions, self.segments, self.rope)
-        self._allocate(self.num_heads, self.keys.shape[-1], self.values.shape[-1], needed + _headroom(needed))
-        n = self.length
-        self.keys[:, :, :n] = old[0][:, :, :n]
-        self.values[:, :, :n] = old[1][:, :, :n]
-        for new, prev in zip((self.bias, self.positions, self.segments, self.rope), old[2:]):
-            new[..., :n] = prev[..., :n]
-
-    def truncate(self, length: int) -> None:
-        """Forget the slots from ``length`` on. Only the length changes (slots past it are never read), so
-        a snapshot sharing these buffers stays intact."""
-        self.length = min(self.length, length)
-        if self.keys is not None:
-            self.biased = bool((self.bias[..., : self.length] != 0).any())
-
-    STATE = ("keys", "values", "bias", "positions", "rope", "segments", "length", "biased", "is_initialized")
-
-    def snapshot(self) -> tuple:
-        """This layer's buffers and length, shared, not copied (see the module docstring)."""
-        self.shared_length = max(self.shared_length, self.length)
-        return tuple(getattr(self, name, None) for name in self.STATE) + (self.shared_length,)
-
-    def restore(self, state: tuple) -> None:
-        for name, value in zip(self.STATE + ("shared_length",), state):
-            setattr(self, name, value)
-        if self.keys is not None:
-            self.dtype, self.device = self.keys.dtype, self.keys.device
+    def restore(self, state: LayerState) -> None:
+        self._set(state)
+        self.is_initialized = state.slots is not None
+        if self.is_initialized:
+            self.dtype, self.device = state.slots.keys.dtype, state.slots.keys.device
 
     def clone(self) -> CompactLayer:
         """An independent copy holding only the live slots (plus headroom)."""
         twin = CompactLayer()
-        if self.keys is not None:
-            twin.dtype, twin.device, twin.is_initialized = self.dtype, self.device, self.is_initialized
-            twin._allocate(
-                self.num_heads, self.keys.shape[-1], self.values.shape[-1], self.length + _headroom(self.length)
-            )
-            n = twin.length = self.length
-            twin.keys[:, :, :n], twin.values[:, :, :n] = self.keys[:, :, :n], self.values[:, :, :n]
-            for name in ("bias", "positions", "rope", "segments"):
-                getattr(twin, name)[..., :n] = getattr(self, name)[..., :n]
-            twin.biased = self.biased
+        if self.is_initialized:
+            twin.restore(self._state())
+            twin._relayout(tuple(n + _headroom(n) for n in self.lengths))
         return twin
 
     def validate(self, plan: LayerPlan, layer_idx: int) -> list[torch.Tensor]:
@@ -188,9 +316,9 @@ class CompactLayer(CacheLayerMixin):
                 raise InvalidPlanError(f"{where} head {h}: keeps zero slots (a head needs at least one)")
         if not self._keep_is_valid(keep):  # one batched check; the per-head pass below names the problem
             self._check_keep_per_head(keep, where)
-        if plan.values is not None and tuple(plan.values.shape) != (self.num_heads, t_max, self.values.shape[-1]):
+        if plan.values is not None and tuple(plan.values.shape) != (self.num_heads, t_max, self.slots.values.shape[-1]):
             raise InvalidPlanError(
-                f"{where}: values must be {(self.num_heads, t_max, self.values.shape[-1])}, got "
+                f"{where}: values must be {(self.num_heads, t_max, self.slots.values.shape[-1])}, got "
                 f"{tuple(plan.values.shape)}"
             )
         if plan.bias is not None and tuple(plan.bias.shape) != (self.num_heads, t_max):
@@ -202,76 +330,64 @@ class CompactLayer(CacheLayerMixin):
         return keep
 
     def _keep_is_valid(self, keep: list[torch.Tensor]) -> bool:
-        """In range, strictly increasing, no padding kept: every head at once, one sync."""
+        """In range of each head's length and strictly increasing: every head at once, one sync."""
         index, valid = pad_selection(keep, self.device)
-        in_range = ((index >= 0) & (index < self.length)) | ~valid
+        lengths = torch.tensor(self.lengths, device=self.device)[:, None]
+        in_range = ((index >= 0) & (index < lengths)) | ~valid
         increasing = (index[:, 1:] > index[:, :-1]) | ~valid[:, 1:]
-        padding = (self.positions.gather(1, index.clamp(0, max(self.length - 1, 0))) == PAD_POSITION) & valid
-        return bool(in_range.all() & increasing.all() & ~padding.any())
+        return bool(in_range.all() & increasing.all())
 
     def _check_keep_per_head(self, keep: list[torch.Tensor], where: str) -> None:
         for h, idx in enumerate(keep):
             lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= self.length:
-                raise InvalidPlanError(f"{where} head {h}: slot index out of range [0, {self.length}): {lo}..{hi}")
+            if lo < 0 or hi >= self.lengths[h]:
+                raise InvalidPlanError(f"{where} head {h}: slot index out of range [0, {self.lengths[h]}): {lo}..{hi}")
             if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
                 raise InvalidPlanError(f"{where} head {h}: kept slot indices must be strictly increasing")
-            if bool((self.positions[h, idx.to(self.positions.device)] == PAD_POSITION).any()):
-                raise InvalidPlanError(f"{where} head {h}: a kept slot is padding")
 
     def apply(self, plan: LayerPlan, keep: list[torch.Tensor]) -> None:
-        """Rebuild this layer from a validated plan into fresh, exactly-sized buffers."""
-        heads, t_max = self.num_heads, max(k.numel() for k in keep)
-        dev = self.device
-        index, valid = pad_selection(keep, dev)
+        """Rebuild this layer from a validated plan into fresh storage holding exactly the kept slots."""
+        index, valid = pad_selection(keep, self.device)
+        starts = torch.tensor(self.starts, device=self.device)[:, None]
+        slots = self.slots.take((starts + index)[valid])
+        if plan.values is not None:
+            slots = slots._replace(values=plan.values.to(slots.values)[valid])
+        if plan.bias is not None:
+            slots = slots._replace(bias=plan.bias.to(self.device, torch.float32)[valid])
+        lengths = tuple(k.numel() for k in keep)
+        self._set(LayerState.packed(slots, lengths, bool((slots.bias != 0).any())))
 
-        def gather(t: torch.Tensor) -> torch.Tensor:  # (H, cap, ...) -> (H, t_max, ...)
-            ix = index.view(heads, t_max, *([1] * (t.dim() - 2))).expand(heads, t_max, *t.shape[2:])
-            return torch.gather(t, 1, ix)
+    def rebase(self, span: int, inv_freq: torch.Tensor) -> None:
+        """Re-rotate each head's keys so its newest slot sits at ``span − 1`` and the ones before it at
+        consecutive positions (see ``CompactCache.rebase``)."""
+        self._relayout(self.capacities)  # new storage: a snapshot keeps the unrotated keys
+        rows = _rows(self.starts, self.lengths, self.device)
+        new = torch.cat([torch.arange(span - n, span, device=self.device) for n in self.lengths])
+        delta = new - self.slots.rope[rows].long()
+        self.slots.keys[rows] = rotate(self.slots.keys[rows][None], delta[None], inv_freq)[0]
+        self.slots.rope[rows] = new.to(self.slots.rope)
 
-        keys = gather(self.keys[0])
-        values = plan.values.to(self.values) if plan.values is not None else gather(self.values[0])
-        bias = plan.bias.to(dev, torch.float32) if plan.bias is not None else gather(self.bias[0])
-        positions, segments, rope = gather(self.positions), gather(self.segments), gather(self.rope)
-        if not bool(valid.all()):  # heads keep different counts: mark the shorter heads' tails as padding
-            values = torch.where(valid[..., None], values, torch.zeros((), dtype=values.dtype, device=dev))
-            bias = torch.where(valid, bias, torch.full((), NEG_INF, device=dev))
-            positions = torch.where(valid, positions, torch.full((), PAD_POSITION, dtype=positions.dtype, device=dev))
-            segments = torch.where(valid, segments, torch.full((), -1, dtype=segments.dtype, device=dev))
-            rope = torch.where(valid, rope, torch.full((), PAD_POSITION, dtype=rope.dtype, device=dev))
-
-        self._allocate(heads, keys.shape[-1], values.shape[-1], t_max + _headroom(t_max))
-        self.keys[0, :, :t_max] = keys
-        self.values[0, :, :t_max] = values
-        self.bias[0, :, :t_max] = bias
-        self.positions[:, :t_max] = positions
-        self.segments[:, :t_max] = segments
-        self.rope[:, :t_max] = rope
-        self.length = t_max
-        self.biased = bool((bias != 0).any())
-
-    def padding_slots(self) -> int:
-        return int((self.positions[:, : self.length] == PAD_POSITION).sum()) if self.keys is not None else 0
+    def head_slot_bytes(self) -> int:
+        """Bytes one slot of one head costs (key, value, β, position, RoPE position, segment id)."""
+        return (self.slots.keys.shape[-1] + self.slots.values.shape[-1]) * self.slots.keys.element_size() + META_BYTES
 
     def bytes_per_slot(self) -> int:
-        """Bytes one physical slot costs across this layer's heads (keys, values, β, position, segment, rope)."""
-        if self.keys is None:
-            return 0
-        kv = (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
-        return self.num_heads * (kv + 4 + 4 + 4 + 4)
+        """Bytes one slot costs across this layer's heads (what one more token costs)."""
+        return 0 if self.slots is None else self.num_heads * self.head_slot_bytes()
+
+    def kv_bytes(self) -> int:
+        """Bytes of the slots held (every head its own count)."""
+        return 0 if self.slots is None else self.slot_count * self.head_slot_bytes()
 
     def allocated_bytes(self) -> int:
-        if self.keys is None:
-            return 0
-        tensors = (self.keys, self.values, self.bias, self.positions, self.segments, self.rope)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return 0 if self.slots is None else sum(t.numel() * t.element_size() for t in self.slots)
 
 
 @dataclass
 class CacheSnapshot:
     """A CompactCache's state at one moment: each layer's (shared) buffers and length, and the counters."""
 
-    layers: list[tuple]
+    layers: list[LayerState]
     logical_length: int
     rope_length: int
     compactions: int
@@ -322,14 +438,15 @@ class CompactCache(Cache):
 
     @property
     def physical_length(self) -> int:
-        """Slots per layer as memory counts them: the mean over layers, rounded up (layers may differ after a
-        per-layer budget), so ``physical_length × bytes_per_token`` bounds the KV bytes held."""
-        total = sum(layer.length for layer in self.layers)
-        return -(-total // len(self.layers))
+        """Slots per head as memory counts them: the mean over every layer's heads, rounded up (layers and
+        heads may hold different counts), so ``physical_length × bytes_per_token`` bounds the KV bytes held."""
+        total = sum(layer.slot_count for layer in self.layers)
+        heads = sum(layer.num_heads for layer in self.layers)
+        return -(-total // heads) if heads else 0
 
     @property
     def longest_layer(self) -> int:
-        """The most slots any layer holds (what the model's attention window must cover)."""
+        """The most slots any head holds (what the model's attention window must cover)."""
         return max(layer.length for layer in self.layers)
 
     def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
@@ -378,9 +495,9 @@ class CompactCache(Cache):
             for layer in self.layers:
                 layer.reset()
             position = 0
-        elif all(int(k[-1]) == k.numel() - 1 and k.numel() == keep[0].numel() for keep in keeps for k in keep):
-            for layer, keep in zip(self.layers, keeps):  # a plain suffix: cut it off in place
-                layer.truncate(keep[0].numel())
+        elif all(int(k[-1]) == k.numel() - 1 for keep in keeps for k in keep):
+            for layer, keep in zip(self.layers, keeps):  # a plain suffix of every head: cut it off in place
+                layer.truncate(tuple(k.numel() for k in keep))
         else:
             self.apply_plan(CompactionPlan([LayerPlan(keep=k) for k in keeps], method="truncate"), count=False)
         self.logical_length = position
@@ -401,18 +518,10 @@ class CompactCache(Cache):
         """
         if not self.layers[0].is_initialized or self.physical_length == 0:
             return 0
-        counts = [(layer.positions[:, : layer.length] >= 0).sum(1) for layer in self.layers]
-        span = max(int(c.max()) for c in counts)
+        span = self.longest_layer
         shift = span - self.rope_length
-        for layer, count in zip(self.layers, counts):
-            n = layer.length
-            old = layer.rope[:, :n].long()
-            valid = layer.positions[:, :n] >= 0
-            new = span - count[:, None] + torch.cumsum(valid.long(), dim=1) - 1  # right-aligned rank per head
-            delta = torch.where(valid, new - old, torch.zeros_like(old))
-            layer._reallocate(n)  # new buffers: a snapshot keeps the unrotated keys
-            layer.keys[0, :, :n] = rotate(layer.keys[0, :, :n], delta, inv_freq)
-            layer.rope[:, :n] = torch.where(valid, new, old).to(layer.rope)
+        for layer in self.layers:
+            layer.rebase(span, inv_freq)
         self.rope_length = span
         return shift
 
@@ -430,17 +539,12 @@ class CompactCache(Cache):
 
     # ---- accounting ----------------------------------------------------------------------------
     def kv_bytes(self) -> int:
-        """Bytes of the live physical slots (what a memory cap constrains)."""
-        return sum(layer.length * layer.bytes_per_slot() for layer in self.layers)
+        """Bytes of the slots held (what a memory cap constrains): every head pays for its own slots only."""
+        return sum(layer.kv_bytes() for layer in self.layers)
 
     def allocated_bytes(self) -> int:
-        """Bytes of the tensors actually allocated (live slots plus bounded headroom)."""
+        """Bytes of the tensors actually allocated (slots held plus bounded headroom for appends)."""
         return sum(layer.allocated_bytes() for layer in self.layers)
 
     def bytes_per_token(self) -> int:
         return sum(layer.bytes_per_slot() for layer in self.layers)
-
-    def padding_overhead(self) -> float:
-        """Fraction of physical slots that are padding (heads with smaller budgets than their layer's longest)."""
-        total = sum(layer.length * layer.num_heads for layer in self.layers)
-        return sum(layer.padding_slots() for layer in self.layers) / total if total else 0.0

@@ -2,7 +2,8 @@
 ``engine.load_session(path)``.
 
 The file is a safetensors file. Its tensors are each layer's live slots (keys, values, β, positions, RoPE
-positions, segment ids), the last logits and the recorded reference queries; its metadata holds one JSON
+positions, segment ids; each KV head's slots back to back, their counts in the metadata), the last logits
+and the recorded reference queries; its metadata holds one JSON
 document: a manifest (format name and version, library version, the model's identity — architecture,
 shapes, dtype and a fingerprint of the weights — and a SHA-256 of every tensor's bytes) and the session's
 state (transcript, segments, chat state, cache counters, recorders, and the memory manager's policy and
@@ -25,15 +26,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from kvmemory.cache.compact_cache import CacheSnapshot, CompactLayer
+from kvmemory.cache.compact_cache import EMPTY_LAYER, CacheSnapshot, LayerState, Slots
 from kvmemory.errors import ModelMismatchError, SessionFileError
 from kvmemory.runtime.memory_hooks import memory_loader
 from kvmemory.runtime.segments import Segment
 from kvmemory.runtime.state import SessionState
 
-FORMAT, FORMAT_VERSION = "kvmemory-session", 1
-LAYER_TENSORS = ("keys", "values", "bias", "positions", "rope", "segments")
-LAYER_STATE = CompactLayer.STATE  # the order of a layer's snapshot tuple
+FORMAT, FORMAT_VERSION = "kvmemory-session", 2
+READABLE_VERSIONS = (1, 2)  # version 1 stored each layer padded to its longest head
 
 
 def library_version() -> str:
@@ -102,12 +102,10 @@ def _payload(session, snap: SessionState) -> tuple[dict[str, torch.Tensor], dict
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer_state in enumerate(snap.cache.layers):
-        fields = dict(zip(LAYER_STATE, layer_state))
-        n = fields["length"]
-        layers.append({"length": n, "biased": fields["biased"], "initialized": bool(fields["is_initialized"])})
-        if fields["is_initialized"]:
-            for name in LAYER_TENSORS:
-                live = fields[name][:, :, :n] if name in ("keys", "values") else fields[name][..., :n]
+        initialized = layer_state.slots is not None
+        layers.append({"lengths": list(layer_state.lengths), "biased": layer_state.biased, "initialized": initialized})
+        if initialized:
+            for name, live in zip(Slots._fields, layer_state.live()):
                 tensors[f"layer.{i}.{name}"] = live.detach().cpu().contiguous()
     if snap.last_logits is not None:
         tensors["last_logits"] = snap.last_logits.detach().cpu().contiguous()
@@ -176,7 +174,7 @@ def read_session_file(path, engine) -> tuple[dict[str, torch.Tensor], dict]:
         raise SessionFileError(f"{path} is not a kvmemory session file (or its header is damaged): {err}") from err
     if manifest.get("format") != FORMAT:
         raise SessionFileError(f"{path} is a {manifest.get('format')!r} file, not a {FORMAT!r} file")
-    if manifest.get("version") != FORMAT_VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise SessionFileError(
             f"{path} has session format version {manifest.get('version')}; this kvmemory "
             f"({library_version()}) reads version {FORMAT_VERSION}"
@@ -213,12 +211,7 @@ def load_session(engine, path, session_id: str | None = None):
     queries = state["queries"]
     if queries is not None:
         session.record_queries(queries["window"], context=queries["context_tokens"]).groups = queries["groups"]
-    layers = []
-    for i, meta in enumerate(state["cache"]["layers"]):
-        n = meta["length"]
-        fields = {name: tensor(f"layer.{i}.{name}") for name in LAYER_TENSORS}
-        fields.update(length=n, biased=meta["biased"], is_initialized=meta["initialized"], shared_length=n)
-        layers.append(tuple(fields[name] for name in (*LAYER_STATE, "shared_length")))
+    layers = [_layer_state(meta, i, tensor) for i, meta in enumerate(state["cache"]["layers"])]
     saved_cache = state["cache"]
     session.compaction_log = list(state["compaction_log"])
     session.restore(
@@ -248,6 +241,16 @@ def load_session(engine, path, session_id: str | None = None):
         )
     )
     return session
+
+
+def _layer_state(meta: dict, i: int, tensor) -> LayerState:
+    """One layer of a saved cache (version 1 files held it padded to the longest head: the padding goes)."""
+    if not meta["initialized"]:
+        return EMPTY_LAYER
+    slots = Slots(*(tensor(f"layer.{i}.{name}") for name in Slots._fields))
+    if "lengths" not in meta:
+        return LayerState.from_padded(slots._replace(keys=slots.keys[0], values=slots.values[0], bias=slots.bias[0]))
+    return LayerState.packed(slots, tuple(meta["lengths"]), meta["biased"])
 
 
 def _query_state(saved: dict | None, tensor, num_layers: int):

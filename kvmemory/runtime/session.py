@@ -74,11 +74,10 @@ ProgressCallback = Callable[[int, int], None]
 @dataclass
 class SessionStats:
     logical_tokens: int
-    physical_slots: list[int]
-    kv_bytes: int
-    allocated_bytes: int
+    physical_slots: list[int]  # per layer: slots per KV head (mean over its heads, rounded up)
+    kv_bytes: int  # bytes of the slots held: every head pays for its own slots only
+    allocated_bytes: int  # those plus the bounded headroom left for appends
     uncompacted_kv_bytes: int
-    padding_overhead: float
     compactions: int
     segments: list[dict] = field(default_factory=list)
     query_bytes: int = 0  # reference queries held for compaction (selector window + context queries)
@@ -864,11 +863,10 @@ class Session:
             ]
             return SessionStats(
                 logical_tokens=len(self.tokens),
-                physical_slots=[layer.length for layer in self.cache.layers],
+                physical_slots=[-(-layer.slot_count // max(layer.num_heads, 1)) for layer in self.cache.layers],
                 kv_bytes=self.cache.kv_bytes(),
                 allocated_bytes=self.cache.allocated_bytes(),
                 uncompacted_kv_bytes=self.cache.logical_length * per_token,
-                padding_overhead=self.cache.padding_overhead(),
                 compactions=self.cache.compactions,
                 segments=per_segment,
                 query_bytes=self.query_recorder.nbytes() if self.query_recorder is not None else 0,

@@ -1,0 +1,197 @@
+"""Ragged per-head storage: a head costs exactly the slots it keeps, and attention over it equals attention
+over the same slots padded to the longest head with β = −∞ (the layout it replaced)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvmemory import CompactionPlan, Engine, InvalidTokenError, LayerPlan
+from kvmemory.cache.compact_cache import LayerState, Slots
+from tests.conftest import random_tokens, tiny_model
+from tests.test_contract import assert_same_state, state_of, uneven_plan
+
+
+def padded_twin(session):
+    """A fork whose every layer holds the padded layout: each head padded to its layer's longest head with
+    β = −∞ and position −1, new tokens appended after the padding (what the cache did before)."""
+    twin = session.fork()
+    for layer in twin.cache.layers:
+        heads, width = layer.num_heads, layer.length
+        keys, values = (t[0, :, :width].reshape(heads * width, -1) for t in (layer.keys, layer.values))
+        fields = (layer.bias[0], layer.positions, layer.rope, layer.segments)
+        meta = (t[:, :width].reshape(-1) for t in fields)
+        flat = Slots(keys, values, *meta)
+        starts = tuple(h * width for h in range(heads))
+        layer.restore(LayerState(flat, starts, (width,) * heads, (width,) * heads, (width,) * heads, True))
+    return twin
+
+
+def test_uneven_heads_cost_only_their_slots(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(300, seed=11))
+    before = session.stats()
+    plans = [LayerPlan(keep=[torch.arange(0, 300, 3), torch.arange(0, 300, 10)]) for _ in session.cache.layers]
+    session.apply_plan(CompactionPlan(plans))  # 100 and 30 slots
+    after = session.stats()
+    layer = session.cache.layers[0]
+    assert layer.lengths == (100, 30) and after.physical_slots == [65, 65]
+    assert after.kv_bytes == 2 * 130 * layer.head_slot_bytes() == 130 * session.cache.bytes_per_token() // 2
+    assert after.allocated_bytes == after.kv_bytes  # exactly the kept slots: no padding, no headroom
+    assert after.allocated_bytes < before.allocated_bytes / 4
+    # whole-layer views for compaction code: the shorter head's tail reads as padding
+    assert torch.isinf(layer.bias[0, 1, 30:100]).all() and (layer.positions[1, 30:100] == -1).all()
+    assert layer.positions[1, :30].tolist() == list(range(0, 300, 10))
+    result = session.generate(max_new_tokens=5)
+    assert len(result.token_ids) == 5 and torch.isfinite(session._last_logits).all()
+    assert layer.lengths == (104, 34)  # the last sampled token is appended with the next call
+    grown = session.stats()
+    assert grown.kv_bytes == 2 * 138 * layer.head_slot_bytes()
+    assert grown.allocated_bytes <= grown.kv_bytes + 2 * 2 * 64 * layer.head_slot_bytes()  # ≤ 64 spare per head
+
+
+def test_padded_views_cost_nothing_for_even_heads(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(50, seed=1))
+    layer = session.cache.layers[0]
+    assert layer.uniform and layer.keys.data_ptr() == layer.slots.keys.data_ptr()  # a view, not a copy
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_ragged_attention_equals_padded_attention(arch):
+    engine = Engine(tiny_model(arch, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2))
+    session = engine.session()
+    session.append_tokens(random_tokens(90, seed=5))
+    session.apply_plan(uneven_plan(session, seed=1))
+    assert any(not layer.uniform for layer in session.cache.layers)
+    twin = padded_twin(session)
+    cont = random_tokens(12, seed=6)
+    assert torch.allclose(session.logprobs(cont), twin.logprobs(cont), atol=1e-5)
+    session.append_tokens(cont)  # prefill chunk: causal among new tokens, per head over its own slots
+    twin.append_tokens(cont)
+    assert torch.allclose(session._last_logits, twin._last_logits, atol=1e-5)
+    assert session.generate(max_new_tokens=6).token_ids == twin.generate(max_new_tokens=6).token_ids
+
+
+def _decode_step(engine, cache, path: str) -> torch.Tensor:
+    """One token through the model outside the batcher (the ``compact_cache`` entry), then undone."""
+    snap, position = cache.snapshot(), cache.logical_length
+    cache.begin_append(torch.tensor([position]), 0)
+    with torch.no_grad():
+        out = engine.model(
+            input_ids=torch.tensor([[5]]),
+            position_ids=torch.tensor([[cache.rope_positions(torch.tensor([position]))[0]]]),
+            cache=cache,
+            compact_cache=cache,
+            attention_path=path,
+        )
+    cache.restore(snap)
+    return out.logits[0, -1]
+
+
+def test_mask_and_folded_paths_read_ragged_heads(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(80, seed=2))
+    session.apply_plan(uneven_plan(session, seed=3))
+    reference = _decode_step(tiny_engine, padded_twin(session).cache, "mask")
+    for path in ("mask", "folded"):
+        assert torch.allclose(_decode_step(tiny_engine, session.cache, path), reference, atol=1e-5)
+
+
+def test_truncating_uneven_heads_cuts_each_head_in_place(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(70, seed=4))
+    session.apply_plan(uneven_plan(session, seed=5))
+    session.append_tokens(random_tokens(10, seed=6))
+    before = [layer.snapshot() for layer in session.cache.layers]
+    assert session.cache.truncate_positions(75) == 75
+    for layer, old in zip(session.cache.layers, before):
+        assert layer.slots is old.slots  # a suffix of every head: only the lengths changed
+        for h, positions in enumerate(layer.head_views("positions")):
+            old_positions = old.slots.positions[old.starts[h] : old.starts[h] + old.lengths[h]]
+            assert torch.equal(positions, old_positions[old_positions < 75])
+
+
+def test_uniform_budgets_keep_the_dense_layout_bit_for_bit(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(120, seed=7))
+    keep = torch.cat([torch.arange(4), torch.arange(10, 120, 2)])
+    plan = CompactionPlan([LayerPlan(keep=keep.expand(2, -1).clone()) for _ in session.cache.layers])
+    session.apply_plan(plan)
+    assert all(layer.uniform for layer in session.cache.layers)
+    cont = random_tokens(10, seed=8)
+    assert torch.equal(session.logprobs(cont), padded_twin(session).logprobs(cont))
+
+
+def test_a_v1_file_layout_converts_without_its_padding(tiny_engine):
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(60, seed=9))
+    session.apply_plan(uneven_plan(session, seed=2))
+    for layer in session.cache.layers:
+        padded = Slots(*(getattr(layer, name) for name in Slots._fields))
+        padded = padded._replace(keys=padded.keys[0], values=padded.values[0], bias=padded.bias[0])
+        state = LayerState.from_padded(padded)
+        assert state.lengths == layer.lengths and state.biased == layer.biased
+        for a, b in zip(state.live(), layer.snapshot().live()):
+            assert torch.equal(a, b)
+
+
+_ENGINE = Engine(tiny_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    budgets=st.lists(st.lists(st.integers(1, 40), min_size=3, max_size=3), min_size=2, max_size=2),
+    ops=st.lists(st.sampled_from(["append", "scratch", "fail", "fork", "rebase", "recompact"]), max_size=6),
+    seed=st.integers(0, 1000),
+)
+def test_random_head_budgets_keep_the_session_contract(budgets, ops, seed):
+    """Any per-head budgets, then any sequence of operations: the ragged cache answers as the padded layout
+    would, holds exactly its slots' bytes after every compaction, and failed or scratch calls change nothing."""
+    session = _ENGINE.session()
+    session.append_tokens(random_tokens(48, seed=seed))
+    g = torch.Generator().manual_seed(seed)
+
+    def compact(seed_offset: int) -> None:
+        layers = []
+        for layer, per_head in zip(session.cache.layers, budgets):
+            keeps = []
+            for h, budget in enumerate(per_head):
+                n = layer.lengths[h]
+                keeps.append(torch.randperm(n, generator=g)[: min(budget, n)].sort().values)
+            bias = [torch.rand(len(k), generator=g) - 0.5 for k in keeps]
+            layers.append(LayerPlan(keep=keeps, bias=torch.nn.utils.rnn.pad_sequence(bias, batch_first=True)))
+        session.apply_plan(CompactionPlan(layers, method=f"random-{seed_offset}"))
+        stats = session.stats()
+        assert stats.allocated_bytes == stats.kv_bytes
+        assert stats.kv_bytes == sum(layer.slot_count * layer.head_slot_bytes() for layer in session.cache.layers)
+
+    compact(0)
+    for i, op in enumerate(ops):
+        if op == "append":
+            session.append_tokens(random_tokens(1 + i * 3, seed=seed + i))
+        elif op == "scratch":
+            before = state_of(session)
+            session.logprobs(random_tokens(5, seed=i))
+            assert_same_state(before, state_of(session))
+        elif op == "fail":
+            before = state_of(session)
+            with pytest.raises(InvalidTokenError):
+                session.append_tokens(random_tokens(3, seed=i) + [10**6])
+            assert_same_state(before, state_of(session))
+        elif op == "fork":
+            child = session.fork()
+            child.append_tokens(random_tokens(4, seed=i))
+            session.append_tokens(random_tokens(4, seed=i))
+            assert torch.equal(child._last_logits, session._last_logits)
+        elif op == "rebase":
+            session.rebase_positions()
+        else:
+            compact(i + 1)
+    cont = random_tokens(6, seed=seed + 99)
+    if session.cache.rope_length == session.cache.logical_length:  # a rebased cache has no padded reference
+        assert torch.allclose(session.logprobs(cont), padded_twin(session).logprobs(cont), atol=1e-5)
+    else:
+        assert torch.isfinite(session.logprobs(cont)).all()
