@@ -244,6 +244,23 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def update_last_run(last: dict, out: dict, methods: list[str]) -> dict:
+    """A partial run (some sections, or some methods) replaces only what it measured in the last full run:
+    its sections, or within them the rows of its methods (and the full-cache reference it re-measured)."""
+    remeasured = set(methods) | {"full"}
+    merged = {**last, **out}
+    for key in ("quality_segments", "retrieval"):
+        if key in out and key in last and set(methods) != set(METHODS):
+            merged[key] = [r for r in last[key] if r["method"] not in remeasured] + out[key]
+    if "quality_segments" in out:
+        merged["quality"] = mean_over_segments(merged["quality_segments"])
+        plot(merged["quality"], RESULTS / "quality.png")
+    merged["methods"] = last.get("methods", out["methods"])
+    merged["seconds"] = last.get("seconds", 0.0)
+    merged["partial_reruns"] = last.get("partial_reruns", []) + [{"methods": methods, "seconds": out["seconds"]}]
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--context", type=int, default=2048)
@@ -288,8 +305,8 @@ def main() -> None:
         print(table(out["latency"], ["slots", "method", "ms"]))
     out["seconds"] = time.perf_counter() - started
     previous = RESULTS / "quality.json"
-    if args.skip and previous.is_file():  # a partial run updates its sections of the last full run
-        out = {**json.loads(previous.read_text()), **out}
+    if (args.skip or set(args.methods) != set(METHODS)) and previous.is_file():
+        out = update_last_run(json.loads(previous.read_text()), out, args.methods)
     print(f"saved {save('quality', out)}")
 
 

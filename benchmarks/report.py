@@ -50,11 +50,18 @@ def speed_section(d: dict) -> str:
                 "ratio",
             ],
         )
-        + f"\n\nAfter compacting {c['context']} tokens to {c['slots']} slots: decode "
+        + f"\n\nAfter compacting {c['context']} tokens to {c['slots']} slots per head: decode "
         f"{c['compacted_decode_tok_s']:.1f} tok/s vs "
         f"{c['uncompacted_decode_tok_s']:.1f} uncompacted ({c['speedup']:.2f}×), KV "
         f"{c['compacted_kv_bytes'] / 2**20:.1f} MiB vs "
-        f"{c['uncompacted_kv_bytes'] / 2**20:.1f} MiB."
+        f"{c['uncompacted_kv_bytes'] / 2**20:.1f} MiB"
+        + (
+            f"; with uneven heads (0.5× to 1.5× the mean, the same {c['uneven_kv_bytes'] / 2**20:.1f} MiB) "
+            f"{c['uneven_decode_tok_s']:.1f} tok/s ({c['uneven_vs_even']:.2f}× the even heads; each warmed up, "
+            "runs interleaved)."
+            if "uneven_decode_tok_s" in c
+            else "."
+        )
     )
 
 
@@ -99,11 +106,16 @@ def quality_section(d: dict) -> str:
             for m in d["methods"]
             if any(r["method"] == m and r["kind"] == kind for r in rows)
         ]
+        equal = all(len({row[i + 1] for row in body}) == 1 for i in range(len(ratios)))
+        note = (
+            "Every method holds the same bytes at a ratio: each KV head stores only its own slots, so REAL's "
+            "uneven head budgets cost what uniform ones do."
+            if equal
+            else "Some methods hold more bytes than others at the same mean slots per head."
+        )
         out.append(
             f"\n*KV bytes held* after compaction (MB; full cache {full:.1f} MB; the same for every text kind). "
-            "REAL's head budgets are padded to each layer's longest head, so `real` and `am_real*` hold more bytes "
-            "than the other methods at the same mean slots per head.\n\n"
-            + md(body, ["method"] + [f"{x:g}×" for x in ratios])
+            f"{note}\n\n" + md(body, ["method"] + [f"{x:g}×" for x in ratios])
         )
     if "retrieval" in d:
         rr = d["retrieval"]
@@ -135,6 +147,29 @@ def quality_section(d: dict) -> str:
             "error\n\n" + md(body, ["method"] + [f"{s} slots" for s in sizes])
         )
     return "\n".join(out)
+
+
+def head_budgets_section(d: dict) -> str:
+    rows = [
+        [
+            r["method"],
+            f"{r['slots_per_head']:.0f} ({r['fewest']}…{r['most']})",
+            f"{r['kv_mb']:.1f}",
+            f"{r['padded_mb']:.1f}",
+            f"{r['delta_nll']:+.3f}",
+        ]
+        for r in d["rows"]
+    ]
+    s = d["decode"]
+    return (
+        f"**Head budgets at equal bytes** (`python -m benchmarks.head_budgets`): {d['context']} tokens of Python "
+        f"source compacted {d['ratio']:g}× (mean over {d['windows']} windows), NLL increase of the next 256 "
+        "tokens; *padded* is what the same slots took when each layer was padded to its longest head.\n\n"
+        + md(rows, ["method", "slots per head (fewest…most)", "KV MB held", "KV MB padded", "ΔNLL"])
+        + f"\n\nDecode over the uneven (AM under REAL) cache: {s['uneven_decode_tok_s']:.1f} tok/s vs "
+        f"{s['uniform_decode_tok_s']:.1f} over the uniform SnapKV cache of the same "
+        f"{s['uniform_kv_mb']:.1f} MB ({s['uneven_vs_uniform']:.2f}×; warmed up, interleaved, medians)."
+    )
 
 
 def agent_section(d: dict) -> str:
@@ -287,6 +322,7 @@ def main() -> None:
     sections = (
         ("speed", speed_section),
         ("quality", quality_section),
+        ("head_budgets", head_budgets_section),
         ("agent_memory", agent_memory_section),
         ("agent_session", agent_section),
         ("persistence", persistence_section),

@@ -1,7 +1,9 @@
 """Prefill and decode speed: a kvmemory Session vs plain ``model.generate`` (sdpa, DynamicCache).
 
 Both run the same default-model weights side by side in one process; medians of several runs.
-Also decode speed after compacting a 4k-token context to 400 slots.
+Also decode speed after compacting a 4k-token context to 400 slots per KV head, evenly and with uneven
+per-head budgets of the same total (0.5× to 1.5× the mean), against the same session uncompacted: each
+warmed up, then interleaved run by run.
 
     python -m benchmarks.speed [--repeats 3] [--decode-tokens 32]
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
+import time
 
 import torch
 from transformers import DynamicCache
@@ -31,10 +35,17 @@ def plain_generate(model, ids, new_tokens):
         )
 
 
-def evenly_spaced_plan(session, slots: int) -> CompactionPlan:
+def evenly_spaced_plan(session, slots: int, uneven: bool = False) -> CompactionPlan:
+    """``slots`` evenly spaced slots per head; ``uneven``: head h of H keeps slots × (0.5 + h/(H−1)) instead
+    (the same total per layer), rotated across layers."""
     n = session.cache.physical_length
-    keep = torch.linspace(0, n - 1, slots).round().long().unique()
-    return CompactionPlan([LayerPlan(keep=keep.expand(layer.num_heads, -1).clone()) for layer in session.cache.layers])
+    plans = []
+    for li, layer in enumerate(session.cache.layers):
+        heads = layer.num_heads
+        shares = [0.5 + ((h + li) % heads) / max(heads - 1, 1) if uneven else 1.0 for h in range(heads)]
+        keep = [torch.linspace(0, n - 1, round(slots * share)).round().long().unique() for share in shares]
+        plans.append(LayerPlan(keep=keep))
+    return CompactionPlan(plans)
 
 
 def main() -> None:
@@ -78,28 +89,41 @@ def main() -> None:
         rows.append(row)
         print(table([row], list(row)), flush=True)
 
-    # decode after compaction: 4k tokens -> 400 slots, vs the same session uncompacted
+    # decode after compaction: 4k tokens -> 400 slots per head (even and uneven heads) vs uncompacted
     ctx = args.contexts[-1]
-    full, small = engine.session(), engine.session()
-    for s in (full, small):
+    full, small, uneven = engine.session(), engine.session(), engine.session()
+    for s in (full, small, uneven):
         s.append_tokens(text_ids[:ctx])
     small.apply_plan(evenly_spaced_plan(small, 400))
+    uneven.apply_plan(evenly_spaced_plan(uneven, 400, uneven=True))
 
-    def decode(session):
+    def decode(session) -> float:
         state = session.snapshot()
+        start = time.perf_counter()
         session.generate(max_new_tokens=n_dec)
+        elapsed = time.perf_counter() - start
         session.restore(state)
+        return elapsed
 
-    t_full = median_time(lambda: decode(full), args.repeats)
-    t_small = median_time(lambda: decode(small), args.repeats)
+    sessions = {"uncompacted": full, "compacted": small, "uneven": uneven}
+    times = {name: [] for name in sessions}
+    for session in sessions.values():  # warm-up
+        decode(session)
+    for _ in range(args.repeats):
+        for name, session in sessions.items():
+            times[name].append(decode(session))
+    t_full, t_small, t_uneven = (statistics.median(times[name]) for name in sessions)
     compacted = {
         "context": ctx,
         "slots": small.cache.physical_length,
         "uncompacted_decode_tok_s": n_dec / t_full,
         "compacted_decode_tok_s": n_dec / t_small,
+        "uneven_decode_tok_s": n_dec / t_uneven,
         "speedup": t_full / t_small,
+        "uneven_vs_even": t_small / t_uneven,
         "uncompacted_kv_bytes": full.stats().kv_bytes,
         "compacted_kv_bytes": small.stats().kv_bytes,
+        "uneven_kv_bytes": uneven.stats().kv_bytes,
     }
     print()
     print(table(rows, list(rows[0])))

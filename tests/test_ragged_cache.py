@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmemory import CompactionPlan, Engine, InvalidTokenError, LayerPlan
+from kvmemory import CompactionPlan, Engine, InvalidArgumentError, InvalidTokenError, LayerPlan
 from kvmemory.cache.compact_cache import LayerState, Slots
 from tests.conftest import random_tokens, tiny_model
 from tests.test_contract import assert_same_state, state_of, uneven_plan
@@ -98,6 +98,30 @@ def test_mask_and_folded_paths_read_ragged_heads(tiny_engine):
     reference = _decode_step(tiny_engine, padded_twin(session).cache, "mask")
     for path in ("mask", "folded"):
         assert torch.allclose(_decode_step(tiny_engine, session.cache, path), reference, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_path_equals_per_head_path(tiny_engine):
+    """The one-call FlexAttention path (CUDA's choice for uneven heads) over the flat storage, headroom rows
+    and all, equals per-head sdpa, for decode steps and prefill chunks (run eagerly on CPU)."""
+    flex = Engine(tiny_engine.model, attention_path="flex")
+    prompt, cont = random_tokens(80, seed=2), random_tokens(7, seed=3)
+    sessions = []
+    for engine in (tiny_engine, flex):
+        session = engine.session()
+        session.append_tokens(prompt)
+        session.apply_plan(uneven_plan(session, seed=3))
+        session.append_tokens(cont)  # a prefill chunk over uneven heads, into headroom
+        sessions.append(session)
+    per_head, one_call = sessions
+    assert torch.allclose(per_head._last_logits, one_call._last_logits, atol=1e-5)
+    assert torch.allclose(per_head.logprobs(cont), one_call.logprobs(cont), atol=1e-5)
+    assert per_head.generate(max_new_tokens=4).token_ids == one_call.generate(max_new_tokens=4).token_ids
+
+
+def test_an_unknown_attention_path_is_named(tiny_engine):
+    with pytest.raises(InvalidArgumentError, match="attention_path"):
+        Engine(tiny_engine.model, attention_path="fast")
 
 
 def test_truncating_uneven_heads_cuts_each_head_in_place(tiny_engine):

@@ -15,18 +15,21 @@ Two code paths:
 
 A layer whose KV heads hold different numbers of slots (ragged storage, see ``kvmemory.cache``) hands
 attention one key and value tensor per KV head; each runs through the same path over its own slots only,
-with its GQA group of query heads, so no padding is ever built or read.
+with its GQA group of query heads, so no padding is ever built or read. ``attention_path="flex"`` reads
+such a layer in one FlexAttention call instead (``flex_ragged``: compiled on CUDA, so the heads cost one
+kernel rather than one launch each; eager elsewhere, where it serves to test it).
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTENTION_NAME = "kvmemory"
+ATTENTION_PATHS = (None, "mask", "folded", "flex")  # None: "folded" on CUDA, "mask" elsewhere
 FOLD_PAD = 8  # extra head dims for the folded bias: keeps head_dim a multiple of 8 for fast kernels
 FOLD_CONSTANT = 1.0
 FOLD_NEG = -1e4  # stands in for −∞ in the folded path (exp underflows to 0 all the same)
@@ -47,7 +50,10 @@ def mask_sdpa(query, key, value, bias, scaling):
     groups = query.shape[1] // key.shape[1]
     mask = causal_mask(q_len, kv_len, query.dtype, query.device)[None, None] if q_len > 1 else None
     if bias is not None:
-        head_bias = bias.to(query.dtype).repeat_interleave(groups, dim=1)[:, :, None, :]
+        head_bias = bias.to(query.dtype)
+        if head_bias.shape[1] > 1:  # one row per KV head: repeat it for each query head of its group
+            head_bias = head_bias.repeat_interleave(groups, dim=1)
+        head_bias = head_bias[:, :, None, :]
         mask = head_bias if mask is None else head_bias + mask
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
 
@@ -72,10 +78,48 @@ def folded_sdpa(query, key, value, bias, scaling):
     return out[..., : value.shape[-1]]
 
 
-def attend(fn, query, key, value, bias, scaling):
-    """``fn`` over one cache layer: even heads in one call, or per KV head when ``key`` is a list of them."""
+@cache
+def _flex_attention(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+
+
+def flex_ragged(query, layer, scaling):
+    """One FlexAttention call over a ragged layer's flat storage: query head h sees only the rows of its KV
+    head's region (new tokens only up to themselves), and β enters as a score modification."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q_len, groups = query.shape[2], query.shape[1] // layer.num_heads
+    starts = torch.tensor(layer.starts, device=query.device)
+    ends = starts + torch.tensor(layer.lengths, device=query.device)
+
+    def visible(b, h, q, kv):
+        head = h // groups
+        return (kv >= starts[head]) & (kv < ends[head] - q_len + q + 1)
+
+    bias = layer.slots.bias.to(query.dtype)
+    rows = layer.slots.keys.shape[0]
+    block_mask = create_block_mask(visible, 1, query.shape[1], q_len, rows, device=query.device)
+    return _flex_attention(query.device.type)(
+        query,
+        layer.slots.keys[None, None],
+        layer.slots.values[None, None],
+        score_mod=(lambda score, b, h, q, kv: score + bias[kv]) if layer.biased else None,
+        block_mask=block_mask,
+        scale=scaling,
+        enable_gqa=groups > 1,
+    )
+
+
+def attend(path: str, query, key, value, layer, scaling):
+    """One cache layer: even heads in one call, uneven heads (``key`` a list) per KV head or with ``flex``."""
+    fn = folded_sdpa if path == "folded" or (path == "flex" and query.is_cuda) else mask_sdpa
+    bias = None if layer is None else layer.attention_bias()
     if not isinstance(key, list):
         return fn(query, key, value, bias, scaling)
+    if path == "flex":
+        return flex_ragged(query, layer, scaling)
     groups = query.shape[1] // len(key)
     return torch.cat(
         [
@@ -94,19 +138,17 @@ def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, 
     are lists, one per session, and each session's queries attend to its own cache only.
     """
     path = kwargs.get("attention_path") or ("folded" if query.is_cuda else "mask")
-    fn = folded_sdpa if path == "folded" else mask_sdpa
     packed = kwargs.get("packed_cache")
     if packed is None:
         cache = kwargs.get("compact_cache")
-        bias = None if cache is None else cache.layers[module.layer_idx].attention_bias()
-        out = attend(fn, query, key, value, bias, scaling)
+        out = attend(path, query, key, value, None if cache is None else cache.layers[module.layer_idx], scaling)
     else:
         pieces = []
         for (start, end, layer, recorder), k, v in zip(packed.attention_parts(module.layer_idx), key, value):
             q = query[:, :, start:end]
             if recorder is not None:
                 recorder.record(module.layer_idx, q)
-            pieces.append(attend(fn, q, k, v, layer.attention_bias(), scaling))
+            pieces.append(attend(path, q, k, v, layer, scaling))
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

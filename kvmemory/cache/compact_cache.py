@@ -128,8 +128,9 @@ class CompactLayer(CacheLayerMixin):
         self.slots, self.starts, self.capacities, self.lengths, self.shared, self.biased = state
         heads = len(self.starts)
         # every head has the same capacity and length: the flat tensors are (H, C, ...) views as they stand
-        # (starts are always the running sum of the capacities)
+        # (starts are always the running sum of the capacities); appends keep it so
         self.uniform = heads > 0 and len(set(self.capacities)) == 1 and len(set(self.lengths)) == 1
+        self._views = Slots(*(self._dense_view(name) for name in Slots._fields)) if self.uniform else None
 
     @property
     def num_heads(self) -> int:
@@ -159,7 +160,7 @@ class CompactLayer(CacheLayerMixin):
         if self.slots is None:
             return None
         if self.uniform:
-            return self._dense_view(name)
+            return getattr(self._views, name)
         t = getattr(self.slots, name)
         out = t.new_full((self.num_heads, self.length, *t.shape[1:]), getattr(PADDING, name))
         for h, rows in enumerate(self.head_views(name)):
@@ -177,10 +178,11 @@ class CompactLayer(CacheLayerMixin):
         n = sum(capacities)
         kw = dict(dtype=self.dtype, device=self.device)
         meta = dict(dtype=torch.int32, device=self.device)
-        # rows past a head's length are never read, so keys and values need no initialisation
+        # zeros, not garbage: rows past a head's length are masked, but a masked row still meets a zero
+        # attention weight in one-call kernels (flex), and 0 × NaN would not be 0
         return Slots(
-            torch.empty(n, key_dim, **kw),
-            torch.empty(n, value_dim, **kw),
+            torch.zeros(n, key_dim, **kw),
+            torch.zeros(n, value_dim, **kw),
             torch.zeros(n, dtype=torch.float32, device=self.device),
             torch.full((n,), PAD_POSITION, **meta),
             torch.full((n,), PAD_POSITION, **meta),
@@ -215,26 +217,18 @@ class CompactLayer(CacheLayerMixin):
         copy_first = any(n < s for n, s in zip(self.lengths, self.shared))  # a snapshot holds those rows
         if copy_first or any(g > c for g, c in zip(grown, self.capacities)):
             self._relayout(tuple(max(c, g + _headroom(g)) for c, g in zip(self.capacities, grown)))
-        rope = positions if rope is None else rope
-        new = (key_states[0], value_states[0], 0.0, positions, rope, segment_ids)
+        new = (key_states[0], value_states[0], 0.0, positions, positions if rope is None else rope, segment_ids)
         if self.uniform:
-            n = self.lengths[0]
-            for name, value in zip(Slots._fields, new):
-                view = self._dense_view(name)
-                view[:, n : n + q] = value.to(view) if isinstance(value, torch.Tensor) else value
-        else:
-            rows = _rows([s + n for s, n in zip(self.starts, self.lengths)], (q,) * self.num_heads, self.device)
-            for name, value in zip(Slots._fields, new):
-                store = getattr(self.slots, name)
-                if not isinstance(value, torch.Tensor):
-                    store.index_fill_(0, rows, value)
-                elif value.dim() == 1:  # per token, the same in every head
-                    store.index_copy_(0, rows, value.to(store).repeat(self.num_heads))
-                else:
-                    store.index_copy_(0, rows, value.reshape(-1, value.shape[-1]))
-        self._set(self._state(lengths=grown))
-        if self.uniform:
-            return self._dense_view("keys")[None, :, : grown[0]], self._dense_view("values")[None, :, : grown[0]]
+            n, end = self.lengths[0], grown[0]
+            for view, value in zip(self._views, new):
+                view[:, n:end] = value
+            self.lengths = grown
+            return self._views.keys[None, :, :end], self._views.values[None, :, :end]
+        per_head = [isinstance(value, torch.Tensor) and value.dim() > 1 for value in new]  # keys and values
+        for h, (start, n) in enumerate(zip(self.starts, self.lengths)):  # a few heads: slice copies are cheapest
+            for store, value, split in zip(self.slots, new, per_head):
+                store[start + n : start + n + q] = value[h] if split else value
+        self.lengths = grown
         return (
             [k[None, None] for k in self.head_views("keys")],
             [v[None, None] for v in self.head_views("values")],
@@ -262,7 +256,7 @@ class CompactLayer(CacheLayerMixin):
         if not self.biased:
             return None
         if self.uniform:
-            return self._dense_view("bias")[None, :, : self.lengths[0]]
+            return self._views.bias[None, :, : self.lengths[0]]
         return self.head_views("bias")
 
     def _state(self, **changes) -> LayerState:

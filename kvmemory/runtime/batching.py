@@ -115,8 +115,9 @@ class ForwardBatcher:
     at most ``max_gather_seconds`` and half the last pass's time, and not at all once they are all back.
     """
 
-    def __init__(self, model, max_tokens: int = 2048, max_gather_seconds: float = 0.1):
+    def __init__(self, model, max_tokens: int = 2048, max_gather_seconds: float = 0.1, attention_path=None):
         self.model = model
+        self.attention_path = attention_path
         self.max_tokens = max_tokens
         self.max_gather_seconds = max_gather_seconds
         self.stats = BatchStats()
@@ -215,6 +216,7 @@ class ForwardBatcher:
                     use_cache=True,
                     logits_to_keep=keep,
                     packed_cache=cache,
+                    attention_path=self.attention_path,
                 )
         finally:
             _running.recording = []

@@ -7,7 +7,8 @@ from dataclasses import asdict
 
 import torch
 
-from kvmemory.attention import ATTENTION_NAME
+from kvmemory.attention import ATTENTION_NAME, ATTENTION_PATHS
+from kvmemory.errors import InvalidArgumentError
 from kvmemory.runtime.batching import ForwardBatcher
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.loading import (
@@ -41,7 +42,10 @@ class Engine:
         rebase_positions: bool = True,
         rebase_at: int | None = None,
         max_batch_tokens: int = 2048,
+        attention_path: str | None = None,
     ):
+        if attention_path not in ATTENTION_PATHS:
+            raise InvalidArgumentError(f"attention_path must be one of {ATTENTION_PATHS}, got {attention_path!r}")
         check_architecture(model.config)
         keep_every_token(model.config)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -61,7 +65,8 @@ class Engine:
         unbounded = MAX_LOGICAL_POSITIONS if rebase_positions else 4 * model.config.max_position_embeddings
         self.position_limit = position_limit or unbounded
         # Concurrent sessions' forwards run as packed passes over their own caches, one pass at a time.
-        self.batcher = ForwardBatcher(self.model, max_tokens=max_batch_tokens)
+        # ``attention_path``: None picks per device (kvmemory.attention); "flex" reads uneven heads in one call.
+        self.batcher = ForwardBatcher(self.model, max_tokens=max_batch_tokens, attention_path=attention_path)
         self._renderer: ChatRenderer | None = None
         self.sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every session made on this engine
 
