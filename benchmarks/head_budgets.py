@@ -5,8 +5,9 @@ A 2,048-token window of Python source is compacted 4× (a mean of 512 slots per 
 last 32 tokens kept verbatim), by uniform SnapKV and Attention Matching and by both under REAL's per-head
 budgets. For each: the slots per head (mean, min..max), the KV bytes the cache holds, the bytes the same
 slots would take padded to each layer's longest head (the layout before ragged storage), and the
-continuation NLL increase over the next 256 tokens (mean over windows). Then decode speed over the REAL
-cache vs the uniform SnapKV cache (the same total slots), interleaved and warmed up, medians.
+continuation NLL increase over the next 256 tokens (mean over windows). Then decode speed over the AM
+under REAL cache vs the uniform AM cache (the same total slots, both with fitted β), interleaved and
+warmed up, medians.
 
     python -m benchmarks.head_budgets [--windows 2] [--context 2048] [--ratio 4] [--repeats 5]
 """
@@ -74,10 +75,11 @@ def quality(engine, windows: int, n_context: int, ratio: float) -> list[dict]:
 
 
 def decode_speed(engine, n_context: int, ratio: float, tokens: int, repeats: int) -> dict:
-    """Decode tok/s over uneven (AM under REAL) and uniform (SnapKV) caches of the same total slots."""
+    """Decode tok/s over uneven (AM under REAL) and uniform (AM) caches of the same total slots and both
+    with β, so the only difference is the heads' layout."""
     ids = engine.tokenizer.encode(TEXT_KINDS["source"](n_context * 12), add_special_tokens=False)[:n_context]
     base = prepared_session(engine, ids)
-    caches = {label: compact_context(base, n_context, label, ratio)[0] for label in ("snapkv", "am_real")}
+    caches = {label: compact_context(base, n_context, label, ratio)[0] for label in ("am", "am_real")}
     times = {label: [] for label in caches}
 
     def decode(session) -> float:
@@ -93,9 +95,9 @@ def decode_speed(engine, n_context: int, ratio: float, tokens: int, repeats: int
     for _ in range(repeats):  # interleaved, so drift on a shared machine hits both alike
         for label, session in caches.items():
             times[label].append(decode(session))
-    uniform, uneven = (tokens / statistics.median(times[k]) for k in ("snapkv", "am_real"))
+    uniform, uneven = (tokens / statistics.median(times[k]) for k in ("am", "am_real"))
     return {
-        "uniform_kv_mb": caches["snapkv"].stats().kv_bytes / 1e6,
+        "uniform_kv_mb": caches["am"].stats().kv_bytes / 1e6,
         "uneven_kv_mb": caches["am_real"].stats().kv_bytes / 1e6,
         "uniform_decode_tok_s": uniform,
         "uneven_decode_tok_s": uneven,

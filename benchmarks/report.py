@@ -81,6 +81,11 @@ def quality_section(d: dict) -> str:
         "queries, `am_repeat` "
         f"repeat-prefill; `am_real*` is Attention Matching under REAL's profiled head budgets). "
         f"Lower is better; the best per column in bold."
+        + "".join(
+            f" Rows of {', '.join(f'`{m}`' for m in run['methods'])} were remeasured later "
+            f"(`python -m benchmarks.quality --methods {' '.join(run['methods'])} --skip retrieval latency`)."
+            for run in d.get("partial_reruns", [])
+        )
     ]
     rows = d["quality"]
     ratios = sorted({r["ratio"] for r in rows if r["method"] != "full"})
@@ -167,8 +172,9 @@ def head_budgets_section(d: dict) -> str:
         "tokens; *padded* is what the same slots took when each layer was padded to its longest head.\n\n"
         + md(rows, ["method", "slots per head (fewest…most)", "KV MB held", "KV MB padded", "ΔNLL"])
         + f"\n\nDecode over the uneven (AM under REAL) cache: {s['uneven_decode_tok_s']:.1f} tok/s vs "
-        f"{s['uniform_decode_tok_s']:.1f} over the uniform SnapKV cache of the same "
-        f"{s['uniform_kv_mb']:.1f} MB ({s['uneven_vs_uniform']:.2f}×; warmed up, interleaved, medians)."
+        f"{s['uniform_decode_tok_s']:.1f} over the uniform AM cache (β too) of the same "
+        f"{s['uniform_kv_mb']:.1f} MB ({s['uneven_vs_uniform']:.2f}×; warmed up, interleaved, medians).\n\n"
+        "![head budgets](benchmarks/results/head_budgets.png)"
     )
 
 
