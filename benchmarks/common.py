@@ -22,6 +22,27 @@ def median_time(fn, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def decode_seconds(sessions: dict, tokens: int, repeats: int) -> dict:
+    """Median seconds to decode ``tokens`` greedy tokens from each session, left as it was after every run:
+    each warmed up once, then the sessions take turns run by run, so drift on a shared machine hits all."""
+
+    def decode(session) -> float:
+        state = session.snapshot()
+        start = time.perf_counter()
+        session.generate(max_new_tokens=tokens)
+        elapsed = time.perf_counter() - start
+        session.restore(state)
+        return elapsed
+
+    for session in sessions.values():
+        decode(session)
+    times = {name: [] for name in sessions}
+    for _ in range(repeats):
+        for name, session in sessions.items():
+            times[name].append(decode(session))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def machine() -> dict:
     return {
         "python": platform.python_version(),

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import RESULTS, decode_seconds, save, table
 from benchmarks.quality import CONTINUATION, compact_context, prepared_session
 from benchmarks.texts import TEXT_KINDS
 from kvmemory import Engine
@@ -80,22 +79,8 @@ def decode_speed(engine, n_context: int, ratio: float, tokens: int, repeats: int
     ids = engine.tokenizer.encode(TEXT_KINDS["source"](n_context * 12), add_special_tokens=False)[:n_context]
     base = prepared_session(engine, ids)
     caches = {label: compact_context(base, n_context, label, ratio)[0] for label in ("am", "am_real")}
-    times = {label: [] for label in caches}
-
-    def decode(session) -> float:
-        state = session.snapshot()
-        start = time.perf_counter()
-        session.generate(max_new_tokens=tokens)
-        elapsed = time.perf_counter() - start
-        session.restore(state)
-        return elapsed
-
-    for label, session in caches.items():  # warm-up
-        decode(session)
-    for _ in range(repeats):  # interleaved, so drift on a shared machine hits both alike
-        for label, session in caches.items():
-            times[label].append(decode(session))
-    uniform, uneven = (tokens / statistics.median(times[k]) for k in ("am", "am_real"))
+    seconds = decode_seconds(caches, tokens, repeats)
+    uniform, uneven = (tokens / seconds[k] for k in ("am", "am_real"))
     return {
         "uniform_kv_mb": caches["am"].stats().kv_bytes / 1e6,
         "uneven_kv_mb": caches["am_real"].stats().kv_bytes / 1e6,

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import median_time, save, table
+from benchmarks.common import decode_seconds, median_time, save, table
 from benchmarks.texts import source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan
 
@@ -97,22 +95,8 @@ def main() -> None:
     small.apply_plan(evenly_spaced_plan(small, 400))
     uneven.apply_plan(evenly_spaced_plan(uneven, 400, uneven=True))
 
-    def decode(session) -> float:
-        state = session.snapshot()
-        start = time.perf_counter()
-        session.generate(max_new_tokens=n_dec)
-        elapsed = time.perf_counter() - start
-        session.restore(state)
-        return elapsed
-
     sessions = {"uncompacted": full, "compacted": small, "uneven": uneven}
-    times = {name: [] for name in sessions}
-    for session in sessions.values():  # warm-up
-        decode(session)
-    for _ in range(args.repeats):
-        for name, session in sessions.items():
-            times[name].append(decode(session))
-    t_full, t_small, t_uneven = (statistics.median(times[name]) for name in sessions)
+    t_full, t_small, t_uneven = decode_seconds(sessions, n_dec, args.repeats).values()
     compacted = {
         "context": ctx,
         "slots": small.cache.physical_length,
