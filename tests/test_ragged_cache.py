@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from kvmemory import CompactionPlan, Engine, InvalidArgumentError, InvalidTokenError, LayerPlan
 from kvmemory.cache.compact_cache import LayerState, Slots
+from kvmemory.compaction.compactor import compact_span
+from kvmemory.compaction.registry import available_methods, get_method
 from tests.conftest import random_tokens, tiny_model
 from tests.test_contract import assert_same_state, state_of, uneven_plan
 
@@ -147,6 +149,30 @@ def test_uniform_budgets_keep_the_dense_layout_bit_for_bit(tiny_engine):
     assert all(layer.uniform for layer in session.cache.layers)
     cont = random_tokens(10, seed=8)
     assert torch.equal(session.logprobs(cont), padded_twin(session).logprobs(cont))
+
+
+@pytest.mark.parametrize("method_name", available_methods() + ["am_counter_causal"])
+def test_every_method_compacts_a_cache_whose_heads_are_already_uneven(method_name):
+    engine = Engine(tiny_model("llama", num_hidden_layers=3))
+    session = engine.session()
+    session.record_queries(16, context=32)
+    session.record_last_layer_inputs()
+    session.append_tokens(random_tokens(150, seed=3))
+    session.apply_plan(uneven_plan(session, seed=4))
+    params = {
+        "am_counter_causal": ("attention_matching", {"selector": "counter_causal"}),
+        "real": ("real", {"scores": [[1.0, 2.0], [3.0, 0.5], [0.7, 1.4]]}),
+    }
+    name, kwargs = params.get(method_name, (method_name, {}))
+    record = compact_span(session, torch.arange(4, 120), get_method(name, **kwargs), 12)
+    assert record.slots_after <= record.slots_before
+    stats = session.stats()
+    assert stats.allocated_bytes == stats.kv_bytes
+    for layer in session.cache.layers:  # each head: its positions still strictly increasing, nothing lost after
+        for positions in layer.head_views("positions"):
+            assert bool((positions[1:] > positions[:-1]).all()) and int(positions[-1]) == 149
+    result = session.generate(max_new_tokens=4)
+    assert len(result.token_ids) == 4 and torch.isfinite(session._last_logits).all()
 
 
 def test_a_v1_file_layout_converts_without_its_padding(tiny_engine):
