@@ -73,7 +73,8 @@ class Slots(NamedTuple):
         return Slots(*(t.index_select(0, rows) for t in self))
 
 
-PADDING = Slots(0.0, 0.0, NEG_INF, PAD_POSITION, PAD_POSITION, -1)  # what the padded views show past a head's length
+# what the whole-layer views show past a shorter head's length
+PADDING = {"keys": 0.0, "values": 0.0, "bias": NEG_INF, "positions": PAD_POSITION, "rope": PAD_POSITION, "segments": -1}
 
 
 class LayerState(NamedTuple):
@@ -162,7 +163,7 @@ class CompactLayer(CacheLayerMixin):
         if self.uniform:
             return getattr(self._views, name)
         t = getattr(self.slots, name)
-        out = t.new_full((self.num_heads, self.length, *t.shape[1:]), getattr(PADDING, name))
+        out = t.new_full((self.num_heads, self.length, *t.shape[1:]), PADDING[name])
         for h, rows in enumerate(self.head_views(name)):
             out[h, : rows.shape[0]] = rows
         return out
