@@ -22,6 +22,7 @@ bootstrap intervals over facts.
 
     python -m benchmarks.agent_memory [--caps 8 4] [--conditions ...] [--traces ...] [--replies 4]
     python -m benchmarks.agent_memory --from-saved   # summarise what a stopped run saved
+    python -m benchmarks.agent_memory --update --conditions am-real --caps 8   # remeasure some conditions
 """
 
 from __future__ import annotations
@@ -398,6 +399,23 @@ def finish(rows: list[dict], none: dict, caps: list[int], replies: int) -> None:
     print(f"saved {save('agent_memory', out)}")
 
 
+def update_saved(conditions: list[str], caps: list[int], replies: int) -> None:
+    """Remeasure some conditions of the saved run on its traces and summarise everything again."""
+    saved = json.loads((RESULTS / "agent_memory.json").read_text())
+    engine = Engine.from_pretrained("default")
+    traces = load_traces(saved["traces"])
+    redo = {(c, d) for c in conditions for d in caps if c != "uncompacted"}
+    fresh = {}
+    for trace in traces:
+        length = len(engine.session().renderer.render(trace["messages"]))
+        for condition, divisor in sorted(redo):
+            row = replay(engine, trace, condition, length // divisor, replies)
+            print(f"1/{divisor} {trace['name']:<10} {condition:<17} NLL {row['nll_last_turn']:.3f}", flush=True)
+            fresh[(trace["name"], condition, divisor)] = {**row, "divisor": divisor}
+    rows = [fresh.pop((r["trace"], r["condition"], r["divisor"]), r) for r in saved["rows"]] + list(fresh.values())
+    finish(rows, {(t, q): lp for t, q, lp in saved["no_trace"]}, saved["caps"], saved["replies"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--caps", type=int, nargs="+", default=[8, 4], help="cap = trace tokens / N")
@@ -405,7 +423,16 @@ def main() -> None:
     parser.add_argument("--traces", nargs="+", default=None)
     parser.add_argument("--replies", type=int, default=4, help="free replies per trace and condition")
     parser.add_argument("--from-saved", action="store_true", help="only summarise the rows a stopped run saved")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="rerun only --conditions at --caps and replace their rows in the saved results (keeping its "
+        "uncompacted references and no-trace log-probabilities)",
+    )
     args = parser.parse_args()
+    if args.update:
+        update_saved(args.conditions, args.caps, args.replies)
+        return
     if args.from_saved:
         saved = json.loads((RESULTS / "agent_memory.json").read_text())
         finish(saved["rows"], {(t, q): lp for t, q, lp in saved["no_trace"]}, saved["caps"], saved["replies"])
