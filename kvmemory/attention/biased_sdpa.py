@@ -114,12 +114,12 @@ def flex_ragged(query, layer, scaling):
 
 def attend(path: str, query, key, value, layer, scaling):
     """One cache layer: even heads in one call, uneven heads (``key`` a list) per KV head or with ``flex``."""
+    if path == "flex" and isinstance(key, list):
+        return flex_ragged(query, layer, scaling)
     fn = folded_sdpa if path == "folded" or (path == "flex" and query.is_cuda) else mask_sdpa
     bias = None if layer is None else layer.attention_bias()
     if not isinstance(key, list):
         return fn(query, key, value, bias, scaling)
-    if path == "flex":
-        return flex_ragged(query, layer, scaling)
     groups = query.shape[1] // len(key)
     return torch.cat(
         [

@@ -194,10 +194,9 @@ class CompactLayer(CacheLayerMixin):
         """Move the live rows into fresh storage with these per-head capacities."""
         fresh = self._allocate(capacities, self.slots.keys.shape[-1], self.slots.values.shape[-1])
         starts = tuple(sum(capacities[:h]) for h in range(len(capacities)))
-        src = _rows(self.starts, self.lengths, self.device)
-        dst = _rows(starts, self.lengths, self.device)
-        for new, old in zip(fresh, self.slots):
-            new[dst] = old[src]
+        for old_start, new_start, n in zip(self.starts, starts, self.lengths):
+            for new, old in zip(fresh, self.slots):
+                new[new_start : new_start + n] = old[old_start : old_start + n]
         self._set(LayerState(fresh, starts, capacities, self.lengths, (0,) * len(starts), self.biased))
 
     # ---- transformers' layer interface ---------------------------------------------------------
@@ -265,17 +264,11 @@ class CompactLayer(CacheLayerMixin):
             **changes
         )
 
-    def _recount_biased(self) -> bool:
-        return any(bool((b != 0).any()) for b in self.head_views("bias"))
-
-    def truncate(self, lengths: int | tuple[int, ...]) -> None:
-        """Forget each head's slots from ``lengths[h]`` on (one int: every head). Only lengths change (rows
-        past them are never read), so a snapshot sharing this storage stays intact."""
-        if self.slots is None:
-            return
-        cut = (lengths,) * self.num_heads if isinstance(lengths, int) else tuple(lengths)
-        self._set(self._state(lengths=tuple(min(n, c) for n, c in zip(self.lengths, cut))))
-        self.biased = self._recount_biased()
+    def truncate(self, lengths: tuple[int, ...]) -> None:
+        """Forget each head's slots from ``lengths[h]`` on. Only lengths change (rows past them are never
+        read), so a snapshot sharing this storage stays intact."""
+        self._set(self._state(lengths=tuple(min(n, cut) for n, cut in zip(self.lengths, lengths))))
+        self.biased = any(bool((b != 0).any()) for b in self.head_views("bias"))
 
     def snapshot(self) -> LayerState:
         """This layer's storage and lengths, shared, not copied (see the module docstring)."""
@@ -476,28 +469,24 @@ class CompactCache(Cache):
     def truncate_positions(self, position: int) -> int:
         """Drop every slot whose original position is ≥ ``position`` (a re-rendered prefix).
 
+        Each head's positions increase along its rows (appends come last, plans keep slots in order), so
+        what goes is a suffix of every head and only the lengths change.
+
         Returns the logical length left: ``position``, or 0 when some head would be left empty and the
         cache had to be cleared (the caller re-prefills from there).
         """
-        keeps = [
-            [
-                torch.nonzero((p[: layer.length] >= 0) & (p[: layer.length] < position)).flatten()
-                for p in layer.positions
-            ]
-            for layer in self.layers
-        ]
-        if any(k.numel() == 0 for keep in keeps for k in keep):
+        kept = [tuple(int((p < position).sum()) for p in layer.head_views("positions")) for layer in self.layers]
+        if any(n == 0 for counts in kept for n in counts):
             for layer in self.layers:
                 layer.reset()
             position = 0
-        elif all(int(k[-1]) == k.numel() - 1 for keep in keeps for k in keep):
-            for layer, keep in zip(self.layers, keeps):  # a plain suffix of every head: cut it off in place
-                layer.truncate(tuple(k.numel() for k in keep))
         else:
-            self.apply_plan(CompactionPlan([LayerPlan(keep=k) for k in keeps], method="truncate"), count=False)
+            for layer, counts in zip(self.layers, kept):
+                layer.truncate(counts)
         self.logical_length = position
         self.rope_length = max(
-            (int(layer.rope[:, : layer.length].max()) + 1 for layer in self.layers if layer.length), default=0
+            (int(r.max()) + 1 for layer in self.layers if layer.slots is not None for r in layer.head_views("rope")),
+            default=0,
         )
         self._pending_positions = None
         return position
