@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from kvmemory import SamplingParams
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -23,13 +25,13 @@ def median_time(fn, repeats: int = 3) -> float:
 
 
 def decode_seconds(sessions: dict, tokens: int, repeats: int) -> dict:
-    """Median seconds to decode ``tokens`` greedy tokens from each session, left as it was after every run:
+    """Median seconds to decode exactly ``tokens`` greedy tokens from each session, left as it was after every run:
     each warmed up once, then the sessions take turns run by run, so drift on a shared machine hits all."""
 
     def decode(session) -> float:
         state = session.snapshot()
         start = time.perf_counter()
-        session.generate(max_new_tokens=tokens)
+        session.generate(params=SamplingParams(max_new_tokens=tokens, ignore_eos=True))
         elapsed = time.perf_counter() - start
         session.restore(state)
         return elapsed

@@ -1,36 +1,180 @@
-"""Prefill and decode speed: a kvmemory Session vs plain ``model.generate`` (sdpa, DynamicCache).
+"""Prefill and decode speed on CPU: a kvmemory Session against llama.cpp on the same GGUF file and against
+plain transformers, per weight format, and decode after compaction.
 
-Both run the same default-model weights side by side in one process; medians of several runs.
-Also decode speed after compacting a 4k-token context to 400 slots per KV head, evenly and with uneven
-per-head budgets of the same total (0.5× to 1.5× the mean), against the same session uncompacted: each
-warmed up, then interleaved run by run.
+* ``weights``: each weight format kvmemory offers (``Engine.from_pretrained(weights=...)``): decode and
+  prefill at 512 tokens, and the full-cache NLL and compaction results of ``benchmarks.quality`` (2,048-token
+  windows of every text kind, SnapKV / AM under REAL / TAM at 10×) beside fp32's.
+* ``contexts``: per context length, prefill and decode tok/s of a Session (default weights), llama.cpp
+  through ``llama-cpp-python`` (optional: ``pip install llama-cpp-python``; the column is skipped and the
+  run says so when it is missing) and transformers (sdpa, DynamicCache, the Session's weights). Each runner
+  is warmed up once, then they take turns run by run, so drift on a shared machine hits all; medians.
+* ``compacted``: decode after compacting the longest context to 400 slots per head (even, and uneven heads
+  of the same total) against the same session uncompacted, and against llama.cpp at that context.
+* ``kernels``: one token through every linear weight of a model of the default model's shapes, per kernel
+  (why kvmemory offers 16-bit weights and no int8/int4 on this kind of CPU).
 
-    python -m benchmarks.speed [--repeats 3] [--decode-tokens 32]
+    python -m benchmarks.speed [--repeats 3] [--decode-tokens 32] [--contexts 512 2048 4096]
+        [--skip weights kernels]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import statistics
+import time
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
-from benchmarks.common import decode_seconds, median_time, save, table
-from benchmarks.texts import source_text
-from kvmemory import CompactionPlan, Engine, LayerPlan
+from benchmarks.common import RESULTS, decode_seconds, median_time, save, table
+from benchmarks.quality import quality
+from benchmarks.texts import TEXT_KINDS, source_text
+from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams
+from kvmemory.runtime.loading import default_model_file
+from kvmemory.runtime.weights import default_weights
+
+WEIGHT_FORMATS = ["fp32", "bf16", "fp16"]
+QUALITY_METHODS = ["snapkv", "am_real", "tam"]
 
 
-def plain_generate(model, ids, new_tokens):
-    with torch.no_grad():
-        model.generate(
-            ids,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            past_key_values=DynamicCache(config=model.config),
-            pad_token_id=0,
+# ---- runners: each returns (prefill seconds, decode seconds) for ``ids`` then ``n`` greedy tokens ----------
+def session_runner(engine):
+    def run(ids, n):
+        session = engine.session()
+        start = time.perf_counter()
+        session.append_tokens(ids)
+        prefilled = time.perf_counter()
+        session.generate(params=SamplingParams(max_new_tokens=n, ignore_eos=True))
+        done = time.perf_counter()
+        session.close()
+        return prefilled - start, done - prefilled
+
+    return run
+
+
+def transformers_runner(model):
+    def run(ids, n):
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            start = time.perf_counter()
+            out = model(torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+            prefilled = time.perf_counter()
+            for _ in range(n):
+                out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True, logits_to_keep=1)
+            return prefilled - start, time.perf_counter() - prefilled
+
+    return run
+
+
+def llama_cpp_runner(n_ctx: int):
+    """llama.cpp on the very GGUF file the default engine loads, with torch's thread count; None if absent."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    threads = torch.get_num_threads()
+    llm = Llama(
+        model_path=str(default_model_file()), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
+
+    def run(ids, n):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(ids)
+        prefilled = time.perf_counter()
+        for _ in range(n):
+            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+        return prefilled - start, time.perf_counter() - prefilled
+
+    return run
+
+
+def alternate(runners: dict, ids: list[int], n: int, repeats: int) -> dict:
+    """Median (prefill, decode) seconds per runner: one warm-up each, then the runners take turns."""
+    for run in runners.values():
+        run(ids, n)
+    times = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            times[name].append(run(ids, n))
+    return {name: tuple(statistics.median(t[i] for t in runs) for i in (0, 1)) for name, runs in times.items()}
+
+
+# ---- sections ----------------------------------------------------------------------------------------------
+def weights_section(text_ids, n_dec, repeats):
+    engines = {w: Engine.from_pretrained("default", weights=w) for w in WEIGHT_FORMATS}
+    sessions = {}
+    for name, engine in engines.items():
+        sessions[name] = engine.session()
+        sessions[name].append_tokens(text_ids[:512])
+    decode = decode_seconds(sessions, n_dec, repeats)
+    rows = []
+    for name, engine in engines.items():
+        prefill = statistics.median(session_runner(engine)(text_ids[:512], 0)[0] for _ in range(repeats))
+        scored = quality(engine, list(TEXT_KINDS), 2048, [10], QUALITY_METHODS, 1)
+        rows.append(
+            {
+                "weights": name,
+                "decode_tok_s": n_dec / decode[name],
+                "prefill_tok_s": 512 / prefill,
+                "weight_mb": sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e6,
+                "nll": {f"{r['kind']}/{r['method']}": r["nll"] for r in scored},
+            }
         )
+    reference = rows[0]["nll"]
+    for row in rows:
+        full = [k for k in reference if k.endswith("/full")]
+        row["max_full_nll_change"] = max(abs(row["nll"][k] - reference[k]) for k in full)
+        row["same_method_order"] = all(
+            method_order(row["nll"], kind) == method_order(reference, kind) for kind in TEXT_KINDS
+        )
+    columns = ["weights", "decode_tok_s", "prefill_tok_s", "weight_mb", "max_full_nll_change", "same_method_order"]
+    print(table(rows, columns), flush=True)
+    return rows
+
+
+def method_order(nll: dict, kind: str) -> list[str]:
+    return sorted(QUALITY_METHODS, key=lambda m: nll[f"{kind}/{m}"])
+
+
+def contexts_section(engine, text_ids, contexts, n_dec, repeats):
+    plain = engine.model  # the same weights, run by transformers' own attention and cache
+    rows = []
+    for ctx in contexts:
+        runners = {"kvmemory": session_runner(engine)}
+        llama = llama_cpp_runner(ctx + n_dec + 8)
+        if llama is None and not rows:
+            print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install llama-cpp-python)")
+        if llama is not None:
+            runners["llama.cpp"] = llama
+        runners["transformers"] = transformers_plain(plain)
+        medians = alternate(runners, text_ids[:ctx], n_dec, repeats)
+        row = {"context": ctx}
+        for name, (prefill, decode) in medians.items():
+            row[f"{name} prefill tok/s"] = ctx / prefill
+            row[f"{name} decode tok/s"] = n_dec / decode
+        if llama is not None:
+            row["decode vs llama.cpp"] = row["kvmemory decode tok/s"] / row["llama.cpp decode tok/s"]
+            row["prefill vs llama.cpp"] = row["kvmemory prefill tok/s"] / row["llama.cpp prefill tok/s"]
+        rows.append(row)
+        print(table([row], list(row)), flush=True)
+    return rows
+
+
+def transformers_plain(model):
+    """transformers' own sdpa attention over a DynamicCache, on the engine's model (restored after each run)."""
+    inner = transformers_runner(model)
+
+    def run(ids, n):
+        previous = model.config._attn_implementation
+        model.set_attn_implementation("sdpa")
+        try:
+            return inner(ids, n)
+        finally:
+            model.set_attn_implementation(previous)
+
+    return run
 
 
 def evenly_spaced_plan(session, slots: int, uneven: bool = False) -> CompactionPlan:
@@ -46,58 +190,16 @@ def evenly_spaced_plan(session, slots: int, uneven: bool = False) -> CompactionP
     return CompactionPlan(plans)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
-    args = parser.parse_args()
-
-    engine = Engine.from_pretrained("default")
-    plain = copy.deepcopy(engine.model)
-    plain.set_attn_implementation("sdpa")
-    text_ids = engine.tokenizer.encode(source_text(200_000), add_special_tokens=False)
-    n_dec = args.decode_tokens
-    rows = []
-    for ctx in args.contexts:
-        ids = text_ids[:ctx]
-        tensor = torch.tensor([ids])
-        plain_prefill = median_time(lambda: plain_generate(plain, tensor, 1), args.repeats)
-        plain_total = median_time(lambda: plain_generate(plain, tensor, n_dec + 1), args.repeats)
-
-        def session_prefill():
-            engine.session().append_tokens(ids)
-
-        def session_total():
-            s = engine.session()
-            s.append_tokens(ids)
-            s.generate(max_new_tokens=n_dec)
-
-        ours_prefill = median_time(session_prefill, args.repeats)
-        ours_total = median_time(session_total, args.repeats)
-        row = {
-            "context": ctx,
-            "plain_prefill_tok_s": ctx / plain_prefill,
-            "session_prefill_tok_s": ctx / ours_prefill,
-            "plain_decode_tok_s": n_dec / (plain_total - plain_prefill),
-            "session_decode_tok_s": n_dec / (ours_total - ours_prefill),
-        }
-        row["prefill_ratio"] = row["session_prefill_tok_s"] / row["plain_prefill_tok_s"]
-        row["decode_ratio"] = row["session_decode_tok_s"] / row["plain_decode_tok_s"]
-        rows.append(row)
-        print(table([row], list(row)), flush=True)
-
-    # decode after compaction: 4k tokens -> 400 slots per head (even and uneven heads) vs uncompacted
-    ctx = args.contexts[-1]
+def compacted_section(engine, text_ids, ctx, n_dec, repeats, llama_decode):
     full, small, uneven = engine.session(), engine.session(), engine.session()
     for s in (full, small, uneven):
         s.append_tokens(text_ids[:ctx])
     small.apply_plan(evenly_spaced_plan(small, 400))
     uneven.apply_plan(evenly_spaced_plan(uneven, 400, uneven=True))
-
-    sessions = {"uncompacted": full, "compacted": small, "uneven": uneven}
-    t_full, t_small, t_uneven = decode_seconds(sessions, n_dec, args.repeats).values()
-    compacted = {
+    t_full, t_small, t_uneven = decode_seconds(
+        {"uncompacted": full, "compacted": small, "uneven": uneven}, n_dec, repeats
+    ).values()
+    row = {
         "context": ctx,
         "slots": small.cache.physical_length,
         "uncompacted_decode_tok_s": n_dec / t_full,
@@ -109,12 +211,124 @@ def main() -> None:
         "compacted_kv_bytes": small.stats().kv_bytes,
         "uneven_kv_bytes": uneven.stats().kv_bytes,
     }
+    if llama_decode is not None:
+        row["llama_cpp_decode_tok_s"] = llama_decode
+        row["compacted_vs_llama_cpp"] = row["compacted_decode_tok_s"] / llama_decode
+    print(table([row], list(row)), flush=True)
+    return row
+
+
+def kernels_section(config, repeats):
+    """Milliseconds for one token through every decoder linear layer and the output head, per kernel."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    shapes = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden)]
+    shapes += [(hidden, inter)]
+    shapes = shapes * config.num_hidden_layers + [(config.vocab_size, hidden)]
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=generator) * 0.02 for n, k in shapes]
+
+    def int8_rows(w):
+        scale = w.abs().amax(1) / 127
+        return (w / scale[:, None]).round().to(torch.int8), scale
+
+    def int4_groups(w, group=32):
+        groups = w.reshape(w.shape[0], -1, group)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp_min(1e-8)
+        q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(w.shape).to(torch.int32)
+        zero = low + 8 * scale  # the kernel dequantises (q − 8)·scale + zero
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        return packed, torch.stack([scale.t(), zero.t()], -1).contiguous(), group
+
+    def fbgemm_dynamic(w):
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight.data = w
+        linear.qconfig = torch.ao.quantization.default_dynamic_qconfig
+        return torch.ao.nn.quantized.dynamic.Linear.from_float(linear)
+
+    kernels = {
+        "fp32": (lambda w: w, lambda x, w: F.linear(x, w)),
+        "bf16": (torch.Tensor.bfloat16, lambda x, w: F.linear(x.bfloat16(), w).float()),
+        "fp16": (torch.Tensor.half, lambda x, w: F.linear(x.half(), w).float()),
+        "int8 weight-only (_weight_int8pack_mm)": (int8_rows, lambda x, p: torch._weight_int8pack_mm(x, *p)),
+        "int4 weight-only (_weight_int4pack_mm_for_cpu)": (
+            int4_groups,
+            lambda x, p: torch._weight_int4pack_mm_for_cpu(x, p[0], p[2], p[1]),
+        ),
+        "int8 dynamic (fbgemm)": (fbgemm_dynamic, lambda x, m: m(x)),
+    }
+    inputs = {k: torch.randn(1, k, generator=generator) for k in {k for _, k in shapes}}
+    rows = []
+    for name, (prepare, apply) in kernels.items():
+        try:
+            prepared = [prepare(w) for w in weights]
+        except (RuntimeError, NotImplementedError) as err:  # a kernel this torch build lacks
+            print(f"{name}: unavailable ({err})")
+            continue
+        calls = [(inputs[k], p) for (_, k), p in zip(shapes, prepared)]
+        token = lambda: [apply(x, p) for x, p in calls]  # noqa: E731
+        token()  # warm-up
+        seconds = median_time(token, max(repeats, 5))
+        rows.append({"kernel": name, "ms_per_token": 1e3 * seconds})
+    print(table(rows, ["kernel", "ms_per_token"]), flush=True)
+    return rows
+
+
+def plot(out: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["contexts"]
+    runners = [k.removesuffix(" decode tok/s") for k in rows[0] if k.endswith(" decode tok/s")]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    width = 0.8 / (len(runners) + 1)
+    for i, name in enumerate(runners):
+        ax.bar([j + i * width for j in range(len(rows))], [r[f"{name} decode tok/s"] for r in rows], width, label=name)
+    c = out["compacted"]
+    last = len(rows) - 1
+    ax.bar(last + len(runners) * width, c["compacted_decode_tok_s"], width, label=f"kvmemory, {c['slots']} slots")
+    ax.set_xticks([j + width * len(runners) / 2 for j in range(len(rows))], [str(r["context"]) for r in rows])
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"Decode on {torch.get_num_threads()} CPU threads, default model ({out['weights_default']} weights)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "speed.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["weights", "kernels"])
+    args = parser.parse_args()
+
+    engine = Engine.from_pretrained("default")
+    text_ids = engine.tokenizer.encode(source_text(200_000), add_special_tokens=False)
+    n_dec = args.decode_tokens
+    out = {
+        "decode_tokens": n_dec,
+        "repeats": args.repeats,
+        "weights_default": default_weights(engine.device, engine.dtype),
+    }
+    if "kernels" not in args.skip:
+        out["kernels"] = kernels_section(engine.config, args.repeats)
+    if "weights" not in args.skip:
+        out["weights"] = weights_section(text_ids, n_dec, args.repeats)
+    out["contexts"] = contexts_section(engine, text_ids, args.contexts, n_dec, args.repeats)
+    longest = out["contexts"][-1]
+    out["compacted"] = compacted_section(
+        engine, text_ids, longest["context"], n_dec, args.repeats, longest.get("llama.cpp decode tok/s")
+    )
     print()
-    print(table(rows, list(rows[0])))
-    print()
-    print(table([compacted], list(compacted)))
-    path = save("speed", {"decode_tokens": n_dec, "repeats": args.repeats, "rows": rows, "compacted": compacted})
-    print(f"\nsaved {path}")
+    print(table(out["contexts"], list(out["contexts"][0])))
+    plot(out)
+    print(f"\nsaved {save('speed', out)}")
 
 
 if __name__ == "__main__":

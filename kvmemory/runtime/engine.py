@@ -21,6 +21,7 @@ from kvmemory.runtime.loading import (
 )
 from kvmemory.runtime.persistence import load_session
 from kvmemory.runtime.session import Session
+from kvmemory.runtime.weights import default_weights, store_linear_weights, weight_dtype
 
 MAX_LOGICAL_POSITIONS = 2**31 - 1  # the cache stores positions as int32
 
@@ -71,9 +72,17 @@ class Engine:
         self.sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every session made on this engine
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None, **limits) -> Engine:
+    def from_pretrained(
+        cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None, **limits
+    ) -> Engine:
+        """``dtype``: activations and KV cache (fp32 on CPU, bf16 on CUDA); ``weights``: how the linear layers'
+        weights are stored ("fp32", "bf16", "fp16"; default bf16 under fp32 activations, see
+        ``kvmemory.runtime.weights``)."""
         device, dtype = pick_device_and_dtype(device, dtype)
+        weights = weights or default_weights(device, dtype)
+        weight_dtype(weights)  # a bad name fails before anything loads
         model, tokenizer = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
+        store_linear_weights(model, weights)
         name = DEFAULT_MODEL_NAME if name_or_path == DEFAULT_MODEL else str(name_or_path)
         return cls(model, tokenizer, name=name, **limits)
 

@@ -1,0 +1,81 @@
+"""Linear weights stored in 16 bits while activations and the cache stay in the model's dtype.
+
+Decoding one token reads every weight once; on a CPU that read is the decode step's cost (measured on a
+2-core AVX2 machine: the default model's linear layers take 58 ms per token in fp32, 20 ms in bf16). So
+``Engine.from_pretrained(weights="bf16")`` keeps each linear layer's weight in bf16 (or fp16) and leaves
+embeddings, norms, activations and the KV cache in fp32.
+
+A forward over a few rows (decoding) runs the 16-bit kernel directly. Over many rows (prefill chunks,
+scoring, a batched pass) it widens the weight to the activation dtype first: CPUs without native 16-bit dot
+products (AVX2) run 16-bit GEMM 6–7× slower than fp32 at 64+ rows, while widening costs one pass over the
+weight. Both paths round the input and the output to 16 bits and accumulate in fp32, so a row's result
+does not depend on how many rows share its pass (bit for bit in bf16; batched sessions decode as alone).
+
+Measured alternatives (``python -m benchmarks.speed --kernels``): int8 weight-only
+(``torch._weight_int8pack_mm``, the kernel torchao's int8 weight-only config runs on CPU) and int4
+weight-only are 2–5× slower than fp32 on AVX2, and fbgemm's dynamic int8 is slower than bf16 while also
+quantising activations; none is offered until a kernel makes one pay.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmemory.errors import InvalidArgumentError
+
+WEIGHT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DIRECT_ROWS = 2  # up to this many rows the 16-bit kernel wins; past it widening the weight does (AVX2)
+
+
+class SixteenBitLinear(nn.Module):
+    """``nn.Linear`` with its weight held in 16 bits; input and output keep the caller's dtype."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach().to(dtype), requires_grad=False)
+        self.bias = linear.bias  # tiny: kept in the activation dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        narrow = self.weight.dtype
+        if x.numel() <= DIRECT_ROWS * self.in_features:
+            out = F.linear(x.to(narrow), self.weight)
+        else:  # the same rounding of input and output as the 16-bit kernel, on an fp32 GEMM
+            out = F.linear(x.to(narrow).to(x.dtype), self.weight.to(x.dtype)).to(narrow)
+        out = out.to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}"
+
+
+def default_weights(device: torch.device, dtype: torch.dtype) -> str:
+    """bf16 weights under fp32 activations on CPU (decode reads half the bytes); otherwise the model's dtype."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return "bf16"
+    return next(name for name, value in WEIGHT_FORMATS.items() if value == dtype)
+
+
+def weight_dtype(weights: str) -> torch.dtype:
+    if weights not in WEIGHT_FORMATS:
+        raise InvalidArgumentError(f"weights must be one of {tuple(WEIGHT_FORMATS)}, got {weights!r}")
+    return WEIGHT_FORMATS[weights]
+
+
+def store_linear_weights(model: nn.Module, weights: str) -> nn.Module:
+    """Swap every linear layer of ``model`` (decoder layers and the output head) for a 16-bit one when
+    ``weights`` is narrower than the activations; a tied output head gets its own 16-bit copy."""
+    dtype = weight_dtype(weights)
+    activations = next(model.parameters()).dtype
+    if dtype == activations:
+        return model
+    if dtype.itemsize > activations.itemsize:
+        raise InvalidArgumentError(f"weights={weights!r} is wider than the model's {activations}; pass dtype too")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, SixteenBitLinear(child, dtype))
+    model.config.tie_word_embeddings = False  # the head's 16-bit copy no longer shares the embedding
+    return model

@@ -1,0 +1,79 @@
+"""16-bit linear weights under fp32 activations (``Engine.from_pretrained(weights=...)``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmemory import Engine, InvalidArgumentError, SamplingParams
+from kvmemory.runtime.weights import DIRECT_ROWS, SixteenBitLinear, default_weights, store_linear_weights
+from tests.conftest import tiny_model
+
+
+def rounded(x: torch.Tensor, dtype) -> torch.Tensor:
+    return x.to(dtype).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_row_gets_the_same_result_alone_or_in_a_large_pass(dtype):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    sixteen = SixteenBitLinear(linear, dtype)
+    x = torch.randn(9, 64)
+    many = sixteen(x)  # widened path
+    alone = torch.cat([sixteen(x[i : i + 1]) for i in range(len(x))])  # 16-bit kernel
+    assert x[:1].numel() <= DIRECT_ROWS * 64 < x.numel()
+    assert many.dtype == alone.dtype == torch.float32
+    if dtype == torch.bfloat16:
+        assert torch.equal(many, alone)
+    else:  # the fp16 kernel differs in the last place on a few elements
+        torch.testing.assert_close(many, alone, rtol=2e-3, atol=1e-6)
+    # both are the fp32 product of the rounded input and weight, rounded once at the end
+    expected = rounded(F.linear(rounded(x, dtype), rounded(linear.weight, dtype)), dtype) + linear.bias
+    torch.testing.assert_close(many, expected, rtol=0, atol=1e-6)
+
+
+def test_storing_16_bit_weights_replaces_every_linear_and_keeps_activations_fp32():
+    model = tiny_model("qwen2")  # q/k/v biases
+    reference = tiny_model("qwen2")
+    store_linear_weights(model, "bf16")
+    assert not [m for m in model.modules() if type(m) is nn.Linear]
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_a_session_on_16_bit_weights_decodes_as_its_model_runs_the_whole_sequence():
+    model = store_linear_weights(tiny_model("llama"), "bf16")
+    engine = Engine(model)
+    prompt = list(range(3, 40))
+    lone = engine.session()
+    lone.append_tokens(prompt)
+    reply = lone.generate(params=SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    with torch.no_grad():  # the same greedy tokens from a full forward of the model each step
+        ids = list(prompt)
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert reply == ids[len(prompt) :]
+
+
+def test_weight_format_errors_name_the_problem_before_anything_loads():
+    with pytest.raises(InvalidArgumentError, match="weights must be one of"):
+        Engine.from_pretrained("no-such-model", weights="int3")
+    with pytest.raises(InvalidArgumentError, match="wider than the model"):
+        store_linear_weights(tiny_model("llama").to(torch.bfloat16), "fp32")
+    model = tiny_model("llama")
+    assert store_linear_weights(model, "fp32") is model and any(type(m) is nn.Linear for m in model.modules())
+
+
+def test_default_weights_per_device():
+    assert default_weights(torch.device("cpu"), torch.float32) == "bf16"
+    assert default_weights(torch.device("cuda"), torch.bfloat16) == "bf16"
+    assert default_weights(torch.device("cpu"), torch.float16) == "fp16"
