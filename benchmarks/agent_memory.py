@@ -41,6 +41,7 @@ from benchmarks.agent_traces import load_traces, trace_text
 from benchmarks.common import RESULTS, save, table
 from integrations.chat_model import ChatKVMemory, to_chat_dicts
 from kvmemory import Engine, MemoryManager, MemoryPolicy, default_policy
+from kvmemory.runtime.weights import default_weights
 
 KV_METHODS = {  # condition: (registry name, params) every compacted rule of the default policy switches to
     "am": ("attention_matching", {}),
@@ -56,6 +57,7 @@ CONDITIONS = [
     "summarization",
     "kvmemory-default",
     "whole-budget",
+    "whole-budget-am-real",
     *KV_METHODS,
 ]
 OPEN_QUESTION = "In two sentences: what was wrong in this task, and what did you change?"
@@ -73,12 +75,13 @@ def capped_policy(max_bytes: int, method: str | None = None, params: dict | None
     return policy.model_copy(update={"rules": rules, "default": policy.default.model_copy(update=switch)})
 
 
-def whole_budget_policy(max_bytes: int) -> MemoryPolicy:
+def whole_budget_policy(max_bytes: int, method: str | None = None, params: dict | None = None) -> MemoryPolicy:
     """Candidate default: the default rules without fixed ratios or a period, so nothing is compacted until the
-    cap requires it and then only as far as the cap requires (rule weights say which kinds give up most)."""
-    policy = default_policy()
+    cap requires it and then only as far as the cap requires (rule weights say which kinds give up most);
+    with ``method``, every compacted rule switched to it."""
+    policy = capped_policy(max_bytes, method, params)
     rules = [r if r.protected else r.model_copy(update={"ratio": None}) for r in policy.rules]
-    budget = policy.budget.model_copy(update={"max_bytes": max_bytes, "interval": None, "target_fraction": 0.9})
+    budget = policy.budget.model_copy(update={"interval": None, "target_fraction": 0.9})
     default = policy.default.model_copy(update={"ratio": None})
     return policy.model_copy(update={"rules": rules, "default": default, "budget": budget})
 
@@ -251,8 +254,9 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
         view = ClearToolUses(count_tokens, cap_tokens)
     elif condition == "summarization":
         view = Summarization(count_tokens, cap_tokens, engine)
-    elif condition == "whole-budget":
-        memory = MemoryManager(whole_budget_policy(cap_tokens * engine.kv_bytes_per_token))
+    elif condition.startswith("whole-budget"):
+        method, params = KV_METHODS.get(condition.removeprefix("whole-budget-"), (None, None))
+        memory = MemoryManager(whole_budget_policy(cap_tokens * engine.kv_bytes_per_token, method, params))
     elif condition != "uncompacted":
         method, params = KV_METHODS.get(condition, (None, None))
         memory = MemoryManager(capped_policy(cap_tokens * engine.kv_bytes_per_token, method, params))
@@ -277,6 +281,8 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
         "nll_last_turn": nll,
         "peak_kv_bytes": peak,
         "compactions": session.cache.compactions,
+        "compaction_ms": sum(r["milliseconds"] for r in session.compaction_log),
+        "slots_compacted": sum(r["slots_before"] for r in session.compaction_log),
         "summaries": getattr(view, "summaries", 0),
         "facts": facts,
         "replies": [{"text": t, "degenerate": degenerate(t, context)} for t in texts],
@@ -343,9 +349,18 @@ def summarise(rows: list[dict], none: dict, divisor: int) -> list[dict]:
                 "degenerate_replies": sum(p["degenerate"] is not None for p in replies) / len(replies),
                 "peak_kv_mb": max(r["peak_kv_bytes"] for r in mine) / 1e6,
                 "seconds": sum(r["seconds"] for r in mine),
+                "pause_s_per_2048_slots": pause_per_2048(mine),
             }
         )
     return out
+
+
+def pause_per_2048(rows: list[dict]) -> float | None:
+    """Seconds of compaction per 2,048 slots compacted (rows saved before this was measured have none)."""
+    if any("compaction_ms" not in r for r in rows):
+        return None
+    slots = sum(r["slots_compacted"] for r in rows)
+    return sum(r["compaction_ms"] for r in rows) / 1e3 / slots * 2048 if slots else 0.0
 
 
 def plot(summary: list[dict], path) -> None:
@@ -381,7 +396,7 @@ def plot(summary: list[dict], path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def finish(rows: list[dict], none: dict, caps: list[int], replies: int) -> None:
+def finish(rows: list[dict], none: dict, caps: list[int], replies: int, weights: str) -> None:
     """Summary tables, PNG and JSON over the traces every condition ran on (a stopped run's complete ones)."""
     wanted = {(r["condition"], r["divisor"]) for r in rows} | {("uncompacted", 1)}
     have = {(r["trace"], r["condition"], r["divisor"]) for r in rows}
@@ -394,7 +409,7 @@ def finish(rows: list[dict], none: dict, caps: list[int], replies: int) -> None:
         summary += summarise(full + capped, none, divisor)
         print(table([r for r in summary if r["cap"] == f"1/{divisor}"], list(summary[0])), flush=True)
     plot(summary, RESULTS / "agent_memory.png")
-    out = {"caps": caps, "replies": replies, "traces": complete, "summary": summary, "rows": rows}
+    out = {"caps": caps, "replies": replies, "weights": weights, "traces": complete, "summary": summary, "rows": rows}
     out["no_trace"] = [list(k) + [v] for k, v in none.items()]
     print(f"saved {save('agent_memory', out)}")
 
@@ -402,7 +417,8 @@ def finish(rows: list[dict], none: dict, caps: list[int], replies: int) -> None:
 def update_saved(conditions: list[str], caps: list[int], replies: int) -> None:
     """Remeasure some conditions of the saved run on its traces and summarise everything again."""
     saved = json.loads((RESULTS / "agent_memory.json").read_text())
-    engine = Engine.from_pretrained("default")
+    weights = saved.get("weights", "fp32")  # runs before weight formats existed measured fp32
+    engine = Engine.from_pretrained("default", weights=weights)  # as the saved run measured
     traces = load_traces(saved["traces"])
     redo = {(c, d) for c in conditions for d in caps if c != "uncompacted"}
     fresh = {}
@@ -413,7 +429,7 @@ def update_saved(conditions: list[str], caps: list[int], replies: int) -> None:
             print(f"1/{divisor} {trace['name']:<10} {condition:<17} NLL {row['nll_last_turn']:.3f}", flush=True)
             fresh[(trace["name"], condition, divisor)] = {**row, "divisor": divisor}
     rows = [fresh.pop((r["trace"], r["condition"], r["divisor"]), r) for r in saved["rows"]] + list(fresh.values())
-    finish(rows, {(t, q): lp for t, q, lp in saved["no_trace"]}, saved["caps"], saved["replies"])
+    finish(rows, {(t, q): lp for t, q, lp in saved["no_trace"]}, saved["caps"], saved["replies"], weights)
 
 
 def main() -> None:
@@ -435,7 +451,8 @@ def main() -> None:
         return
     if args.from_saved:
         saved = json.loads((RESULTS / "agent_memory.json").read_text())
-        finish(saved["rows"], {(t, q): lp for t, q, lp in saved["no_trace"]}, saved["caps"], saved["replies"])
+        none = {(t, q): lp for t, q, lp in saved["no_trace"]}
+        finish(saved["rows"], none, saved["caps"], saved["replies"], saved.get("weights", "fp32"))
         return
     engine = Engine.from_pretrained("default")
     traces = load_traces(args.traces)
@@ -455,7 +472,7 @@ def main() -> None:
             rows.append({**row, "divisor": divisor})
             partial = {"caps": args.caps, "replies": args.replies, "rows": rows, "partial": True}
             save("agent_memory", {**partial, "no_trace": [list(k) + [v] for k, v in none.items()]})
-    finish(rows, none, args.caps, args.replies)
+    finish(rows, none, args.caps, args.replies, default_weights(engine.device, engine.dtype))
 
 
 if __name__ == "__main__":

@@ -22,47 +22,60 @@ def md(rows: list[list], header: list[str]) -> str:
 
 
 def speed_section(d: dict) -> str:
+    runners = [k.removesuffix(" decode tok/s") for k in d["contexts"][0] if k.endswith(" decode tok/s")]
+    header = ["context"] + [f"{r} {what} tok/s" for r in runners for what in ("prefill", "decode")]
     rows = [
-        [
-            r["context"],
-            f"{r['plain_prefill_tok_s']:.0f}",
-            f"{r['session_prefill_tok_s']:.0f}",
-            f"{r['prefill_ratio']:.2f}",
-            f"{r['plain_decode_tok_s']:.1f}",
-            f"{r['session_decode_tok_s']:.1f}",
-            f"{r['decode_ratio']:.2f}",
-        ]
-        for r in d["rows"]
+        [r["context"]] + [f"{r[f'{n} {what} tok/s']:.1f}" for n in runners for what in ("prefill", "decode")]
+        for r in d["contexts"]
     ]
+    if "llama.cpp" in runners:
+        header += ["decode vs llama.cpp", "prefill vs llama.cpp"]
+        for row, r in zip(rows, d["contexts"]):
+            row += [f"{r['decode vs llama.cpp']:.2f}×", f"{r['prefill vs llama.cpp']:.2f}×"]
     c = d["compacted"]
-    return (
-        f"**Speed** (`python -m benchmarks.speed`, medians of {d['repeats']} runs side by side, "
-        f"{d['decode_tokens']} decoded tokens):\n\n"
-        + md(
-            rows,
-            [
-                "context",
-                "plain prefill tok/s",
-                "Session prefill tok/s",
-                "ratio",
-                "plain decode tok/s",
-                "Session decode tok/s",
-                "ratio",
-            ],
-        )
+    text = (
+        f"**Speed** (`python -m benchmarks.speed`, {d['weights_default']} weights, medians of {d['repeats']} "
+        f"runs, the runners taking turns after a warm-up each, {d['decode_tokens']} greedy tokens; llama.cpp "
+        "through llama-cpp-python on the same GGUF file and thread count):\n\n"
+        + md(rows, header)
         + f"\n\nAfter compacting {c['context']} tokens to {c['slots']} slots per head: decode "
-        f"{c['compacted_decode_tok_s']:.1f} tok/s vs "
-        f"{c['uncompacted_decode_tok_s']:.1f} uncompacted ({c['speedup']:.2f}×), KV "
-        f"{c['compacted_kv_bytes'] / 2**20:.1f} MiB vs "
-        f"{c['uncompacted_kv_bytes'] / 2**20:.1f} MiB"
+        f"{c['compacted_decode_tok_s']:.1f} tok/s vs {c['uncompacted_decode_tok_s']:.1f} uncompacted "
+        f"({c['speedup']:.2f}×), KV {c['compacted_kv_bytes'] / 2**20:.1f} MiB vs "
+        f"{c['uncompacted_kv_bytes'] / 2**20:.1f} MiB; with uneven heads (0.5× to 1.5× the mean, the same "
+        f"{c['uneven_kv_bytes'] / 2**20:.1f} MiB) {c['uneven_decode_tok_s']:.1f} tok/s ({c['uneven_vs_even']:.2f}× "
+        "the even heads)"
         + (
-            f"; with uneven heads (0.5× to 1.5× the mean, the same {c['uneven_kv_bytes'] / 2**20:.1f} MiB) "
-            f"{c['uneven_decode_tok_s']:.1f} tok/s ({c['uneven_vs_even']:.2f}× the even heads; each warmed up, "
-            "runs interleaved)."
-            if "uneven_decode_tok_s" in c
+            f"; llama.cpp decodes the uncompacted {c['context']} tokens at {c['llama_cpp_decode_tok_s']:.1f} tok/s "
+            f"({c['compacted_vs_llama_cpp']:.2f}× for the compacted session)."
+            if "llama_cpp_decode_tok_s" in c
             else "."
         )
     )
+    if "weights" in d:
+        weights = [
+            [
+                w["weights"],
+                f"{w['decode_tok_s']:.1f}",
+                f"{w['prefill_tok_s']:.0f}",
+                f"{w['weight_mb']:.0f}",
+                f"{w['max_full_nll_change']:.4f}",
+                "yes" if w["same_method_order"] else "no",
+            ]
+            for w in d["weights"]
+        ]
+        text += (
+            "\n\nWeight formats (`Engine.from_pretrained(weights=...)`; decode and prefill at 512 tokens; the NLL "
+            "change is the largest over `benchmarks.quality`'s full-cache rows, one 2,048-token window per text "
+            "kind; order: SnapKV, AM under REAL and TAM at 10× rank the same as with fp32 on every kind):\n\n"
+            + md(weights, ["weights", "decode tok/s", "prefill tok/s", "weight MB", "max Δ NLL (full cache)", "order"])
+        )
+    if "kernels" in d:
+        kernels = [[k["kernel"], f"{k['ms_per_token']:.1f}"] for k in d["kernels"]]
+        text += (
+            "\n\nOne token through every linear weight of the default model's shapes, per CPU kernel (why 16-bit "
+            "weights and not int8/int4 on this CPU):\n\n" + md(kernels, ["kernel", "ms per token"])
+        )
+    return text
 
 
 def quality_section(d: dict) -> str:

@@ -84,7 +84,7 @@ def llama_cpp_runner(n_ctx: int):
         llm.eval(ids)
         prefilled = time.perf_counter()
         for _ in range(n):
-            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+            llm.eval([llm.sample(temp=0.0)])  # greedy, in llama.cpp's own sampler
         return prefilled - start, time.perf_counter() - prefilled
 
     return run

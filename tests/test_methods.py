@@ -305,7 +305,7 @@ def test_scratch_query_sources_leave_the_session_unchanged(default_engine):
         list(session.tokens),
         session.cache.physical_length,
         session._last_logits.clone(),
-        [q.clone() for q in session.query_recorder.recent],
+        [session.query_recorder.window_queries(i).clone() for i in range(default_engine.num_layers)],
     )
     positions = torch.arange(0, len(session.tokens))
     repeat = reference_queries(session, "repeat", positions)
@@ -313,7 +313,8 @@ def test_scratch_query_sources_leave_the_session_unchanged(default_engine):
     assert repeat[0].shape[1] >= len(session.tokens) * 3 and study[0].shape[1] > 0
     assert (list(session.tokens), session.cache.physical_length) == before[:2]
     assert torch.equal(session._last_logits, before[2])
-    assert all(torch.equal(a, b) for a, b in zip(session.query_recorder.recent, before[3]))
+    windows = [session.query_recorder.window_queries(i) for i in range(default_engine.num_layers)]
+    assert all(torch.equal(a, b) for a, b in zip(windows, before[3]))
 
 
 def test_registering_a_method_keeps_the_builtins_and_bad_names_are_named():

@@ -395,30 +395,30 @@ class CompactCache(Cache):
         self.logical_length = 0
         self.rope_length = 0  # the RoPE position the next token gets (below logical_length after a rebase)
         self.compactions = 0
-        self._pending_positions: torch.Tensor | None = None
-        self._pending_segment = 0
+        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see begin_append
         self.default_segment = 0
 
     def begin_append(self, positions: torch.Tensor, segment_id: int) -> None:
-        self._pending_positions = positions
-        self._pending_segment = segment_id
+        self._pending = self._append_metadata(positions, segment_id)
+
+    def _append_metadata(self, positions: torch.Tensor, segment_id: int):
+        """(positions, segment ids, RoPE positions) of the tokens a forward appends: made once, used by every layer."""
+        segment_ids = torch.full((positions.numel(),), segment_id, dtype=torch.int32)
+        return positions, segment_ids, positions - self.logical_length + self.rope_length
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         q = key_states.shape[2]
-        positions = self._pending_positions
-        if positions is None or positions.numel() != q:
+        if self._pending is None or self._pending[0].numel() != q:
             positions = torch.arange(self.logical_length, self.logical_length + q, device=key_states.device)
-            self._pending_positions = positions
-            self._pending_segment = self.default_segment
-        segment_ids = torch.full((q,), self._pending_segment, dtype=torch.int32)
-        rope = positions - self.logical_length + self.rope_length
+            self._pending = self._append_metadata(positions, self.default_segment)
+        positions, segment_ids, rope = self._pending
         keys, values = self.layers[layer_idx].update(
             key_states, value_states, positions=positions, segment_ids=segment_ids, rope=rope
         )
         if layer_idx == len(self.layers) - 1:
             self.logical_length = int(positions.max()) + 1
             self.rope_length = int(rope.max()) + 1
-            self._pending_positions = None
+            self._pending = None
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -456,7 +456,7 @@ class CompactCache(Cache):
             layer.restore(state)
         self.logical_length, self.rope_length = snapshot.logical_length, snapshot.rope_length
         self.compactions, self.default_segment = snapshot.compactions, snapshot.default_segment
-        self._pending_positions = None
+        self._pending = None
 
     def clone(self) -> CompactCache:
         """An independent copy (for forks): live slots copied, nothing shared."""
@@ -488,7 +488,7 @@ class CompactCache(Cache):
             (int(r.max()) + 1 for layer in self.layers if layer.slots is not None for r in layer.head_views("rope")),
             default=0,
         )
-        self._pending_positions = None
+        self._pending = None
         return position
 
     def rebase(self, inv_freq: torch.Tensor) -> int:

@@ -32,7 +32,9 @@ class QueryRecorder:
     ):
         self.num_layers, self.num_kv_heads, self.window, self.dtype = num_layers, num_kv_heads, window, dtype
         self.context_dtype = context_dtype  # context queries only rank and fit slots: half precision is plenty
-        self.recent: list[torch.Tensor | None] = [None] * num_layers  # (H, ≤R·G, D)
+        # per layer, the window as pieces (H, rows, D), oldest first, joined only once they hold 2R tokens:
+        # a decoded token costs one small copy, not a copy of the whole window. Never written in place.
+        self.recent: list[tuple[torch.Tensor, ...]] = [()] * num_layers
         self.captured: list[list[torch.Tensor]] | None = None
         self.frozen = False  # while True, the rolling window is left alone (scratch forwards)
         self.context_tokens = context  # per segment, keep about this many tokens' queries (0: off)
@@ -56,11 +58,11 @@ class QueryRecorder:
             self._keep_context(layer, grouped.to(self.context_dtype), groups)
         if self.window <= 0:
             return
-        tail = grouped[:, -self.window * groups :].to(self.dtype)
-        prev = self.recent[layer]
-        merged = tail.clone() if prev is None else torch.cat([prev, tail], dim=1)  # never a view of `grouped`
         keep_rows = self.window * groups
-        self.recent[layer] = merged[:, -keep_rows:].clone() if merged.shape[1] > keep_rows else merged
+        pieces = (*self.recent[layer], grouped[:, -keep_rows:].to(self.dtype, copy=True))  # never a view
+        if sum(p.shape[1] for p in pieces) >= 2 * keep_rows:
+            pieces = (torch.cat(pieces, dim=1)[:, -keep_rows:].clone(),)
+        self.recent[layer] = pieces
 
     def _keep_context(self, layer: int, grouped: torch.Tensor, groups: int) -> None:
         """Append to the segment's context queries; past 2N tokens, thin out to every other token."""
@@ -86,7 +88,7 @@ class QueryRecorder:
 
     def nbytes(self) -> int:
         """Memory held by the recorded queries (window and context)."""
-        tensors = [q for q in self.recent if q is not None]
+        tensors = [q for pieces in self.recent for q in pieces]
         tensors += [q for store in self.context.values() for q in store if q is not None]
         return sum(q.numel() * q.element_size() for q in tensors)
 
@@ -95,20 +97,22 @@ class QueryRecorder:
         of older segments moved by different amounts and are dropped."""
         from kvmemory.cache.compact_cache import rotate
 
-        self.recent = [None if q is None else rotate(q, torch.full(q.shape[:2], delta), inv_freq) for q in self.recent]
+        windows = [self.window_queries(layer) for layer in range(self.num_layers)]
+        self.recent = [() if q is None else (rotate(q, torch.full(q.shape[:2], delta), inv_freq),) for q in windows]
         self.context.clear()
 
     def window_queries(self, layer: int) -> torch.Tensor | None:
         """(H, ≤R·G, D): the queries of the last ``window`` tokens (fewer before that many have run)."""
-        recent = self.recent[layer]
-        if recent is None or self.groups is None or self.window <= 0:  # window 0: recording switched off
+        pieces = self.recent[layer]
+        if not pieces or self.groups is None or self.window <= 0:  # window 0: recording switched off
             return None
+        recent = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
         return recent[:, -self.window * self.groups :]
 
     @property
     def has_window(self) -> bool:
         """Whether selector-window queries are there to use."""
-        return self.window_queries(0) is not None
+        return bool(self.recent[0]) and self.groups is not None and self.window > 0
 
     def start_capture(self) -> None:
         self.captured = [[] for _ in range(self.num_layers)]
