@@ -71,8 +71,10 @@ def tiny_engine():
 
 @functools.cache
 def load_default_engine() -> Engine:
-    """The default model, loaded once per test run (fixtures and state machines share it)."""
-    return Engine.from_pretrained("default")
+    """The default model, loaded once per test run (fixtures and state machines share it), with fp32
+    weights: the reference the exactness tests hold to (16-bit weights round each layer's output, so a
+    cached forward and a fresh one may differ in the last place; tests/test_weights.py covers them)."""
+    return Engine.from_pretrained("default", weights="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -364,5 +364,13 @@ def test_a_cap_triggered_pass_frees_only_what_the_cap_needs():
     session.append_tokens(random_tokens(300, seed=1), kind="tool_output")
     assert session.cache.compactions > 0
     assert 0.8 * 400 - 8 <= session.cache.physical_length <= 400  # at the goal, not 300/4 + 300/20 + recent
-    text, tool = [s for s in session.stats().segments if s["compactions"]][:2]
-    assert text["slots"] / text["tokens"] > 4 * tool["slots"] / tool["tokens"]  # ratios weigh the shares
+
+    both = engine.session(memory=MemoryManager({**rules, "budget": {**budget, "max_slots": None}}))
+    both.append_tokens(random_tokens(300, seed=0), kind="text")
+    both.append_tokens(random_tokens(300, seed=1), kind="tool_output")
+    both.append_tokens(random_tokens(16, seed=2), kind="text")  # the recent window
+    assert both.cache.compactions == 0
+    both.memory.compact(trigger="cap", goal_slots=200)
+    assert 195 <= both.cache.physical_length <= 200
+    text, tool = [s for s in both.stats().segments if s["compactions"]]
+    assert text["slots"] / text["tokens"] > 2 * tool["slots"] / tool["tokens"]  # ratios weigh the shares

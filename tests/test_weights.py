@@ -40,7 +40,8 @@ def test_storing_16_bit_weights_replaces_every_linear_and_keeps_activations_fp32
     reference = tiny_model("qwen2")
     store_linear_weights(model, "bf16")
     assert not [m for m in model.modules() if type(m) is nn.Linear]
-    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.float16  # logits keep an 11-bit mantissa
     assert model.model.embed_tokens.weight.dtype == torch.float32
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
@@ -77,3 +78,18 @@ def test_default_weights_per_device():
     assert default_weights(torch.device("cpu"), torch.float32) == "bf16"
     assert default_weights(torch.device("cuda"), torch.bfloat16) == "bf16"
     assert default_weights(torch.device("cpu"), torch.float16) == "fp16"
+
+
+def test_the_default_model_on_16_bit_weights_scores_text_as_fp32_does(default_engine):
+    """The quality bar of 16-bit weights: teacher-forced NLL within 0.01 nats of the fp32 reference."""
+    from benchmarks.texts import source_text
+
+    fast = Engine.from_pretrained("default")
+    ids = fast.tokenizer.encode(source_text(4000), add_special_tokens=False)[:384]
+    nll = {}
+    for name, engine in (("bf16", fast), ("fp32", default_engine)):
+        session = engine.session()
+        session.append_tokens(ids[:256])
+        nll[name] = float(-session.logprobs(ids[256:]).mean())
+    assert abs(nll["bf16"] - nll["fp32"]) < 0.01
+    assert fast.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16

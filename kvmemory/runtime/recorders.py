@@ -35,6 +35,7 @@ class QueryRecorder:
         # per layer, the window as pieces (H, rows, D), oldest first, joined only once they hold 2R tokens:
         # a decoded token costs one small copy, not a copy of the whole window. Never written in place.
         self.recent: list[tuple[torch.Tensor, ...]] = [()] * num_layers
+        self._rows = [0] * num_layers  # rows the pieces of each layer hold
         self.captured: list[list[torch.Tensor]] | None = None
         self.frozen = False  # while True, the rolling window is left alone (scratch forwards)
         self.context_tokens = context  # per segment, keep about this many tokens' queries (0: off)
@@ -59,10 +60,13 @@ class QueryRecorder:
         if self.window <= 0:
             return
         keep_rows = self.window * groups
-        pieces = (*self.recent[layer], grouped[:, -keep_rows:].to(self.dtype, copy=True))  # never a view
-        if sum(p.shape[1] for p in pieces) >= 2 * keep_rows:
-            pieces = (torch.cat(pieces, dim=1)[:, -keep_rows:].clone(),)
-        self.recent[layer] = pieces
+        piece = grouped[:, -keep_rows:].to(self.dtype, copy=True)  # never a view
+        pieces, rows = (*self.recent[layer], piece), self._rows[layer] + piece.shape[1]
+        if piece.shape[1] == keep_rows:  # a whole window on its own (a prefill chunk)
+            pieces, rows = (piece,), keep_rows
+        elif rows >= 2 * keep_rows:
+            pieces, rows = (torch.cat(pieces, dim=1)[:, -keep_rows:].clone(),), keep_rows
+        self.recent[layer], self._rows[layer] = pieces, rows
 
     def _keep_context(self, layer: int, grouped: torch.Tensor, groups: int) -> None:
         """Append to the segment's context queries; past 2N tokens, thin out to every other token."""
@@ -99,6 +103,7 @@ class QueryRecorder:
 
         windows = [self.window_queries(layer) for layer in range(self.num_layers)]
         self.recent = [() if q is None else (rotate(q, torch.full(q.shape[:2], delta), inv_freq),) for q in windows]
+        self._rows = [sum(p.shape[1] for p in pieces) for pieces in self.recent]
         self.context.clear()
 
     def window_queries(self, layer: int) -> torch.Tensor | None:
@@ -128,6 +133,7 @@ class QueryRecorder:
     def restore(self, state) -> None:
         recent, context, self.current_segment = state
         self.recent, self.context = list(recent), {k: list(v) for k, v in context.items()}
+        self._rows = [sum(p.shape[1] for p in pieces) for pieces in self.recent]
 
 
 class HiddenRecorder:

@@ -65,17 +65,20 @@ def weight_dtype(weights: str) -> torch.dtype:
 
 
 def store_linear_weights(model: nn.Module, weights: str) -> nn.Module:
-    """Swap every linear layer of ``model`` (decoder layers and the output head) for a 16-bit one when
-    ``weights`` is narrower than the activations; a tied output head gets its own 16-bit copy."""
+    """Swap every linear layer of ``model`` for a 16-bit one when ``weights`` is narrower than the
+    activations. The output head is kept in fp16 under bf16 weights: logits of 10–30 would be rounded to
+    steps of 0.06–0.125 in bf16 (8× finer in fp16, far inside its range); a tied head gets its own copy."""
     dtype = weight_dtype(weights)
     activations = next(model.parameters()).dtype
     if dtype == activations:
         return model
     if dtype.itemsize > activations.itemsize:
         raise InvalidArgumentError(f"weights={weights!r} is wider than the model's {activations}; pass dtype too")
+    head = model.get_output_embeddings()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, SixteenBitLinear(child, dtype))
+                narrow = torch.float16 if child is head and dtype == torch.bfloat16 else dtype
+                setattr(parent, name, SixteenBitLinear(child, narrow))
     model.config.tie_word_embeddings = False  # the head's 16-bit copy no longer shares the embedding
     return model
