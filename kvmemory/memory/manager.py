@@ -1,10 +1,9 @@
 """MemoryManager: the scheduler that keeps a session under its memory budget, segment by segment.
 
 Triggers: every P new tokens (periodic), whenever an append or a generated token would push the cache past
-its cap, and on demand (``session.memory.compact()``). A periodic or manual pass brings each compactable
-segment to the budget its rule asks for. A cap-triggered pass frees only what the cap needs: the room is
-shared across segments by importance (the attention mass the selector window gives them, TAM-style:
-t_i ∝ √w_i · n_i / ratio × rule weight), so the cache holds as much detail as its cap allows.
+its cap, and on demand (``session.memory.compact()``). When a trigger fires, each compactable segment gets
+the budget its rule asks for; under cap pressure the remaining room is then shared across segments by
+importance (the attention mass the selector window gives them, TAM-style: t_i ∝ √w_i · n_i × rule weight).
 Each segment is compacted with its own rule's method. Protected segments, the session's first tokens and
 the last τ tokens are never touched.
 """
@@ -260,29 +259,22 @@ class MemoryManager:
         return (mass / mass.sum().clamp_min(1e-12)).tolist()
 
     def _budgets(self, goal_slots: int | None) -> list[tuple[_Span, int, bool]]:
-        """[(span, slots per head, forced below its rule's own budget)] for the spans that must shrink.
-
-        Periodic and manual passes bring each span to its rule's budget. A cap-triggered pass (``goal_slots``)
-        frees only what the cap needs: the room left for the spans is shared in proportion to
-        weight · √importance · tokens / ratio (a rule's ratio says how hard its segments are squeezed relative
-        to the others), no span growing, so the cache keeps all the detail the cap allows.
+        """[(span, slots per head, forced by the cap)] for the spans that must shrink.
 
         Each segment is its own span: compacting a union lets its selection starve one member to feed
         another, which breaks the members' rule ratios. Only when the cap leaves less room than one floor
         per segment do the oldest adjacent segments share one span (and one floor)."""
         spans = self._spans()
-        if goal_slots is None or not spans:
-            return [(s, int(s.wanted), False) for s in spans if s.wanted < s.current - 0.5]
-        room = max(goal_slots - (self.session.cache.physical_length - sum(s.current for s in spans)), 0)
-        spans = _merge_oldest(spans, room)
-        importance = self._importance(spans)
-        shares = [
-            s.rule.weight * math.sqrt(max(w, 1e-9)) * len(s.positions) / (s.rule.ratio or 1.0)
-            for s, w in zip(spans, importance)
-        ]
-        caps = [min(s.current, s.rule.max_slots or s.current) for s in spans]
-        targets = _fill(room, shares, caps, [s.floor for s in spans])
-        return [(s, t, t < s.wanted) for s, t in zip(spans, targets) if t < s.current - 0.5]
+        if goal_slots is not None and spans:
+            excess = self.session.cache.physical_length - sum(s.current - s.wanted for s in spans) - goal_slots
+            if excess > 0:  # the rules' budgets are not enough: share what is left by importance
+                room = max(sum(s.wanted for s in spans) - excess, 0)
+                spans = _merge_oldest(spans, room)
+                importance = self._importance(spans)
+                shares = [s.rule.weight * math.sqrt(max(w, 1e-9)) * len(s.positions) for s, w in zip(spans, importance)]
+                targets = _fill(room, shares, [s.wanted for s in spans], [s.floor for s in spans])
+                return [(s, t, t < s.wanted) for s, t in zip(spans, targets) if t < s.current - 0.5]
+        return [(s, int(s.wanted), False) for s in spans if s.wanted < s.current - 0.5]
 
     # ---- telemetry -------------------------------------------------------------------------------
     def _record(self, event: str) -> None:

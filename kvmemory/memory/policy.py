@@ -25,7 +25,6 @@ from kvmemory.errors import PolicyError
 from kvmemory.runtime.segments import SEGMENT_KINDS, Segment
 
 StrOrList = str | list[str] | None
-DEFAULT_FILL = 0.85  # the default policy's cap-triggered passes leave the cache this full
 
 
 def _as_list(value: StrOrList) -> list[str] | None:
@@ -203,12 +202,13 @@ class MemoryPolicy(BaseModel):
         return cls.from_dict(data)
 
 
-def default_policy(max_slots: int | None = None, interval: int | None = None, recent_tokens: int = 256) -> MemoryPolicy:
-    """Good out of the box for agents: protect the system prompt, the task and tool schemas; nothing is
-    compacted until the cap requires it, and then only as far as it requires (tool output, test logs most,
-    gives up the most room; tool calls the least); compacted with TAM (Attention Matching over segment
+def default_policy(max_slots: int | None = None, interval: int | None = 1024, recent_tokens: int = 256) -> MemoryPolicy:
+    """Good out of the box for agents: protect the system prompt, the task and tool schemas; squeeze tool
+    output hard (test logs hardest); compact everything else with TAM (Attention Matching over segment
     budgets with pivotal tokens verbatim), fitted to the selector window and each span's own prefill
-    queries. ``interval`` adds a periodic pass that brings every segment to its rule's ratio."""
+    queries. In the long agent session (``benchmarks/agent_session.py``) this kept the model fluent where
+    Attention Matching under REAL head budgets, the best single-shot compactor in ``benchmarks/quality.py``,
+    did not."""
     tam = {"method": "tam", "query_source": ["window", "context"]}
     return MemoryPolicy(
         rules=[
@@ -226,7 +226,5 @@ def default_policy(max_slots: int | None = None, interval: int | None = None, re
             CompactionRule(name="tool-calls", match=SegmentMatch(kind="tool_call"), ratio=2.0, weight=1.5, **tam),
         ],
         default=CompactionRule(name="default", ratio=3.0, **tam),
-        budget=MemoryBudget(
-            max_slots=max_slots, interval=interval, recent_tokens=recent_tokens, target_fraction=DEFAULT_FILL
-        ),
+        budget=MemoryBudget(max_slots=max_slots, interval=interval, recent_tokens=recent_tokens),
     )
