@@ -235,13 +235,15 @@ def agent_section(d: dict) -> str:
 
 def agent_memory_section(d: dict) -> str:
     columns = ["condition", "fact gain kept", "95% CI", "exact match", "ΔNLL last turn", "degenerate", "peak KV MB"]
+    columns.append("compaction s / 2,048 slots")
     out = [
         "**Agent memory** (`python -m benchmarks.agent_memory`): real coding-agent traces "
         f"({', '.join(d['traces'])}; 5.3k-6.3k tokens, 11-12 single-mention facts each, asked at the end), "
         "replayed step by step under a cap of 1/N of each trace; kvmemory conditions at equal KV bytes, text "
         "baselines at the same token budget. *Fact gain kept*: "
         "the share of the answer log-probability gain that the whole trace gives over no trace (1 = as good as "
-        "uncompacted); *degenerate*: empty, repetitive or off-topic free replies."
+        "uncompacted); *degenerate*: empty, repetitive or off-topic free replies; *compaction s*: seconds the memory "
+        "manager spent compacting per 2,048 slots it compacted (– where a run predates that measurement)."
     ]
     for cap in dict.fromkeys(r["cap"] for r in d["summary"]):
         body = [
@@ -253,6 +255,7 @@ def agent_memory_section(d: dict) -> str:
                 f"{r['delta_nll_last_turn']:+.3f}",
                 f"{r['degenerate_replies']:.0%}",
                 f"{r['peak_kv_mb']:.0f}",
+                "–" if r.get("pause_s_per_2048_slots") is None else f"{r['pause_s_per_2048_slots']:.1f}",
             ]
             for r in d["summary"]
             if r["cap"] == cap
