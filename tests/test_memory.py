@@ -348,4 +348,3 @@ def test_the_room_a_span_cannot_take_goes_to_the_others():
     assert _fill(100, [1, 1, 1], [10, 100, 100], [1, 1, 1]) == [10, 45, 45]
     assert _fill(100, [1, 3], [100, 100], [1, 1]) == [25, 75]
     assert _fill(10, [1, 1], [100, 100], [8, 8]) == [8, 8]  # floors hold even past the room
-

@@ -1,9 +1,11 @@
 """Linear weights stored in 16 bits while activations and the cache stay in the model's dtype.
 
-Decoding one token reads every weight once; on a CPU that read is the decode step's cost (measured on a
-2-core AVX2 machine: the default model's linear layers take 58 ms per token in fp32, 20 ms in bf16). So
-``Engine.from_pretrained(weights="bf16")`` keeps each linear layer's weight in bf16 (or fp16) and leaves
-embeddings, norms, activations and the KV cache in fp32.
+Decoding one token reads every weight once; on a CPU that read is the decode step's cost (on a 2-core AVX2
+machine the default model's linear layers take 42 ms per token in fp32 and 18 ms in bf16: the *kernels*
+table of ``python -m benchmarks.speed``). So
+``Engine.from_pretrained(weights="bf16")`` keeps each linear layer's weight in bf16 (the output head in
+fp16, see ``store_linear_weights``), or all in fp16, and leaves embeddings, norms, activations and the KV
+cache in fp32.
 
 A forward over a few rows (decoding) runs the 16-bit kernel directly. Over many rows (prefill chunks,
 scoring, a batched pass) it widens the weight to the activation dtype first: CPUs without native 16-bit dot
@@ -11,10 +13,10 @@ products (AVX2) run 16-bit GEMM 6–7× slower than fp32 at 64+ rows, while wide
 weight. Both paths round the input and the output to 16 bits and accumulate in fp32, so a row's result
 does not depend on how many rows share its pass (bit for bit in bf16; batched sessions decode as alone).
 
-Measured alternatives (``python -m benchmarks.speed --kernels``): int8 weight-only
-(``torch._weight_int8pack_mm``, the kernel torchao's int8 weight-only config runs on CPU) and int4
-weight-only are 2–5× slower than fp32 on AVX2, and fbgemm's dynamic int8 is slower than bf16 while also
-quantising activations; none is offered until a kernel makes one pay.
+Measured alternatives (same table): int8 weight-only (``torch._weight_int8pack_mm``, the kernel torchao's
+int8 weight-only config runs on CPU) and int4 weight-only are 1.6–3× slower than fp32 on AVX2, and fbgemm's
+dynamic int8 is no faster than fp16 while also quantising activations; none is offered until a kernel
+makes one pay.
 """
 
 from __future__ import annotations
