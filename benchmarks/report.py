@@ -75,7 +75,7 @@ def speed_section(d: dict) -> str:
             "\n\nOne token through every linear weight of the default model's shapes, per CPU kernel (why 16-bit "
             "weights and not int8/int4 on this CPU):\n\n" + md(kernels, ["kernel", "ms per token"])
         )
-    return text
+    return text + "\n\n![speed](benchmarks/results/speed.png)"
 
 
 def quality_section(d: dict) -> str:

@@ -5,7 +5,7 @@ plain transformers, per weight format, and decode after compaction.
   prefill at 512 tokens, and the full-cache NLL and compaction results of ``benchmarks.quality`` (2,048-token
   windows of every text kind, SnapKV / AM under REAL / TAM at 10×) beside fp32's.
 * ``contexts``: per context length, prefill and decode tok/s of a Session (default weights), llama.cpp
-  through ``llama-cpp-python`` (optional: ``pip install llama-cpp-python``; the column is skipped and the
+  through ``llama-cpp-python`` (optional: ``pip install -e ".[bench]"``; the column is skipped and the
   run says so when it is missing) and transformers (sdpa, DynamicCache, the Session's weights). Each runner
   is warmed up once, then they take turns run by run, so drift on a shared machine hits all; medians.
 * ``compacted``: decode after compacting the longest context to 400 slots per head (even, and uneven heads
@@ -145,7 +145,7 @@ def contexts_section(engine, text_ids, contexts, n_dec, repeats):
         runners = {"kvmemory": session_runner(engine)}
         llama = llama_cpp_runner(ctx + n_dec + 8)
         if llama is None and not rows:
-            print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install llama-cpp-python)")
+            print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install -e '.[bench]')")
         if llama is not None:
             runners["llama.cpp"] = llama
         runners["transformers"] = transformers_plain(plain)

@@ -5,6 +5,7 @@ This is the one place that connects the runtime (session, cache, model) to the p
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass
 
@@ -34,6 +35,13 @@ class CompactionRecord:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def token_texts(tokenizer):
+    """token id → its text, each id decoded once per span (text-aware methods ask per head and layer)."""
+    if tokenizer is None:
+        return lambda token: ""
+    return functools.cache(lambda token: tokenizer.decode([token]) if token >= 0 else "")
 
 
 @dataclass
@@ -118,10 +126,7 @@ def _select(session, positions, method, job: SpanJob, measure_error: bool):
     queries = reference_queries(session, job.query_source, positions) if method.uses_queries or measure_error else None
     span = extract_span(cache, per_head, queries, engine.head_dim**-0.5)
     span.token_of_position = {p: session.tokens[p] for p in positions.tolist()}
-    tokenizer = engine.tokenizer
-    span.text_of_token = (
-        (lambda t: tokenizer.decode([t]) if t >= 0 else "") if tokenizer is not None else (lambda t: "")
-    )
+    span.text_of_token = token_texts(engine.tokenizer)
     span.model = ModelAccess.from_session(session)
     span.protected_positions = set(job.protected_positions or ())
     span.query_group_size = engine.config.num_attention_heads // engine.num_kv_heads
