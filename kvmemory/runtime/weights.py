@@ -29,6 +29,7 @@ from kvmemory.errors import InvalidArgumentError
 
 WEIGHT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DIRECT_ROWS = 2  # up to this many rows the 16-bit kernel wins; past it widening the weight does (AVX2)
+WIDEN_BLOCK_BYTES = 2 << 20  # widened weight blocks of this size stay in cache
 
 
 class SixteenBitLinear(nn.Module):
@@ -45,9 +46,19 @@ class SixteenBitLinear(nn.Module):
         if x.numel() <= DIRECT_ROWS * self.in_features:
             out = F.linear(x.to(narrow), self.weight)
         else:  # the same rounding of input and output as the 16-bit kernel, on an fp32 GEMM
-            out = F.linear(x.to(narrow).to(x.dtype), self.weight.to(x.dtype)).to(narrow)
+            out = self._widened(x.to(narrow).to(x.dtype)).to(narrow)
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+    def _widened(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weightᵀ in x's dtype, widening the weight a block of output rows at a time so each widened
+        block stays in cache (widening the default model's 28M-parameter output head whole took 50–65 ms
+        for 4–16 rows; in 2 MiB blocks 10–13 ms)."""
+        rows = max(1, WIDEN_BLOCK_BYTES // (self.in_features * x.element_size()))
+        if rows >= self.out_features:
+            return F.linear(x, self.weight.to(x.dtype))
+        blocks = [F.linear(x, self.weight[i : i + rows].to(x.dtype)) for i in range(0, self.out_features, rows)]
+        return torch.cat(blocks, dim=-1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}"
