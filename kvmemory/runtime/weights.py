@@ -52,8 +52,8 @@ class SixteenBitLinear(nn.Module):
 
     def _widened(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weightᵀ in x's dtype, widening the weight a block of output rows at a time so each widened
-        block stays in cache (widening the default model's 28M-parameter output head whole took 50–65 ms
-        for 4–16 rows; in 2 MiB blocks 10–13 ms)."""
+        block stays in cache (widening the default model's 28M-parameter output head whole took 50–73 ms
+        for 4–32 rows; in 2 MiB blocks 10–21 ms)."""
         rows = max(1, WIDEN_BLOCK_BYTES // (self.in_features * x.element_size()))
         if rows >= self.out_features:
             return F.linear(x, self.weight.to(x.dtype))
