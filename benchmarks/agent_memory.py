@@ -57,7 +57,6 @@ CONDITIONS = [
     "summarization",
     "kvmemory-default",
     "whole-budget",
-    "whole-budget-am-real",
     *KV_METHODS,
 ]
 OPEN_QUESTION = "In two sentences: what was wrong in this task, and what did you change?"
@@ -75,11 +74,10 @@ def capped_policy(max_bytes: int, method: str | None = None, params: dict | None
     return policy.model_copy(update={"rules": rules, "default": policy.default.model_copy(update=switch)})
 
 
-def whole_budget_policy(max_bytes: int, method: str | None = None, params: dict | None = None) -> MemoryPolicy:
+def whole_budget_policy(max_bytes: int) -> MemoryPolicy:
     """Candidate default: the default rules without fixed ratios or a period, so nothing is compacted until the
-    cap requires it and then only as far as the cap requires (rule weights say which kinds give up most);
-    with ``method``, every compacted rule switched to it."""
-    policy = capped_policy(max_bytes, method, params)
+    cap requires it and then only as far as the cap requires (rule weights say which kinds give up most)."""
+    policy = capped_policy(max_bytes)
     rules = [r if r.protected else r.model_copy(update={"ratio": None}) for r in policy.rules]
     budget = policy.budget.model_copy(update={"interval": None, "target_fraction": 0.9})
     default = policy.default.model_copy(update={"ratio": None})
@@ -254,9 +252,8 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
         view = ClearToolUses(count_tokens, cap_tokens)
     elif condition == "summarization":
         view = Summarization(count_tokens, cap_tokens, engine)
-    elif condition.startswith("whole-budget"):
-        method, params = KV_METHODS.get(condition.removeprefix("whole-budget-"), (None, None))
-        memory = MemoryManager(whole_budget_policy(cap_tokens * engine.kv_bytes_per_token, method, params))
+    elif condition == "whole-budget":
+        memory = MemoryManager(whole_budget_policy(cap_tokens * engine.kv_bytes_per_token))
     elif condition != "uncompacted":
         method, params = KV_METHODS.get(condition, (None, None))
         memory = MemoryManager(capped_policy(cap_tokens * engine.kv_bytes_per_token, method, params))

@@ -56,7 +56,7 @@ def test_storing_16_bit_weights_replaces_every_linear_and_keeps_activations_fp32
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
-def test_a_session_on_16_bit_weights_decodes_as_its_model_runs_the_whole_sequence():
+def test_a_session_on_16_bit_weights_decodes_as_a_full_forward_of_its_model_does():
     model = store_linear_weights(tiny_model("llama"), "bf16")
     engine = Engine(model)
     prompt = list(range(3, 40))
@@ -83,6 +83,7 @@ def test_default_weights_per_device():
     assert default_weights(torch.device("cpu"), torch.float32) == "bf16"
     assert default_weights(torch.device("cuda"), torch.bfloat16) == "bf16"
     assert default_weights(torch.device("cpu"), torch.float16) == "fp16"
+    assert default_weights(torch.device("cpu"), torch.float64) is None  # left as loaded
 
 
 def test_the_default_model_on_16_bit_weights_scores_text_as_fp32_does(default_engine):

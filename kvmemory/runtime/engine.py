@@ -80,9 +80,11 @@ class Engine:
         ``kvmemory.runtime.weights``)."""
         device, dtype = pick_device_and_dtype(device, dtype)
         weights = weights or default_weights(device, dtype)
-        weight_dtype(weights)  # a bad name fails before anything loads
+        if weights is not None:
+            weight_dtype(weights)  # a bad name fails before anything loads
         model, tokenizer = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
-        store_linear_weights(model, weights)
+        if weights is not None:
+            store_linear_weights(model, weights)
         name = DEFAULT_MODEL_NAME if name_or_path == DEFAULT_MODEL else str(name_or_path)
         return cls(model, tokenizer, name=name, **limits)
 

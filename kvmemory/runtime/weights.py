@@ -1,7 +1,7 @@
 """Linear weights stored in 16 bits while activations and the cache stay in the model's dtype.
 
 Decoding one token reads every weight once; on a CPU that read is the decode step's cost (on a 2-core AVX2
-machine the default model's linear layers take 42 ms per token in fp32 and 18 ms in bf16: the *kernels*
+machine the default model's linear layers take 40 ms per token in fp32 and 18 ms in bf16: the *kernels*
 table of ``python -m benchmarks.speed``). So
 ``Engine.from_pretrained(weights="bf16")`` keeps each linear layer's weight in bf16 (the output head in
 fp16, see ``store_linear_weights``), or all in fp16, and leaves embeddings, norms, activations and the KV
@@ -14,8 +14,8 @@ weight. Both paths round the input and the output to 16 bits and accumulate in f
 does not depend on how many rows share its pass (bit for bit in bf16; batched sessions decode as alone).
 
 Measured alternatives (same table): int8 weight-only (``torch._weight_int8pack_mm``, the kernel torchao's
-int8 weight-only config runs on CPU) and int4 weight-only are 1.6–3× slower than fp32 on AVX2, and fbgemm's
-dynamic int8 is no faster than fp16 while also quantising activations; none is offered until a kernel
+int8 weight-only config runs on CPU) and int4 weight-only are 1.7–3.4× slower than fp32 on AVX2, and fbgemm's
+dynamic int8 is only as fast as fp16 while also quantising activations; none is offered until a kernel
 makes one pay.
 """
 
@@ -64,11 +64,12 @@ class SixteenBitLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}"
 
 
-def default_weights(device: torch.device, dtype: torch.dtype) -> str:
-    """bf16 weights under fp32 activations on CPU (decode reads half the bytes); otherwise the model's dtype."""
+def default_weights(device: torch.device, dtype: torch.dtype) -> str | None:
+    """bf16 weights under fp32 activations on CPU (decode reads half the bytes); otherwise the model's dtype
+    (None for a dtype no format names: the weights are left as loaded)."""
     if device.type == "cpu" and dtype == torch.float32:
         return "bf16"
-    return next(name for name, value in WEIGHT_FORMATS.items() if value == dtype)
+    return next((name for name, value in WEIGHT_FORMATS.items() if value == dtype), None)
 
 
 def weight_dtype(weights: str) -> torch.dtype:
