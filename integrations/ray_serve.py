@@ -11,11 +11,13 @@ Two deployments:
   ``x-session-id`` header or the ``user`` field) and calls the replicas through a handle with that id as
   the *multiplexed model id*.
 
-Session affinity is Ray Serve's model multiplexing, keyed by session id: the router sends a request to a
-replica that reports the id loaded and, when none does, to a lightly loaded one, which loads it; each
-replica evicts its least recently used ids, calling the loaded object's ``__del__``. That is exactly a
-session's life here (load from the shared directory, serve, spill to it on eviction), so multiplexing is
-used rather than a custom request router, which would re-implement the same bookkeeping.
+Session affinity: ``SessionAffinityRouter`` ranks the replicas for each session id by rendezvous hashing
+of (session id, replica id), so every router sends a session to the same replica from its first request on,
+without waiting for replicas to report what they hold (Ray's multiplex routing learns that asynchronously,
+and a quick second turn could land elsewhere), and when a replica leaves only its sessions move, each to its
+next-ranked replica. The session's life on a replica is Ray Serve's model multiplexing keyed by session id:
+the replica loads the session on its first request there and evicts its least recently used ids, calling
+the loaded object's ``__del__``, which spills the session to the shared directory.
 
 When a replica dies or is drained, the ingress retries the request; the router picks a live replica,
 which loads the session from its last saved turn (a shared directory here; object storage in production).
@@ -26,6 +28,7 @@ request carries the whole conversation). Nothing happens silently: each response
 """
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -36,6 +39,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 from starlette.concurrency import iterate_in_threadpool
 
 from integrations.server import APIError, ChatRequest, Server, error_body, error_response, error_status
@@ -52,6 +57,33 @@ def error_payload(err: APIError | KVMemoryError | ValidationError) -> tuple[int,
         return 400, error_body(f"invalid request: {err.errors()}", "invalid_request_error")
     status, message, kind, code = error_status(err)
     return status, error_body(message, kind, code)
+
+
+class SessionAffinityRouter(RequestRouter):
+    """Each session's replicas in a fixed order, its own first (see the module docstring); a request without
+    a session may go to any replica. The router tries the ranks in turn, so a busy or gone replica's
+    sessions overflow to their next replica, which loads them from the shared directory."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        session_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # wait between rounds when all are busy
+        if not session_id:
+            return [candidate_replicas]
+        return [[replica] for replica in by_affinity(session_id, candidate_replicas, lambda r: r.replica_id.unique_id)]
+
+
+def by_affinity(session_id: str, replicas: list, replica_id=str) -> list:
+    """The replicas in the session's order, by rendezvous hashing of (session id, ``replica_id(replica)``):
+    the order of the others stays the same when one leaves or joins."""
+
+    def weight(replica) -> int:
+        key = f"{session_id}\0{replica_id(replica)}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+
+    return sorted(replicas, key=weight, reverse=True)
 
 
 class ResidentSession:
@@ -74,7 +106,11 @@ class ResidentSession:
                 log.info("session %s not spilled: %s", self.session_id, err)
 
 
-@serve.deployment(max_ongoing_requests=16, ray_actor_options={"num_cpus": 1})
+@serve.deployment(
+    max_ongoing_requests=16,
+    ray_actor_options={"num_cpus": 1},
+    request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
+)
 class SessionReplica:
     """One engine and its resident sessions (see the module docstring)."""
 

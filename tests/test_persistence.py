@@ -4,6 +4,7 @@ bit (every cache shape, recorders, memory manager), and a bad file fails with an
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from unittest import mock
 
@@ -206,18 +207,44 @@ def test_a_waiting_store_never_spills_by_itself(tmp_path, tiny_engine):
         SessionStore(tiny_engine, tmp_path, 10, when_full="drop")
 
 
+def test_stores_sharing_a_directory_serve_and_keep_the_latest_save(tmp_path, tiny_engine):
+    """Two replicas' stores on one directory: a turn served by the other store is what this one serves next,
+    and spilling this one's stale copy never writes over it."""
+    here, there = SessionStore(tiny_engine, tmp_path), SessionStore(tiny_engine, tmp_path)
+    with here.use("a") as a:
+        a.append_tokens(random_tokens(20))
+    here.save("a")
+    with there.use("a") as a:  # the session moved: the other store loads it and serves a turn
+        a.append_tokens(random_tokens(10, seed=2))
+        latest = state_of(a)
+    there.save("a")
+    with here.use("a") as a:  # back here: the stale resident copy gives way to the latest save
+        assert_same_state(state_of(a), latest)
+    assert here.loads == 1
+    with there.use("a") as a:
+        a.append_tokens(random_tokens(5, seed=3))
+        latest = state_of(a)
+    there.save("a")
+    here.spill("a")  # stale here: closed without writing over the other store's save
+    assert_same_state(state_of(tiny_engine.load_session(here.path("a"))), latest)
+    assert here.stats()["resident"] == [] and there.stats()["resident"] == ["a"]
+
+
 def test_a_byte_budget_needs_a_directory(tiny_engine):
     with pytest.raises(InvalidArgumentError, match="directory"):
         SessionStore(tiny_engine, max_resident_bytes=10)
 
 
 def test_a_chat_thread_resumes_after_a_restart_from_its_saved_cache(tmp_path, default_engine):
-    first = ChatKVMemory(engine=default_engine, store=SessionStore(default_engine, tmp_path), max_new_tokens=6)
+    first = ChatKVMemory(engine=default_engine, store=SessionStore(default_engine, tmp_path / "a"), max_new_tokens=6)
     config = {"configurable": {"thread_id": "t"}}
     history = [HumanMessage("Name one colour.")]
     history.append(first.invoke(history, config=config))
     history.append(HumanMessage("And another?"))
-    restarted = ChatKVMemory(engine=default_engine, store=SessionStore(default_engine, tmp_path), max_new_tokens=6)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # the saved files, as a restarted process finds them
+    restarted = ChatKVMemory(
+        engine=default_engine, store=SessionStore(default_engine, tmp_path / "b"), max_new_tokens=6
+    )
     reply = restarted.invoke(history, config=config)
     assert restarted.store.loads == 1
     assert reply.usage_metadata["input_token_details"]["cache_read"] > 30  # the held turns came from the file

@@ -77,6 +77,17 @@ def single_process_replies(model_dir, turns: int) -> list[str]:
     return replies
 
 
+def test_a_session_keeps_its_replica_unless_that_replica_leaves():
+    from integrations.ray_serve import by_affinity
+
+    replicas, sessions = ["r1", "r2", "r3"], [f"thread-{i}" for i in range(300)]
+    home = {s: by_affinity(s, replicas)[0] for s in sessions}
+    assert all(by_affinity(s, replicas[::-1])[0] == home[s] for s in sessions)  # whatever order they come in
+    assert all(60 < list(home.values()).count(r) < 140 for r in replicas)  # spread evenly
+    for s in sessions:  # r2 leaves: only its sessions move, each to its next-ranked replica
+        assert by_affinity(s, ["r1", "r3"])[0] == (home[s] if home[s] != "r2" else by_affinity(s, replicas)[1])
+
+
 def test_a_thread_sticks_to_one_replica_and_survives_that_replica_dying(cluster, model_dir):
     base, sessions = cluster
     expected = single_process_replies(model_dir, turns=4)

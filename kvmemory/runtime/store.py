@@ -11,12 +11,19 @@ Admission: a session that would take the resident bytes past the budget (a retur
 size) waits while every resident session is in use, and comes in when one is released (and spilled).
 With ``when_full="wait"`` the store never spills by itself: newcomers wait until ``spill`` or ``drop``
 frees room. A wait longer than ``admission_timeout`` raises ``StoreFullError``; ``stats()`` counts waits.
+
+A directory shared by several stores (engine replicas, one per process): the latest save of a session wins.
+A store remembers which version of the file each resident session was loaded from or saved to; when another
+store has saved the session since, its next use here reloads that file instead of serving the stale copy,
+and spilling the stale copy closes it without writing over the newer file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
+import os
 import re
 import threading
 import time
@@ -27,6 +34,8 @@ from pathlib import Path
 from kvmemory.errors import InvalidArgumentError, SessionBusyError, StoreFullError
 from kvmemory.runtime.memory_hooks import SessionMemory
 from kvmemory.runtime.session import Session
+
+log = logging.getLogger("kvmemory.store")
 
 
 class SessionStore:
@@ -52,6 +61,7 @@ class SessionStore:
         self.when_full, self.admission_timeout = when_full, admission_timeout
         self._resident: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._pins: Counter[str] = Counter()
+        self._versions: dict[str, tuple | None] = {}  # the file version each resident session matches
         self._lock = threading.Condition(threading.RLock())  # notified when a session is released or leaves
         self.loads = self.spills = self.waits = 0
 
@@ -86,15 +96,20 @@ class SessionStore:
     def get(self, session_id: str, new_memory: Callable[[], SessionMemory | None] | None = None) -> Session:
         """The session (resident, loaded from its file, or new), without pinning it."""
         with self._lock:
-            if session_id in self._resident:
+            if session_id in self._resident and not self._saved_elsewhere(session_id):
                 self._resident.move_to_end(session_id)
+                return self._resident[session_id]
+            if session_id in self._resident and not self._pins[session_id]:
+                log.info("session %r was saved by another store since; loading that save", session_id)
+                return self.reload(session_id)
+            if session_id in self._resident:  # stale, but in use here: reloaded once released
                 return self._resident[session_id]
             path = self.path(session_id)
             if path is not None and path.is_file():
-                session = self.engine.load_session(path, session_id)
-                self.loads += 1
+                session = self._load(session_id)
             else:
                 session = self.engine.session(session_id, memory=new_memory() if new_memory else None)
+                self._versions[session_id] = None
             self._resident[session_id] = session
             if self.when_full == "spill":
                 self._fit(keep=session_id)
@@ -105,15 +120,21 @@ class SessionStore:
         with self._lock:
             if self.directory is None:
                 raise InvalidArgumentError("this store has no directory to save to")
-            return self._resident[session_id].save(self.path(session_id))
+            path = self._resident[session_id].save(self.path(session_id))
+            self._versions[session_id] = file_version(path)
+            return path
 
     def spill(self, session_id: str) -> None:
         """Save a resident, unpinned session and free its memory; its next use loads it back."""
         with self._lock:
             if self._pins[session_id]:
                 raise SessionBusyError(f"session {session_id!r} is in use and cannot be spilled")
-            self.save(session_id)
+            if self._saved_elsewhere(session_id):
+                log.info("session %r was saved by another store since; its stale copy here is closed", session_id)
+            else:
+                self.save(session_id)
             self._resident.pop(session_id).close()
+            self._versions.pop(session_id, None)
             self.spills += 1
             self._lock.notify_all()
 
@@ -126,12 +147,11 @@ class SessionStore:
             path = self.path(session_id)
             if path is None:
                 raise InvalidArgumentError("this store has no directory to restore from")
-            session = self.engine.load_session(path, session_id)
+            session = self._load(session_id)
             old = self._resident.pop(session_id, None)
             if old is not None:
                 old.close()
             self._resident[session_id] = session
-            self.loads += 1
             if self.when_full == "spill":
                 self._fit(keep=session_id)
             return session
@@ -144,6 +164,7 @@ class SessionStore:
             session = self._resident.pop(session_id, None)
             if session is not None:
                 session.close()
+            self._versions.pop(session_id, None)
             path = self.path(session_id)
             if path is not None:
                 path.unlink(missing_ok=True)
@@ -163,6 +184,23 @@ class SessionStore:
                 "spills": self.spills,
                 "waits": self.waits,
             }
+
+    def _load(self, session_id: str) -> Session:
+        """The session from its file, remembering which version of the file it is (read before loading: a
+        save landing meanwhile only makes the next use reload)."""
+        path = self.path(session_id)
+        version = file_version(path)
+        session = self.engine.load_session(path, session_id)
+        self._versions[session_id] = version
+        self.loads += 1
+        return session
+
+    def _saved_elsewhere(self, session_id: str) -> bool:
+        """Whether another store has saved this resident session since this one loaded or saved it."""
+        if self.directory is None:
+            return False
+        current = file_version(self.path(session_id))
+        return current is not None and current != self._versions.get(session_id)
 
     def _admit(self, session_id: str) -> None:
         """Return once ``session_id`` fits under the budget (spilling idle sessions when allowed), or raise
@@ -197,3 +235,13 @@ class SessionStore:
                 return
             if session_id != keep and not self._pins[session_id]:
                 self.spill(session_id)
+
+
+def file_version(path: Path) -> tuple | None:
+    """What tells one save of a file from another: a save replaces the file (a new inode), so inode, size
+    and modification time change together; None when there is no file."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
