@@ -80,7 +80,7 @@ def test_weight_format_errors_name_the_problem_before_anything_loads():
 
 
 def test_default_weights_per_device():
-    assert default_weights(torch.device("cpu"), torch.float32) == "bf16"
+    assert default_weights(torch.device("cpu"), torch.float32) == "fp16"
     assert default_weights(torch.device("cuda"), torch.bfloat16) == "bf16"
     assert default_weights(torch.device("cpu"), torch.float16) == "fp16"
     assert default_weights(torch.device("cpu"), torch.float64) is None  # left as loaded
@@ -93,9 +93,20 @@ def test_the_default_model_on_16_bit_weights_scores_text_as_fp32_does(default_en
     fast = Engine.from_pretrained("default")
     ids = fast.tokenizer.encode(source_text(4000), add_special_tokens=False)[:384]
     nll = {}
-    for name, engine in (("bf16", fast), ("fp32", default_engine)):
+    for name, engine in (("default", fast), ("fp32", default_engine)):
         session = engine.session()
         session.append_tokens(ids[:256])
         nll[name] = float(-session.logprobs(ids[256:]).mean())
-    assert abs(nll["bf16"] - nll["fp32"]) < 0.01
-    assert fast.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert abs(nll["default"] - nll["fp32"]) < 0.01
+    assert fast.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
+
+
+def test_a_layer_whose_fp16_result_overflows_switches_to_bf16():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32, bias=False)
+    linear.weight.data[0] = 2000.0  # row 0 sums to 64 · 2000 · |x| ≈ 1e5 > fp16's 65504
+    sixteen = SixteenBitLinear(linear, torch.float16)
+    x = torch.rand(8, 64) + 0.5
+    out = sixteen(x)  # many rows: the guarded path
+    assert sixteen.weight.dtype == torch.bfloat16 and out.isfinite().all()
+    torch.testing.assert_close(out, linear(x), rtol=1e-2, atol=1e-2)

@@ -76,7 +76,7 @@ class Engine:
         cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None, **limits
     ) -> Engine:
         """``dtype``: activations and KV cache (fp32 on CPU, bf16 on CUDA); ``weights``: how the linear layers'
-        weights are stored ("fp32", "bf16", "fp16"; default bf16 under fp32 activations, see
+        weights are stored ("fp32", "bf16", "fp16"; default fp16 under fp32 activations, see
         ``kvmemory.runtime.weights``)."""
         device, dtype = pick_device_and_dtype(device, dtype)
         weights = weights or default_weights(device, dtype)

@@ -1,25 +1,30 @@
 """Linear weights stored in 16 bits while activations and the cache stay in the model's dtype.
 
-Decoding one token reads every weight once; on a CPU that read is the decode step's cost (on a 2-core AVX2
-machine the default model's linear layers take 40 ms per token in fp32 and 18 ms in bf16: the *kernels*
-table of ``python -m benchmarks.speed``). So
-``Engine.from_pretrained(weights="bf16")`` keeps each linear layer's weight in bf16 (the output head in
-fp16, see ``store_linear_weights``), or all in fp16, and leaves embeddings, norms, activations and the KV
-cache in fp32.
+Decoding one token reads every weight once; on a CPU that read is the decode step's cost. The *kernels*
+table of ``python -m benchmarks.speed`` times one token through the default model's linear layers: on a
+2-core AVX2 machine 40 ms in fp32, 18 in bf16, 15 in fp16; on a 2-core AVX-512 (bf16, VNNI) machine 32, 13
+and 7.5. So ``Engine.from_pretrained(weights="fp16")``, the CPU default, keeps each linear layer's weight
+in fp16 (``"bf16"``: in bf16, the output head in fp16, see ``store_linear_weights``) and leaves embeddings,
+norms, activations and the KV cache in fp32. fp16 also keeps 3 more mantissa bits than bf16 (full-cache
+NLL of the default model 0.0006 from fp32's, bf16 0.0017). Its narrower range is guarded where it is
+cheap: a layer whose fp16 result overflows in a pass over many rows (prefill) switches itself to bf16.
 
 A forward over a few rows (decoding) runs the 16-bit kernel directly. Over many rows (prefill chunks,
 scoring, a batched pass) it widens the weight to the activation dtype first: CPUs without native 16-bit dot
 products (AVX2) run 16-bit GEMM 6–7× slower than fp32 at 64+ rows, while widening costs one pass over the
 weight. Both paths round the input and the output to 16 bits and accumulate in fp32, so a row's result
-does not depend on how many rows share its pass (bit for bit in bf16; batched sessions decode as alone).
+depends on how many rows share its pass only where the two kernels' summation orders round differently
+(the last place of a few elements).
 
 Measured alternatives (same table): int8 weight-only (``torch._weight_int8pack_mm``, the kernel torchao's
-int8 weight-only config runs on CPU) and int4 weight-only are 1.7–3.4× slower than fp32 on AVX2, and fbgemm's
+int8 weight-only config runs on CPU) and int4 weight-only are slower than fp32 on both CPUs, and fbgemm's
 dynamic int8 is only as fast as fp16 while also quantising activations; none is offered until a kernel
 makes one pay.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,7 @@ from torch import nn
 
 from kvmemory.errors import InvalidArgumentError
 
+log = logging.getLogger("kvmemory.weights")
 WEIGHT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DIRECT_ROWS = 2  # up to this many rows the 16-bit kernel wins; past it widening the weight does (AVX2)
 WIDEN_BLOCK_BYTES = 2 << 20  # widened weight blocks of this size stay in cache
@@ -42,13 +48,21 @@ class SixteenBitLinear(nn.Module):
         self.bias = linear.bias  # tiny: kept in the activation dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        narrow = self.weight.dtype
         if x.numel() <= DIRECT_ROWS * self.in_features:
-            out = F.linear(x.to(narrow), self.weight)
-        else:  # the same rounding of input and output as the 16-bit kernel, on an fp32 GEMM
-            out = self._widened(x.to(narrow).to(x.dtype)).to(narrow)
+            out = F.linear(x.to(self.weight.dtype), self.weight)
+        else:
+            out = self._rounded_widened(x)
+            if self.weight.dtype == torch.float16 and not out.isfinite().all() and x.isfinite().all():
+                log.warning("fp16 overflows in a %s; that layer switches to bf16 weights", self.extra_repr())
+                self.weight = nn.Parameter(self.weight.to(torch.bfloat16), requires_grad=False)
+                out = self._rounded_widened(x)
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+    def _rounded_widened(self, x: torch.Tensor) -> torch.Tensor:
+        """The 16-bit kernel's rounding of input and output around an fp32 GEMM."""
+        narrow = self.weight.dtype
+        return self._widened(x.to(narrow).to(x.dtype)).to(narrow)
 
     def _widened(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weightᵀ in x's dtype, widening the weight a block of output rows at a time so each widened
@@ -65,10 +79,11 @@ class SixteenBitLinear(nn.Module):
 
 
 def default_weights(device: torch.device, dtype: torch.dtype) -> str | None:
-    """bf16 weights under fp32 activations on CPU (decode reads half the bytes); otherwise the model's dtype
-    (None for a dtype no format names: the weights are left as loaded)."""
+    """fp16 weights under fp32 activations on CPU (decode reads half the bytes; the fastest kernel measured,
+    see the module docstring); otherwise the model's dtype (None for a dtype no format names: the weights
+    are left as loaded)."""
     if device.type == "cpu" and dtype == torch.float32:
-        return "bf16"
+        return "fp16"
     return next((name for name, value in WEIGHT_FORMATS.items() if value == dtype), None)
 
 
