@@ -25,6 +25,7 @@ def test_a_row_gets_the_same_result_alone_or_in_a_large_pass(dtype, block_rows, 
     torch.manual_seed(0)
     linear = nn.Linear(64, 96)
     sixteen = SixteenBitLinear(linear, dtype)
+    sixteen.native = False  # widen over many rows whatever this CPU offers
     x = torch.randn(9, 64)
     many = sixteen(x)  # widened path
     alone = torch.cat([sixteen(x[i : i + 1]) for i in range(len(x))])  # 16-bit kernel
@@ -38,6 +39,18 @@ def test_a_row_gets_the_same_result_alone_or_in_a_large_pass(dtype, block_rows, 
     # place: another summation order may round the other way)
     expected = rounded(F.linear(rounded(x, dtype), rounded(linear.weight, dtype)), dtype) + linear.bias
     torch.testing.assert_close(many, expected, rtol=torch.finfo(dtype).eps, atol=1e-6)
+
+
+def test_bf16_runs_its_own_kernel_at_every_row_count_where_the_cpu_has_bf16_dot_products(monkeypatch):
+    linear = nn.Linear(64, 96)
+    monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: True)
+    native, fp16 = SixteenBitLinear(linear, torch.bfloat16), SixteenBitLinear(linear, torch.float16)
+    monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: False)
+    assert native.native and not fp16.native and not SixteenBitLinear(linear, torch.bfloat16).native
+    x = torch.randn(9, 64)
+    monkeypatch.setattr(SixteenBitLinear, "_widened", lambda *a: pytest.fail("widened"))
+    expected = F.linear(x.bfloat16(), linear.weight.bfloat16()).float() + linear.bias
+    torch.testing.assert_close(native(x), expected)
 
 
 def test_storing_16_bit_weights_replaces_every_linear_and_keeps_activations_fp32():

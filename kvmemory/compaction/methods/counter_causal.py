@@ -15,7 +15,6 @@ Both skip the last layer's MLP (as the fast score does), so on a one-layer model
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from pydantic import Field
 from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig, ModelAccess
 from kvmemory.compaction.eviction import ScoreEviction
 from kvmemory.compaction.registry import register
+from kvmemory.hardware import cpu_has_native_bf16
 
 ROW_CHUNK = 192
 
@@ -73,16 +73,9 @@ def query_phases(cache_layer, positions: torch.Tensor) -> torch.Tensor:
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
     """bf16 for the projections and attention matmuls of an fp32 model on a CPU with native bf16 dot
     products (2-3× faster there; the score only ranks tokens, and bf16 leaves the ranking intact)."""
-    if x.dtype == torch.float32 and x.device.type == "cpu" and _cpu_has_bf16():
+    if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_has_native_bf16():
         return torch.bfloat16
     return x.dtype
-
-
-@functools.cache
-def _cpu_has_bf16() -> bool:
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # private, so probed defensively
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool((probe and probe()) or (amx and amx()))
 
 
 def _counter_causal_attention(attn_module, hidden, rotary_emb, cache_layer, positions):
