@@ -331,7 +331,8 @@ def concurrency_section(d: dict) -> str:
     ]
     return (
         f"**Many agents at once** (`python -m benchmarks.concurrency`, {d.get('weights', 'bf16')} weights): concurrent "
-        "agent sessions on the default model, each holding an agent trace (up to {d['context']} tokens of real tool calls and outputs) under the "
+        f"agent sessions on the default model, each holding an agent trace (up to {d['context']} tokens of real tool "
+        "calls and outputs) under the "
         f"default policy, decode {d['tokens']} greedy tokens at once (aggregate decode tokens/s), then append their "
         "next tool result and stream a reply (time to first token). Side by side: the engine batching the sessions' "
         "forwards, the same engine one session per forward, and transformers `generate` over the same contexts "
