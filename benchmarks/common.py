@@ -51,8 +51,25 @@ def machine() -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
+        **cpu_model(),
         "cuda": torch.cuda.is_available(),
     }
+
+
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile")  # what kernels use
+
+
+def cpu_model() -> dict:
+    """The CPU's name and the vector extensions that decide which kernels are fast (Linux; else nothing):
+    machines of one kind differ, so speed numbers say which CPU they came from."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name", ""), "cpu_flags": [f for f in SPEED_FLAGS if f in flags]}
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

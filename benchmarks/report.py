@@ -21,6 +21,14 @@ def md(rows: list[list], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def on_cpu(d: dict) -> str:
+    """", on <CPU> (<its vector extensions>)" when the file names them."""
+    m = d.get("machine", {})
+    if not m.get("cpu_model"):
+        return ""
+    return f", on {m['threads']} threads of an {m['cpu_model']} ({', '.join(m['cpu_flags'])})"
+
+
 def speed_section(d: dict) -> str:
     runners = [k.removesuffix(" decode tok/s") for k in d["contexts"][0] if k.endswith(" decode tok/s")]
     header = ["context"] + [f"{r} {what} tok/s" for r in runners for what in ("prefill", "decode")]
@@ -34,8 +42,8 @@ def speed_section(d: dict) -> str:
             row += [f"{r['decode vs llama.cpp']:.2f}×", f"{r['prefill vs llama.cpp']:.2f}×"]
     c = d["compacted"]
     text = (
-        f"**Speed** (`python -m benchmarks.speed`, {d['weights_default']} weights, medians of {d['repeats']} "
-        f"runs, the runners taking turns after a warm-up each, {d['decode_tokens']} greedy tokens; llama.cpp "
+        f"**Speed** (`python -m benchmarks.speed`, {d['weights_default']} weights{on_cpu(d)}, medians of "
+        f"{d['repeats']} runs, the runners taking turns after a warm-up each, {d['decode_tokens']} greedy tokens; llama.cpp "
         "through llama-cpp-python on the same GGUF file and thread count):\n\n"
         + md(rows, header)
         + f"\n\nAfter compacting {c['context']} tokens to {c['slots']} slots per head: decode "
@@ -330,7 +338,8 @@ def concurrency_section(d: dict) -> str:
         "KV MiB kvmemory / transformers",
     ]
     return (
-        f"**Many agents at once** (`python -m benchmarks.concurrency`, {d.get('weights', 'bf16')} weights): concurrent "
+        f"**Many agents at once** (`python -m benchmarks.concurrency`, {d.get('weights', 'bf16')} weights{on_cpu(d)}): "
+        "concurrent "
         f"agent sessions on the default model, each holding an agent trace (up to {d['context']} tokens of real tool "
         "calls and outputs) under the "
         f"default policy, decode {d['tokens']} greedy tokens at once (aggregate decode tokens/s), then append their "
