@@ -22,7 +22,7 @@ def md(rows: list[list], header: list[str]) -> str:
 
 
 def on_cpu(d: dict) -> str:
-    """", on <CPU> (<its vector extensions>)" when the file names them."""
+    """ ", on <CPU> (<its vector extensions>)" when the file names them."""
     m = d.get("machine", {})
     if not m.get("cpu_model"):
         return ""
@@ -43,8 +43,8 @@ def speed_section(d: dict) -> str:
     c = d["compacted"]
     text = (
         f"**Speed** (`python -m benchmarks.speed`, {d['weights_default']} weights{on_cpu(d)}, medians of "
-        f"{d['repeats']} runs, the runners taking turns after a warm-up each, {d['decode_tokens']} greedy tokens; llama.cpp "
-        "through llama-cpp-python on the same GGUF file and thread count):\n\n"
+        f"{d['repeats']} runs, the runners taking turns after a warm-up each, {d['decode_tokens']} greedy tokens; "
+        "llama.cpp through llama-cpp-python on the same GGUF file and thread count):\n\n"
         + md(rows, header)
         + f"\n\nAfter compacting {c['context']} tokens to {c['slots']} slots per head: decode "
         f"{c['compacted_decode_tok_s']:.1f} tok/s vs {c['uncompacted_decode_tok_s']:.1f} uncompacted "
