@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from benchmarks.common import RESULTS, decode_seconds, median_time, save, table
 from benchmarks.quality import quality
 from benchmarks.texts import TEXT_KINDS, source_text
-from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams
+from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams, run_on_compute
 from kvmemory.runtime.loading import default_model_file
 from kvmemory.runtime.weights import default_weights
 
@@ -54,7 +54,10 @@ def session_runner(engine):
 
 
 def transformers_runner(model):
-    def run(ids, n):
+    def run(ids, n):  # on kvmemory's compute thread, as a Session's forwards run (kvmemory.runtime.compute)
+        return run_on_compute(forward, ids, n)
+
+    def forward(ids, n):
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
             start = time.perf_counter()
@@ -317,7 +320,7 @@ def main() -> None:
         "weights_default": default_weights(engine.device, engine.dtype),
     }
     if "kernels" not in args.skip:
-        out["kernels"] = kernels_section(engine.config, args.repeats)
+        out["kernels"] = run_on_compute(kernels_section, engine.config, args.repeats)
     if "weights" not in args.skip:
         out["weights"] = weights_section(text_ids, n_dec, args.repeats)
     out["contexts"] = contexts_section(engine, text_ids, args.contexts, n_dec, args.repeats)

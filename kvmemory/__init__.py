@@ -54,6 +54,7 @@ from kvmemory.runtime import (
     Session,
     SessionStats,
     SessionStore,
+    run_on_compute,
 )
 
 __all__ = [
@@ -106,4 +107,5 @@ __all__ = [
     "default_policy",
     "get_method",
     "register",
+    "run_on_compute",
 ]

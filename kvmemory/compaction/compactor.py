@@ -130,7 +130,7 @@ def _select(session, positions, method, job: SpanJob, measure_error: bool):
     span.model = ModelAccess.from_session(session)
     span.protected_positions = set(job.protected_positions or ())
     span.query_group_size = engine.config.num_attention_heads // engine.num_kv_heads
-    results = method.compact(span, budgets)
+    results = engine.batcher.execute(method.compact, span, budgets)  # on the compute thread on CPU
     error = None
     if measure_error and queries is not None:
         errors = []

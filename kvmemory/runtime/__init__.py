@@ -1,6 +1,7 @@
 """The local-model runtime: engine, sessions, chat rendering."""
 
 from kvmemory.runtime.async_session import AsyncSession
+from kvmemory.runtime.compute import run as run_on_compute
 from kvmemory.runtime.engine import Engine
 from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
 from kvmemory.runtime.segments import Segment
@@ -17,4 +18,5 @@ __all__ = [
     "Session",
     "SessionStats",
     "SessionStore",
+    "run_on_compute",
 ]

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvmemory.cache import CompactCache
+from kvmemory.runtime import compute
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
 
@@ -150,7 +151,7 @@ class ForwardBatcher:
                 self._cond.release()
                 started = time.perf_counter()
                 try:
-                    self._run(batch)
+                    self.execute(self._run, batch)
                 finally:
                     self._cond.acquire()
                     self._busy = False
@@ -161,6 +162,13 @@ class ForwardBatcher:
         if request.error is not None:
             raise request.error
         return request.logits
+
+    def execute(self, fn, *args):
+        """``fn(*args)`` where this model's kernels run best: the compute thread on CPU (see
+        ``kvmemory.runtime.compute``), the calling thread on an accelerator."""
+        if self.model.device.type == "cpu":
+            return compute.run(fn, *args)
+        return fn(*args)
 
     def _take(self) -> list[ForwardRequest]:
         """The oldest queued requests whose tokens fit in one pass (at least one)."""

@@ -9,6 +9,7 @@ import torch
 
 from kvmemory.attention import ATTENTION_NAME, ATTENTION_PATHS
 from kvmemory.errors import InvalidArgumentError
+from kvmemory.runtime import compute
 from kvmemory.runtime.batching import ForwardBatcher
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.loading import (
@@ -82,9 +83,12 @@ class Engine:
         weights = weights or default_weights(device, dtype)
         if weights is not None:
             weight_dtype(weights)  # a bad name fails before anything loads
-        model, tokenizer = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
-        if weights is not None:
-            store_linear_weights(model, weights)
+
+        def load():
+            model, tokenizer = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
+            return model if weights is None else store_linear_weights(model, weights), tokenizer
+
+        model, tokenizer = compute.run(load) if device.type == "cpu" else load()  # see kvmemory.runtime.compute
         name = DEFAULT_MODEL_NAME if name_or_path == DEFAULT_MODEL else str(name_or_path)
         return cls(model, tokenizer, name=name, **limits)
 

@@ -632,7 +632,7 @@ class Session:
     def _sample_next(self, params: SamplingParams, generator, generation: Generation) -> int:
         """Run pending tokens, sample the next one and append it (pending until the next step runs it)."""
         self._flush_pending()
-        token = params.pick(self._last_logits, generator)
+        token = self.engine.batcher.execute(params.pick, self._last_logits, generator)
         segment = self._reply_segment()
         self.tokens.append(token)
         self._pending.append(token)

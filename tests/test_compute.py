@@ -1,0 +1,66 @@
+"""The compute thread: on CPU every forward pass and compaction runs on one thread, whoever calls."""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+
+import pytest
+import torch
+
+from kvmemory.runtime import compute
+from tests.conftest import random_tokens
+
+
+def test_every_forward_and_compaction_runs_on_the_compute_thread_whoever_calls(tiny_engine):
+    seen = set()
+    norms = [layer.input_layernorm for layer in tiny_engine.model.model.layers]
+    handles = [n.register_forward_pre_hook(lambda *_: seen.add(threading.current_thread().name)) for n in norms]
+    try:
+        session = tiny_engine.session()
+        session.append_tokens(random_tokens(40))
+        worker = threading.Thread(target=lambda: session.generate(max_new_tokens=3), name="caller")
+        worker.start()
+        worker.join()
+        session.compact("counter_causal", ratio=2, keep_last=4)  # a method that runs the model's layers itself
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == {compute.THREAD_NAME}
+
+
+def test_a_caller_turns_single_threaded_and_the_compute_thread_keeps_the_cores():
+    threads = {}
+
+    def caller():
+        threads["compute"] = compute.run(torch.get_num_threads)
+        threads["caller"] = torch.get_num_threads()
+
+    worker = threading.Thread(target=caller)
+    worker.start()
+    worker.join()
+    assert threads["caller"] == 1
+    assert threads["compute"] >= 1 and compute.run(lambda: threading.current_thread().name) == compute.THREAD_NAME
+
+
+def test_errors_come_back_to_the_caller_and_nested_work_runs_inline():
+    def fail():
+        raise ValueError("bad input")
+
+    with pytest.raises(ValueError, match="bad input"):
+        compute.run(fail)
+    assert compute.run(lambda: compute.run(lambda: threading.current_thread().name)) == compute.THREAD_NAME
+
+
+def test_an_interrupt_takes_effect_only_once_the_work_has_finished():
+    finished = threading.Event()
+
+    def work():
+        time.sleep(0.3)
+        finished.set()
+
+    threading.Timer(0.05, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        compute.run(work)
+    assert finished.is_set()
