@@ -166,9 +166,11 @@ class ForwardBatcher:
     def execute(self, fn, *args):
         """``fn(*args)`` where this model's kernels run best: the compute thread on CPU (see
         ``kvmemory.runtime.compute``), the calling thread on an accelerator."""
-        if self.model.device.type == "cpu":
-            return compute.run(fn, *args)
-        return fn(*args)
+        return compute.run(fn, *args) if self.on_cpu else fn(*args)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.model.device.type == "cpu"
 
     def _take(self) -> list[ForwardRequest]:
         """The oldest queued requests whose tokens fit in one pass (at least one)."""

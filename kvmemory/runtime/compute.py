@@ -8,9 +8,10 @@ it, and a decode step (~250 parallel regions) ran 1.75× slower from a server or
 
 So on CPU every forward pass (``ForwardBatcher``), compaction method, token sampling and model load runs
 on one long-lived thread, ``kvmemory-compute``, whose team keeps all the cores; the calling thread hands
-it the work and waits. A thread that hands work over runs its own torch work single-threaded from then on
-(``torch.set_num_threads(1)`` is per thread), so it never holds a team of its own: what is left to it is
-bookkeeping. A team a thread built before its first call stays (GNU OpenMP frees it with the thread), so
+it the work and waits. A thread that uses a CPU session runs its own torch work single-threaded from then
+on (``torch.set_num_threads(1)`` is per thread; ``leave_the_cores``), so it never holds a team of its own:
+what is left to it is bookkeeping. A team a thread built before its first call stays (GNU OpenMP frees it
+with the thread), so
 heavy torch work of one's own belongs on the compute thread too: ``kvmemory.run_on_compute(fn, *args)``.
 
 On an accelerator the kernels run on the device and the calling thread serves as well.
@@ -39,8 +40,7 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
     if threading.current_thread() is _thread:
         return fn(*args, **kwargs)
     executor = _compute_executor()
-    if torch.get_num_threads() > 1:
-        torch.set_num_threads(1)  # this thread's own torch work stays single-threaded (module docstring)
+    leave_the_cores()
     future = executor.submit(fn, *args, **kwargs)
     try:
         return future.result()
@@ -48,6 +48,13 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
         if not future.done():
             _finish(future)
         raise
+
+
+def leave_the_cores() -> None:
+    """Run this thread's own torch work single-threaded from now on (see the module docstring): called as
+    a thread starts using a CPU session, before any of its work could grow an OpenMP team."""
+    if threading.current_thread() is not _thread and torch.get_num_threads() > 1:
+        torch.set_num_threads(1)
 
 
 def _finish(future: Future) -> None:

@@ -47,6 +47,7 @@ from kvmemory.errors import (
     SessionBusyError,
     SessionClosedError,
 )
+from kvmemory.runtime import compute
 from kvmemory.runtime.batching import ForwardRequest
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.conversation import (
@@ -239,6 +240,8 @@ class Session:
 
     @contextlib.contextmanager
     def _atomic(self):
+        if self.engine.batcher.on_cpu:
+            compute.leave_the_cores()  # before the snapshot's copies could grow a team on this thread
         state = self.snapshot()
         try:
             yield
