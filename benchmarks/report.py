@@ -59,6 +59,13 @@ def speed_section(d: dict) -> str:
             else "."
         )
     )
+    if "callers" in d:
+        callers = {k.removesuffix(" decode tok/s"): v for k, v in d["callers"].items() if k.endswith("tok/s")}
+        text += (
+            "\n\nDecode at 512 tokens by caller (every CPU forward runs on the compute thread, whoever calls): "
+            + ", ".join(f"{name} {tok_s:.1f} tok/s" for name, tok_s in callers.items())
+            + "."
+        )
     if "weights" in d:
         weights = [
             [

@@ -8,6 +8,8 @@ plain transformers, per weight format, and decode after compaction.
   through ``llama-cpp-python`` (optional: ``pip install -e ".[bench]"``; the column is skipped and the
   run says so when it is missing) and transformers (sdpa, DynamicCache, the Session's weights). Each runner
   is warmed up once, then they take turns run by run, so drift on a shared machine hits all; medians.
+* ``callers``: decode at 512 tokens called from the main thread, a fresh thread per call and a long-lived
+  worker thread (how a script, a server and an async API call a Session).
 * ``compacted``: decode after compacting the longest context to 400 slots per head (even, and uneven heads
   of the same total) against the same session uncompacted, and against llama.cpp at that context.
 * ``kernels``: one token through every linear weight of a model of the default model's shapes, per kernel
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +167,29 @@ def contexts_section(engine, text_ids, contexts, n_dec, repeats):
         rows.append(row)
         print(table([row], list(row)), flush=True)
     return rows
+
+
+def callers_section(engine, text_ids, n_dec, repeats):
+    """Decode at 512 tokens called from the main thread, from a fresh thread per call (a server's request)
+    and from one long-lived worker (an async API's executor): the compute thread makes them equal."""
+    own = session_runner(engine)
+    worker = ThreadPoolExecutor(1)
+
+    def fresh_thread(ids, n):
+        out = []
+        thread = threading.Thread(target=lambda: out.append(own(ids, n)))
+        thread.start()
+        thread.join()
+        return out[0]
+
+    def long_lived(ids, n):
+        return worker.submit(own, ids, n).result()
+
+    runners = {"main thread": own, "fresh thread": fresh_thread, "worker": long_lived}
+    medians = alternate(runners, text_ids[:512], n_dec, repeats)
+    row = {"context": 512} | {f"{name} decode tok/s": n_dec / decode for name, (_, decode) in medians.items()}
+    print(table([row], list(row)), flush=True)
+    return row
 
 
 def transformers_plain(model):
@@ -323,6 +350,7 @@ def main() -> None:
         out["kernels"] = run_on_compute(kernels_section, engine.config, args.repeats)
     if "weights" not in args.skip:
         out["weights"] = weights_section(text_ids, n_dec, args.repeats)
+    out["callers"] = callers_section(engine, text_ids, n_dec, args.repeats)
     out["contexts"] = contexts_section(engine, text_ids, args.contexts, n_dec, args.repeats)
     longest = out["contexts"][-1]
     out["compacted"] = compacted_section(
