@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvmemory import SamplingParams
+from kvmemory import SamplingParams, run_on_compute
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -49,7 +49,7 @@ def machine() -> dict:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "threads": run_on_compute(torch.get_num_threads),  # what kernels get (callers run single-threaded)
         "cpu": platform.processor() or platform.machine(),
         **cpu_model(),
         "cuda": torch.cuda.is_available(),

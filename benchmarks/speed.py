@@ -75,17 +75,21 @@ def transformers_runner(model):
 
 
 def llama_cpp_runner(n_ctx: int):
-    """llama.cpp on the very GGUF file the default engine loads, with torch's thread count; None if absent."""
+    """llama.cpp on the very GGUF file the default engine loads, with the thread count torch's kernels get (the
+    compute thread's: callers of kvmemory run single-threaded); None if absent."""
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
-    threads = torch.get_num_threads()
+    threads = run_on_compute(torch.get_num_threads)
     llm = Llama(
         model_path=str(default_model_file()), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
     )
 
-    def run(ids, n):
+    def run(ids, n):  # on the compute thread too, as every runner here
+        return run_on_compute(generate, ids, n)
+
+    def generate(ids, n):
         llm.reset()
         start = time.perf_counter()
         llm.eval(ids)
@@ -324,7 +328,8 @@ def plot(out: dict) -> None:
     ax.set_xticks([j + width * len(runners) / 2 for j in range(len(rows))], [str(r["context"]) for r in rows])
     ax.set_xlabel("context tokens")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"Decode on {torch.get_num_threads()} CPU threads, default model ({out['weights_default']} weights)")
+    threads = run_on_compute(torch.get_num_threads)
+    ax.set_title(f"Decode on {threads} CPU threads, default model ({out['weights_default']} weights)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / "speed.png", dpi=120)
