@@ -177,7 +177,6 @@ def callers_section(engine, text_ids, n_dec, repeats):
     """Decode at 512 tokens called from the main thread, from a fresh thread per call (a server's request)
     and from one long-lived worker (an async API's executor): the compute thread makes them equal."""
     own = session_runner(engine)
-    worker = ThreadPoolExecutor(1)
 
     def fresh_thread(ids, n):
         out = []
@@ -186,11 +185,13 @@ def callers_section(engine, text_ids, n_dec, repeats):
         thread.join()
         return out[0]
 
-    def long_lived(ids, n):
-        return worker.submit(own, ids, n).result()
+    with ThreadPoolExecutor(1) as worker:
 
-    runners = {"main thread": own, "fresh thread": fresh_thread, "worker": long_lived}
-    medians = alternate(runners, text_ids[:512], n_dec, repeats)
+        def long_lived(ids, n):
+            return worker.submit(own, ids, n).result()
+
+        runners = {"main thread": own, "fresh thread": fresh_thread, "worker": long_lived}
+        medians = alternate(runners, text_ids[:512], n_dec, repeats)
     row = {"context": 512} | {f"{name} decode tok/s": n_dec / decode for name, (_, decode) in medians.items()}
     print(table([row], list(row)), flush=True)
     return row

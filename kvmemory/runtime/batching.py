@@ -118,6 +118,7 @@ class ForwardBatcher:
 
     def __init__(self, model, max_tokens: int = 2048, max_gather_seconds: float = 0.1, attention_path=None):
         self.model = model
+        self.device = next(model.parameters()).device  # read once: execute() runs on every decode step
         self.attention_path = attention_path
         self.max_tokens = max_tokens
         self.max_gather_seconds = max_gather_seconds
@@ -166,11 +167,7 @@ class ForwardBatcher:
     def execute(self, fn, *args):
         """``fn(*args)`` where this model's kernels run best: the compute thread on CPU (see
         ``kvmemory.runtime.compute``), the calling thread on an accelerator."""
-        return compute.run(fn, *args) if self.on_cpu else fn(*args)
-
-    @property
-    def on_cpu(self) -> bool:
-        return self.model.device.type == "cpu"
+        return compute.run_on(self.device, fn, *args)
 
     def _take(self) -> list[ForwardRequest]:
         """The oldest queued requests whose tokens fit in one pass (at least one)."""

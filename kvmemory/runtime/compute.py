@@ -11,10 +11,10 @@ on one long-lived thread, ``kvmemory-compute``, whose team keeps all the cores; 
 it the work and waits. A thread that uses a CPU session runs its own torch work single-threaded from then
 on (``torch.set_num_threads(1)`` is per thread; ``leave_the_cores``), so it never holds a team of its own:
 what is left to it is bookkeeping. A team a thread built before its first call stays (GNU OpenMP frees it
-with the thread), so
-heavy torch work of one's own belongs on the compute thread too: ``kvmemory.run_on_compute(fn, *args)``.
+with the thread), so heavy torch work of one's own belongs on the compute thread too:
+``kvmemory.run_on_compute(fn, *args)``.
 
-On an accelerator the kernels run on the device and the calling thread serves as well.
+On an accelerator the kernels run on the device and the calling thread serves as well (``run_on``).
 """
 
 from __future__ import annotations
@@ -50,10 +50,16 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
         raise
 
 
-def leave_the_cores() -> None:
+def run_on(device: torch.device, fn: Callable[..., T], *args) -> T:
+    """``fn(*args)`` where kernels for ``device`` run best: the compute thread for the CPU, else this thread."""
+    return run(fn, *args) if device.type == "cpu" else fn(*args)
+
+
+def leave_the_cores(device: torch.device | None = None) -> None:
     """Run this thread's own torch work single-threaded from now on (see the module docstring): called as
     a thread starts using a CPU session, before any of its work could grow an OpenMP team."""
-    if threading.current_thread() is not _thread and torch.get_num_threads() > 1:
+    cpu = device is None or device.type == "cpu"
+    if cpu and threading.current_thread() is not _thread and torch.get_num_threads() > 1:
         torch.set_num_threads(1)
 
 

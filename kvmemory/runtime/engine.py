@@ -88,7 +88,7 @@ class Engine:
             model, tokenizer = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
             return model if weights is None else store_linear_weights(model, weights), tokenizer
 
-        model, tokenizer = compute.run(load) if device.type == "cpu" else load()  # see kvmemory.runtime.compute
+        model, tokenizer = compute.run_on(device, load)  # see kvmemory.runtime.compute
         name = DEFAULT_MODEL_NAME if name_or_path == DEFAULT_MODEL else str(name_or_path)
         return cls(model, tokenizer, name=name, **limits)
 

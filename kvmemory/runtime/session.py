@@ -240,8 +240,7 @@ class Session:
 
     @contextlib.contextmanager
     def _atomic(self):
-        if self.engine.batcher.on_cpu:
-            compute.leave_the_cores()  # before the snapshot's copies could grow a team on this thread
+        compute.leave_the_cores(self.engine.batcher.device)  # before the snapshot's copies could grow a team
         state = self.snapshot()
         try:
             yield

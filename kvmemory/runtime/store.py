@@ -61,7 +61,7 @@ class SessionStore:
         self.when_full, self.admission_timeout = when_full, admission_timeout
         self._resident: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._pins: Counter[str] = Counter()
-        self._versions: dict[str, tuple | None] = {}  # the file version each resident session matches
+        self._versions: dict[str, tuple | None] = {}  # the file version each resident session matches, if any
         self._lock = threading.Condition(threading.RLock())  # notified when a session is released or leaves
         self.loads = self.spills = self.waits = 0
 
@@ -96,20 +96,17 @@ class SessionStore:
     def get(self, session_id: str, new_memory: Callable[[], SessionMemory | None] | None = None) -> Session:
         """The session (resident, loaded from its file, or new), without pinning it."""
         with self._lock:
-            if session_id in self._resident and not self._saved_elsewhere(session_id):
-                self._resident.move_to_end(session_id)
-                return self._resident[session_id]
-            if session_id in self._resident and not self._pins[session_id]:
+            if session_id in self._resident:
+                if self._pins[session_id] or not self._saved_elsewhere(session_id):  # in use: reloaded once free
+                    self._resident.move_to_end(session_id)
+                    return self._resident[session_id]
                 log.info("session %r was saved by another store since; loading that save", session_id)
                 return self.reload(session_id)
-            if session_id in self._resident:  # stale, but in use here: reloaded once released
-                return self._resident[session_id]
             path = self.path(session_id)
             if path is not None and path.is_file():
                 session = self._load(session_id)
             else:
                 session = self.engine.session(session_id, memory=new_memory() if new_memory else None)
-                self._versions[session_id] = None
             self._resident[session_id] = session
             if self.when_full == "spill":
                 self._fit(keep=session_id)
