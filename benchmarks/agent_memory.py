@@ -56,7 +56,6 @@ CONDITIONS = [
     "clear-tool-uses",
     "summarization",
     "kvmemory-default",
-    "whole-budget",
     *KV_METHODS,
 ]
 OPEN_QUESTION = "In two sentences: what was wrong in this task, and what did you change?"
@@ -72,16 +71,6 @@ def capped_policy(max_bytes: int, method: str | None = None, params: dict | None
     switch = {"method": method, "params": params or {}}
     rules = [r if r.protected else r.model_copy(update=switch) for r in policy.rules]
     return policy.model_copy(update={"rules": rules, "default": policy.default.model_copy(update=switch)})
-
-
-def whole_budget_policy(max_bytes: int) -> MemoryPolicy:
-    """Candidate default: the default rules without fixed ratios or a period, so nothing is compacted until the
-    cap requires it and then only as far as the cap requires (rule weights say which kinds give up most)."""
-    policy = capped_policy(max_bytes)
-    rules = [r if r.protected else r.model_copy(update={"ratio": None}) for r in policy.rules]
-    budget = policy.budget.model_copy(update={"interval": None, "target_fraction": 0.9})
-    default = policy.default.model_copy(update={"ratio": None})
-    return policy.model_copy(update={"rules": rules, "default": default, "budget": budget})
 
 
 def to_langchain(messages: list[dict]) -> list:
@@ -252,8 +241,6 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
         view = ClearToolUses(count_tokens, cap_tokens)
     elif condition == "summarization":
         view = Summarization(count_tokens, cap_tokens, engine)
-    elif condition == "whole-budget":
-        memory = MemoryManager(whole_budget_policy(cap_tokens * engine.kv_bytes_per_token))
     elif condition != "uncompacted":
         method, params = KV_METHODS.get(condition, (None, None))
         memory = MemoryManager(capped_policy(cap_tokens * engine.kv_bytes_per_token, method, params))
@@ -373,7 +360,7 @@ def plot(summary: list[dict], path) -> None:
         lows = [float(r["gain_ci"][1:-1].split(",")[0]) for r in mine]
         highs = [float(r["gain_ci"][1:-1].split(",")[1]) for r in mine]
         values = [r["fact_gain_kept"] for r in mine]
-        kv = ("kvmemory", "whole-budget", *KV_METHODS)
+        kv = ("kvmemory", *KV_METHODS)
         colors = ["tab:blue" if r["condition"].startswith(kv) else "tab:gray" for r in mine]
         ax.bar(range(len(mine)), values, color=colors)
         ax.errorbar(

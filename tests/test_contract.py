@@ -60,6 +60,7 @@ def state_of(session) -> dict:
         "log": len(session.compaction_log),
         "memory": session.memory.state() if session.memory is not None else None,
         "logits": None if session._last_logits is None else session._last_logits.clone(),
+        "surprisal": None if session.surprisal_recorder is None else session.surprisal_recorder.values.clone(),
     }
 
 
@@ -69,6 +70,9 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert (a["logits"] is None) == (b["logits"] is None)
     if a["logits"] is not None:
         assert torch.equal(a["logits"], b["logits"])
+    assert (a["surprisal"] is None) == (b["surprisal"] is None)
+    if a["surprisal"] is not None:  # NaN marks unknown values: equal where known, unknown in the same places
+        assert torch.equal(a["surprisal"].nan_to_num(-1.0), b["surprisal"].nan_to_num(-1.0))
     assert len(a["layers"]) == len(b["layers"])
     for la, lb in zip(a["layers"], b["layers"]):
         assert (la is None) == (lb is None)
@@ -401,7 +405,8 @@ CAP = 320
 
 
 def contract_policy(engine: Engine) -> MemoryPolicy:
-    """A small cap with uneven per-layer and per-head budgets (REAL) on tool outputs, uniform elsewhere."""
+    """A small cap with uneven per-layer and per-head budgets (REAL) on tool outputs, user messages ranked by
+    surprisal across segments, uniform elsewhere."""
     shape = (engine.num_layers, engine.num_kv_heads)
     scores = (torch.arange(shape[0] * shape[1]).reshape(shape).float() % 5 + 0.5).tolist()
     return MemoryPolicy.from_dict(
@@ -415,6 +420,7 @@ def contract_policy(engine: Engine) -> MemoryPolicy:
                     "ratio": 3,
                     "params": {"scores": scores},
                 },
+                {"name": "user", "match": {"role": "user"}, "method": "selective_context"},
             ],
             "default": {"method": "snapkv", "ratio": 2},
             "budget": {"max_slots": CAP, "recent_tokens": 16, "sink_tokens": 4},
@@ -434,6 +440,7 @@ class SessionContract(RuleBasedStateMachine):
         self.memory = MemoryManager(contract_policy(self.engine)) if self.with_memory else None
         self.s = self.engine.session(memory=self.memory)
         self.s.record_queries(32)
+        self.s.record_surprisal()
         self.expected: list[str] = []  # every text appended or received, in order
         self.closed = False
 

@@ -15,7 +15,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
 from integrations import ChatKVMemory, CompactionNode, KVMemoryMiddleware, KVMemoryState, kv_policy
-from kvmemory.memory import default_policy
+from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy, default_policy
 
 
 @tool
@@ -182,16 +182,16 @@ def test_middleware_gives_its_threads_the_tools_rules_and_leaves_the_model_polic
 
 
 async def test_middleware_async_compacts_every_call(default_engine):
-    chat = ChatKVMemory(
-        engine=default_engine, max_new_tokens=4, policy=default_policy(max_slots=4096, recent_tokens=16)
-    )
+    rules = MemoryPolicy(default=CompactionRule(ratio=4.0), budget=MemoryBudget(max_slots=4096, recent_tokens=16))
+    chat = ChatKVMemory(engine=default_engine, max_new_tokens=4, policy=rules)  # rules with something to compact
     agent = create_agent(chat, tools=[lookup_port], middleware=[KVMemoryMiddleware(compact_every=1)])
     history = [HumanMessage("Hi"), AIMessage("Here is what I found so far. " * 30), HumanMessage("Go on.")]
     out = await agent.ainvoke({"messages": history}, config=config("amw"))
     session = chat.session_for("amw")
     assert tool_rules(session) == {}  # no per-tool rules given
     assert out["kvmemory"]["logical_tokens"] > 0
-    assert [e["trigger"] for e in session.compaction_log] == ["middleware"]
+    triggers = [e["trigger"] for e in session.compaction_log]
+    assert triggers and set(triggers) == {"middleware"}  # only the middleware compacted (no cap was reached)
     assert session.cache.physical_length < len(session.tokens)
 
 

@@ -50,7 +50,7 @@ def test_rules_match_by_role_kind_tool_tag_content_and_first():
     assert first.matches(a, [a, b]) and not first.matches(b, [a, b])
 
 
-def test_default_policy_protects_system_and_task_and_squeezes_logs():
+def test_default_policy_protects_system_and_task_and_ranks_the_rest_by_surprisal():
     policy = default_policy()
     system, task, later = (
         seg("system", role="system", start=0),
@@ -61,8 +61,10 @@ def test_default_policy_protects_system_and_task_and_squeezes_logs():
     segments = [system, task, later, log]
     assert policy.rule_for(system, segments).protected
     assert policy.rule_for(task, segments).protected
-    assert not policy.rule_for(later, segments).protected
-    assert policy.rule_for(log, segments).name == "test-logs"
+    for segment in (later, log):  # nothing is compacted before the cap requires it, then only as far
+        rule = policy.rule_for(segment, segments)
+        assert rule.method == "selective_context" and rule.target_slots(100) == 100
+    assert policy.budget.interval is None
 
 
 @pytest.mark.parametrize(
@@ -348,3 +350,37 @@ def test_the_room_a_span_cannot_take_goes_to_the_others():
     assert _fill(100, [1, 1, 1], [10, 100, 100], [1, 1, 1]) == [10, 45, 45]
     assert _fill(100, [1, 3], [100, 100], [1, 1]) == [25, 75]
     assert _fill(10, [1, 1], [100, 100], [8, 8]) == [8, 8]  # floors hold even past the room
+
+
+def test_a_policy_without_a_cap_compacts_at_the_models_context():
+    """The model's context is every manager's cap: a session under the default policy (no cap given) runs
+    past it instead of stopping, and the cache never holds more than the model can attend to."""
+    engine = Engine(tiny_model("llama", max_position_embeddings=96))
+    session = engine.session(memory=MemoryManager(default_policy(recent_tokens=8)), prefill_chunk_size=8)
+    for i in range(10):
+        session.append_tokens(random_tokens(20, seed=i), kind="text")
+        assert session.cache.physical_length <= 96
+    assert len(session.tokens) == 200 and session.cache.compactions > 0
+
+
+def test_a_cap_pass_ranks_every_segment_on_one_scale():
+    """Selective-context scores mean the same in every segment, so a cap-triggered pass gives all segments of
+    the rule one selection: what stays is the highest-surprisal tokens wherever they are, in every head."""
+    engine = Engine(tiny_model("llama"))
+    policy = MemoryPolicy(
+        default=CompactionRule(method="selective_context", params={"max_unit_tokens": 1}),
+        budget={"max_slots": 1000, "recent_tokens": 8, "sink_tokens": 4},
+    )
+    session = engine.session(memory=MemoryManager(policy))
+    for i in range(4):
+        session.append_tokens(random_tokens(40, seed=i), kind="text")
+    session.memory.compact(trigger="cap", goal_slots=80)
+    (record,) = session.compaction_log
+    assert record["segments"] == [0, 1, 2, 3]  # one selection over every segment
+    kept = [set(p.tolist()) for layer in session.cache.layers for p in layer.head_views("positions")]
+    assert all(k == kept[0] for k in kept)  # every head of every layer keeps the same tokens
+    compactable = range(4, len(session.tokens) - 8)
+    held = sorted(p for p in compactable if p in kept[0])
+    surprisal = session.surprisal_recorder.values
+    ranked = sorted(compactable, key=lambda p: -float(surprisal[p]))
+    assert len(held) == 80 - 12 and sorted(ranked[: len(held)]) == held

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmemory import Engine
+from kvmemory import Engine, InvalidArgumentError
 from kvmemory.cache import CompactionPlan, LayerPlan
 from kvmemory.compaction.base import LayerSpan, ModelAccess
 from kvmemory.compaction.compactor import compact_span
@@ -259,6 +259,7 @@ def test_every_method_runs_on_every_architecture(arch_name, method_name):
     session = engine.session()
     session.record_queries(16, context=32)
     session.record_last_layer_inputs()
+    session.record_surprisal()
     session.append_tokens(random_tokens(150))
     params = {
         "am_counter_causal": ("attention_matching", {"selector": "counter_causal"}),
@@ -423,3 +424,46 @@ def test_the_compact_verb_rejects_bad_input_before_changing_anything(tiny_engine
         with pytest.raises(InvalidArgumentError, match=message.strip()):
             session.compact(**kwargs)
     assert same_cache(cache_state(session), before) and session.compaction_log == []
+
+
+def test_recorded_surprisal_is_the_models_own(tiny_engine):
+    """Each token's recorded surprisal is −log p(token | before) of one uncached forward, across prefill
+    chunks and generated tokens; the first token has none."""
+    session = tiny_engine.session(prefill_chunk_size=7)
+    session.record_surprisal()
+    session.append_tokens(random_tokens(30, seed=1))
+    session.append_tokens(random_tokens(5, seed=2))
+    session.generate(max_new_tokens=4)
+    session.append_tokens(random_tokens(3, seed=3))
+    ids = torch.tensor([session.tokens])
+    with torch.no_grad():
+        logits = tiny_engine.model(ids).logits[0, :-1].float()
+    expected = -torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+    values = session.surprisal_recorder.values
+    assert len(values) == len(session.tokens) and bool(values[0].isnan())
+    assert torch.allclose(values[1:], expected, atol=1e-4)
+
+
+def test_selective_context_keeps_the_lines_of_highest_mean_surprisal():
+    from kvmemory.compaction.methods.selective_context import unit_scores
+
+    positions = torch.arange(8)
+    surprisal = torch.tensor([1.0, 3.0, 2.0, float("nan"), 6.0, 0.0, 4.0, float("nan")])
+    ends_line = torch.tensor([False, True, False, False, True, False, False, False])
+    scores = unit_scores(positions, surprisal, ends_line, max_unit_tokens=64)
+    assert scores.tolist() == [2.0, 2.0, 4.0, 4.0, 4.0, 2.0, 2.0, 2.0]  # lines [0,1] [2..4] [5..7]; NaN skipped
+    pieces = unit_scores(positions, surprisal, torch.zeros(8, dtype=torch.bool), max_unit_tokens=3)
+    assert pieces.tolist() == [2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 4.0, 4.0]  # a long line ranks in pieces
+    unknown = unit_scores(positions, torch.tensor([1.0, 3.0] + [float("nan")] * 6), ends_line, max_unit_tokens=64)
+    assert unknown[2:].tolist() == [2.0] * 6  # a unit with nothing recorded scores the median of the others
+
+
+def test_selective_context_without_recorded_surprisal_names_the_fix(tiny_engine):
+    from tests.test_contract import assert_same_state, state_of
+
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(80))
+    before = state_of(session)
+    with pytest.raises(InvalidArgumentError, match="record_surprisal"):
+        session.compact("selective_context", ratio=4, keep_last=8)
+    assert_same_state(state_of(session), before)

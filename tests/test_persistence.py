@@ -40,7 +40,7 @@ def greedy(session, n: int = 12) -> list[int]:
     return session.fork(with_memory=True).generate(max_new_tokens=n).token_ids
 
 
-@pytest.mark.parametrize("method", ["attention_matching", "real", "counter_causal"])
+@pytest.mark.parametrize("method", ["attention_matching", "real", "counter_causal", "selective_context"])
 def test_a_compacted_session_loads_bit_identical_and_goes_on_the_same_way(tmp_path, method):
     engine = Engine(tiny_model("llama"))
     params = {"inner": "attention_matching", "scores": [[1.0, 4.0], [2.5, 0.5]]} if method == "real" else {}

@@ -157,6 +157,7 @@ def test_every_method_compacts_a_cache_whose_heads_are_already_uneven(method_nam
     session = engine.session()
     session.record_queries(16, context=32)
     session.record_last_layer_inputs()
+    session.record_surprisal()
     session.append_tokens(random_tokens(150, seed=3))
     session.apply_plan(uneven_plan(session, seed=4))
     params = {

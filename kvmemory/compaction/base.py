@@ -104,6 +104,7 @@ class CacheSpan:
     text_of_token: callable = None  # token id → its text (for text-aware methods like TAM)
     model: ModelAccess | None = None  # for methods that run the model (counter-causal)
     protected_positions: set[int] = field(default_factory=set)  # positions a method must keep verbatim
+    surprisal: torch.Tensor | None = None  # each token's surprisal by logical position (NaN unknown), if recorded
     query_group_size: int = 1  # G: reference query rows per token and KV head
 
 
@@ -122,6 +123,7 @@ class CompactionMethod(ABC):
     name: ClassVar[str]
     Config: ClassVar[type[MethodConfig]]
     uses_queries: ClassVar[bool] = True
+    global_scores: ClassVar[bool] = False  # slot scores mean the same in every segment (one selection may span many)
 
     def __init__(self, config: MethodConfig | None = None, **params):
         self.config = config if config is not None else self.Config(**params)
@@ -130,6 +132,12 @@ class CompactionMethod(ABC):
     def needs_last_layer_inputs(self) -> bool:
         """Whether the method reads each position's input to the last decoder layer (the session records
         them once a method that needs them is attached)."""
+        return False
+
+    @property
+    def needs_surprisal(self) -> bool:
+        """Whether the method ranks by each token's surprisal (the session records it once a method that
+        needs it is attached)."""
         return False
 
     @abstractmethod

@@ -129,6 +129,8 @@ def _select(session, positions, method, job: SpanJob, measure_error: bool):
     span.text_of_token = token_texts(engine.tokenizer)
     span.model = ModelAccess.from_session(session)
     span.protected_positions = set(job.protected_positions or ())
+    if session.surprisal_recorder is not None:
+        span.surprisal = session.surprisal_recorder.values
     span.query_group_size = engine.config.num_attention_heads // engine.num_kv_heads
     results = engine.batcher.execute(method.compact, span, budgets)  # on the compute thread on CPU
     error = None

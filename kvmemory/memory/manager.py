@@ -95,15 +95,17 @@ class MemoryManager:
         self.session.record_queries(self.policy.budget.window, context=256 if "context" in sources else 0)
         if any(self._method(r).needs_last_layer_inputs for r in rules):
             self.session.record_last_layer_inputs()
+        if any(self._method(r).needs_surprisal for r in rules):
+            self.session.record_surprisal()
 
-    def slot_cap(self) -> int | None:
+    def slot_cap(self) -> int:
+        """Physical slots the cache may hold: the policy's cap, and never more than the model's context (a
+        policy without a cap compacts only when the session would outgrow what the model can attend to)."""
         budget = self.policy.budget
-        if not (budget.max_slots or budget.max_bytes):
-            return None
         caps = [budget.max_slots or self.session.engine.max_context, self.session.engine.max_context]
         if budget.max_bytes:
             caps.append(budget.max_bytes // self.session.engine.kv_bytes_per_token)
-        return min(caps) if caps else None
+        return min(caps)
 
     def check_fits(self, n_new: int, new_segments: list[Segment]) -> None:
         """Raise MemoryCapError, before anything changes, if the append cannot fit even after compaction.
@@ -111,8 +113,6 @@ class MemoryManager:
         ``new_segments`` describe what is about to be appended (their lengths sum to ``n_new``): protected
         ones must fit whole; the rest only needs room for one prefill chunk plus the recent window."""
         cap = self.slot_cap()
-        if cap is None:
-            return
         floor = self._incompressible_slots(n_new)
         seen = list(self.session.segments)
         protected = 0
@@ -132,14 +132,12 @@ class MemoryManager:
     def chunk_size(self) -> int:
         """Prefill chunk under a cap: at most a quarter of it, so compaction always has room to work."""
         cap = self.slot_cap()
-        return (
-            self.session.prefill_chunk_size if cap is None else max(16, min(self.session.prefill_chunk_size, cap // 4))
-        )
+        return max(16, min(self.session.prefill_chunk_size, cap // 4))
 
     def make_room(self, n_new: int) -> None:
         """Before ``n_new`` tokens enter the cache: compact if they would exceed the cap."""
         cap = self.slot_cap()
-        if cap is None or self._busy:
+        if self._busy:
             return
         self.peak_slots = max(self.peak_slots, min(self.session.cache.physical_length + n_new, cap))
         if self.session.cache.physical_length + n_new > cap:
@@ -269,12 +267,27 @@ class MemoryManager:
             excess = self.session.cache.physical_length - sum(s.current - s.wanted for s in spans) - goal_slots
             if excess > 0:  # the rules' budgets are not enough: share what is left by importance
                 room = max(sum(s.wanted for s in spans) - excess, 0)
-                spans = _merge_oldest(spans, room)
+                spans = _merge_oldest(self._join_global(spans), room)
                 importance = self._importance(spans)
                 shares = [s.rule.weight * math.sqrt(max(w, 1e-9)) * len(s.positions) for s, w in zip(spans, importance)]
                 targets = _fill(room, shares, [s.wanted for s in spans], [s.floor for s in spans])
                 return [(s, t, t < s.wanted) for s, t in zip(spans, targets) if t < s.current - 0.5]
         return [(s, int(s.wanted), False) for s in spans if s.wanted < s.current - 0.5]
+
+    def _join_global(self, spans: list[_Span]) -> list[_Span]:
+        """One span for all segments of a rule whose method scores slots on one scale across segments (its
+        ``global_scores``): one selection then spends the room where the scores are highest, wherever that is."""
+        out: list[_Span | list[_Span]] = []
+        groups: dict[int, list[_Span]] = {}
+        for span in spans:
+            if not self._method(span.rule).global_scores:
+                out.append(span)
+                continue
+            if id(span.rule) not in groups:
+                groups[id(span.rule)] = []
+                out.append(groups[id(span.rule)])
+            groups[id(span.rule)].append(span)
+        return [_joined(item) if isinstance(item, list) else item for item in out]
 
     # ---- telemetry -------------------------------------------------------------------------------
     def _record(self, event: str) -> None:
@@ -326,6 +339,19 @@ def _fill(room: float, shares: list[float], caps: list[float], floors: list[int]
     for i in open_spans:
         targets[i] = max(0.0, room) * shares[i] / total
     return [int(max(floor, math.floor(t))) for t, floor in zip(targets, floors)]
+
+
+def _joined(spans: list[_Span]) -> _Span:
+    """The spans as one (positions in order; they need not be adjacent)."""
+    if len(spans) == 1:
+        return spans[0]
+    return _Span(
+        [seg for s in spans for seg in s.segments],
+        torch.cat([s.positions for s in spans]),
+        spans[0].rule,
+        sum(s.current for s in spans),
+        sum(s.wanted for s in spans),
+    )
 
 
 def _merge_oldest(spans: list[_Span], room: float) -> list[_Span]:

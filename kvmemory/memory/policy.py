@@ -202,29 +202,20 @@ class MemoryPolicy(BaseModel):
         return cls.from_dict(data)
 
 
-def default_policy(max_slots: int | None = None, interval: int | None = 1024, recent_tokens: int = 256) -> MemoryPolicy:
-    """Good out of the box for agents: protect the system prompt, the task and tool schemas; squeeze tool
-    output hard (test logs hardest); compact everything else with TAM (Attention Matching over segment
-    budgets with pivotal tokens verbatim), fitted to the selector window and each span's own prefill
-    queries. In the long agent session (``benchmarks/agent_session.py``) this kept the model fluent where
-    Attention Matching under REAL head budgets, the best single-shot compactor in ``benchmarks/quality.py``,
-    did not."""
-    tam = {"method": "tam", "query_source": ["window", "context"]}
+def default_policy(max_slots: int | None = None, interval: int | None = None, recent_tokens: int = 128) -> MemoryPolicy:
+    """Good out of the box for agents: protect the system prompt, the task and tool schemas; compact nothing
+    until the cap requires it, then keep the lines of highest surprisal across everything else
+    (``selective_context``), just as many as the cap allows. On real agent traces
+    (``benchmarks/agent_memory.py``) this keeps single-mention facts (names, ports, buckets) that selectors
+    ranking by the attention of recent queries (SnapKV, TAM, Attention Matching) lose. Without ``max_slots``
+    the cap is the model's context."""
     return MemoryPolicy(
         rules=[
             CompactionRule(name="system", match=SegmentMatch(kind=["system", "tool_schema"]), protected=True),
             CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
-            CompactionRule(
-                name="test-logs",
-                match=SegmentMatch(kind="tool_output", content=r"(?i)(passed|failed|error|traceback)"),
-                ratio=12.0,
-                weight=0.7,
-                **tam,
-            ),
-            CompactionRule(name="tool-output", match=SegmentMatch(kind="tool_output"), ratio=6.0, **tam),
-            CompactionRule(name="reasoning", match=SegmentMatch(kind="reasoning"), ratio=8.0, **tam),
-            CompactionRule(name="tool-calls", match=SegmentMatch(kind="tool_call"), ratio=2.0, weight=1.5, **tam),
         ],
-        default=CompactionRule(name="default", ratio=3.0, **tam),
-        budget=MemoryBudget(max_slots=max_slots, interval=interval, recent_tokens=recent_tokens),
+        default=CompactionRule(name="context", method="selective_context"),
+        budget=MemoryBudget(
+            max_slots=max_slots, interval=interval, recent_tokens=recent_tokens, target_fraction=0.9
+        ),
     )

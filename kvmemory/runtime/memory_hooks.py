@@ -16,8 +16,8 @@ class SessionMemory(Protocol):
     def attach(self, session) -> None:
         """Bind to ``session`` (once) and switch on the recorders its compaction methods read."""
 
-    def slot_cap(self) -> int | None:
-        """The cap on physical slots (mean over layers), or None without one."""
+    def slot_cap(self) -> int:
+        """The cap on physical slots (mean over layers): the policy's, at most the model's context."""
 
     def check_fits(self, n_new: int, new_segments: list[Segment]) -> None:
         """Raise ``MemoryCapError`` before anything changes if ``n_new`` tokens cannot fit, even compacted."""

@@ -130,6 +130,8 @@ def _payload(session, snap: SessionState) -> tuple[dict[str, torch.Tensor], dict
         hidden = sorted(snap.hidden)
         if hidden:
             tensors["hidden"] = torch.stack([snap.hidden[p] for p in hidden]).cpu().contiguous()
+    if snap.surprisal is not None:
+        tensors["surprisal"] = snap.surprisal.contiguous()
     cache = snap.cache
     state = {
         "id": session.id,
@@ -154,6 +156,7 @@ def _payload(session, snap: SessionState) -> tuple[dict[str, torch.Tensor], dict
         },
         "queries": queries,
         "hidden_positions": hidden,
+        "surprisal": snap.surprisal is not None,
         "memory": session.memory.export() if session.memory is not None else None,
     }
     return tensors, state
@@ -207,6 +210,8 @@ def load_session(engine, path, session_id: str | None = None):
     session = engine.session(session_id or state["id"], prefill_chunk_size=state["prefill_chunk_size"])
     if state["hidden_positions"] is not None:
         session.record_last_layer_inputs()
+    if state.get("surprisal"):  # files written before surprisal was recorded have none
+        session.record_surprisal()
     if memory is not None:
         session.set_memory(memory)  # switches on the recorders its methods read; their contents follow
     queries = state["queries"]
@@ -239,6 +244,7 @@ def load_session(engine, path, session_id: str | None = None):
             queries=_query_state(queries, tensor, engine.num_layers),
             hidden=_hidden_state(state["hidden_positions"], tensor),
             memory=memory.state() if memory is not None else None,
+            surprisal=tensor("surprisal").cpu() if state.get("surprisal") else None,
         )
     )
     return session

@@ -5,6 +5,8 @@
   repeat-prefill and self-study reference queries).
 * ``HiddenRecorder`` keeps the input of the last decoder layer per position, which the fast
   counter-causal score needs.
+* ``SurprisalRecorder`` keeps each token's surprisal −log p(token | what came before), which the
+  selective-context method ranks by.
 Queries come back grouped by KV head: (H, tokens·G, D), rows token-major.
 """
 
@@ -152,3 +154,40 @@ class HiddenRecorder:
     def drop_from(self, position: int) -> None:
         for pos in [p for p in self.store if p >= position]:
             del self.store[pos]
+
+
+class SurprisalRecorder:
+    """Surprisal −log p(x_i | x_<i) in nats of every token as it enters the session, by logical position
+    (NaN where unknown: the session's first token, or tokens appended before recording began).
+
+    The values live in one tensor that is replaced, never written in place, so ``state()`` is a reference."""
+
+    def __init__(self):
+        self.values = torch.empty(0)
+
+    def record(self, start: int, values: torch.Tensor) -> None:
+        """Surprisal of the tokens at ``start``, ``start + 1``, …; a NaN never hides a known value."""
+        values = values.detach().float().cpu()
+        old = self.values[start : start + len(values)]
+        if old.numel():
+            values = values.clone()
+            values[: old.numel()] = torch.where(values[: old.numel()].isnan(), old, values[: old.numel()])
+        gap = torch.full((max(0, start - len(self.values)),), float("nan"))
+        self.values = torch.cat([self.values[:start], gap, values, self.values[start + len(values) :]])
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Surprisal at ``positions`` (NaN where unknown)."""
+        positions = positions.long().cpu()
+        out = torch.full(positions.shape, float("nan"))
+        inside = (positions >= 0) & (positions < len(self.values))
+        out[inside] = self.values[positions[inside]]
+        return out
+
+    def drop_from(self, position: int) -> None:
+        self.values = self.values[:position]
+
+    def state(self) -> torch.Tensor:
+        return self.values
+
+    def restore(self, state: torch.Tensor) -> None:
+        self.values = state

@@ -63,7 +63,7 @@ from kvmemory.runtime.conversation import (
 from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
 from kvmemory.runtime.memory_hooks import SessionMemory
 from kvmemory.runtime.persistence import save_session
-from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
+from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder, SurprisalRecorder
 from kvmemory.runtime.search import rank_segments
 from kvmemory.runtime.segments import SEGMENT_KINDS, Segment
 from kvmemory.runtime.state import SessionState
@@ -157,6 +157,7 @@ class Session:
         self._next_segment_id = 0
         self.query_recorder: QueryRecorder | None = None
         self.hidden_recorder: HiddenRecorder | None = None
+        self.surprisal_recorder: SurprisalRecorder | None = None
         self.compaction_log: list[dict] = []
         self.prefilled_tokens = 0  # tokens run through the model by appends (cache reuse shows here)
         self._turn_prefilled = 0  # of those, since the last reply (what a reply's prompt did not find cached)
@@ -195,6 +196,7 @@ class Session:
             rec.state() if rec is not None else None,
             dict(hidden.store) if hidden is not None else None,
             self.memory.state() if self.memory is not None else None,
+            self.surprisal_recorder.state() if self.surprisal_recorder is not None else None,
         )
 
     def restore(self, state: SessionState) -> None:
@@ -211,6 +213,8 @@ class Session:
             self.query_recorder.restore(state.queries)
         if self.hidden_recorder is not None and state.hidden is not None:
             self.hidden_recorder.store = dict(state.hidden)
+        if self.surprisal_recorder is not None and state.surprisal is not None:
+            self.surprisal_recorder.restore(state.surprisal)
         if self.memory is not None and state.memory is not None:
             self.memory.restore(state.memory)
 
@@ -265,6 +269,13 @@ class Session:
             self.hidden_recorder = HiddenRecorder()
         return self.hidden_recorder
 
+    def record_surprisal(self) -> SurprisalRecorder:
+        """Keep each appended token's surprisal (for the selective-context method). Every prefilled token's
+        logits are then computed, which costs about one more matrix product per token."""
+        if self.surprisal_recorder is None:
+            self.surprisal_recorder = SurprisalRecorder()
+        return self.surprisal_recorder
+
     @_exclusive
     def rebase_positions(self) -> int:
         """Re-rotate the cache so that each head's RoPE positions are the ranks of its cached slots (closing
@@ -295,6 +306,8 @@ class Session:
                 child.query_recorder = copy.deepcopy(self.query_recorder)
             if self.hidden_recorder is not None:
                 child.record_last_layer_inputs()
+            if self.surprisal_recorder is not None:
+                child.record_surprisal()
             child.restore(self.snapshot())
             child.cache = self.cache.clone()  # nothing shared: both sessions append into their own buffers
             child.compaction_log = list(self.compaction_log)
@@ -304,7 +317,7 @@ class Session:
         """Free the cache. The transcript stays readable."""
         with self._lock:
             self.closed = True
-            self.hidden_recorder = None
+            self.hidden_recorder = self.surprisal_recorder = None
             self.cache = CompactCache(self.engine.num_layers)
             self._last_logits = None
 
@@ -779,10 +792,11 @@ class Session:
             raise InvalidArgumentError(f"query_source must be among {', '.join(QUERY_SOURCES)}, got {query_source!r}")
         span = self._compaction_span(segments, positions, keep_first, keep_last)
         budget = int(slots) if slots is not None else max(1, round(span.numel() / ratio))
-        self._enable_recorders_for(method)
         measure = measure_error and self.query_recorder is not None and self.query_recorder.has_window
         job = SpanJob(span, method, budget, query_source if method.uses_queries else "window")
-        return compact_spans(self, [job], trigger="manual", measure_error=measure)[0]
+        record = compact_spans(self, [job], trigger="manual", measure_error=measure)[0]
+        self._enable_recorders_for(method)  # for the next call: this one's positions were appended without
+        return record
 
     def _method_of(self, method, params: dict) -> CompactionMethod:
         if isinstance(method, CompactionMethod):
@@ -831,9 +845,11 @@ class Session:
         return span
 
     def _enable_recorders_for(self, method: CompactionMethod) -> None:
-        """Switch on what ``method`` reads (from now on; positions already appended are scored without it)."""
+        """Switch on what ``method`` reads from now on (positions already appended are scored without it)."""
         if method.needs_last_layer_inputs:
             self.record_last_layer_inputs()
+        if method.needs_surprisal:
+            self.record_surprisal()
 
     def segment_slots(self) -> dict[int, float]:
         """Physical slots each segment holds, per KV head (mean over layers and heads)."""
@@ -966,11 +982,10 @@ class Session:
                 f"appending {n_new} tokens at position {len(self.tokens)} would pass the engine's position "
                 f"limit of {self.engine.position_limit}"
             )
-        capped = self.memory is not None and self.memory.slot_cap() is not None
-        if not capped and self._longest_after(n_new) > self.engine.max_context:
+        if self.memory is None and self._longest_after(n_new) > self.engine.max_context:
             raise ContextLengthError(
                 f"appending {n_new} tokens to a cache of {self._longest_after(0)} slots would exceed the model's "
-                f"{self.engine.max_context} positions (attach a MemoryManager with a cap to compact instead)"
+                f"{self.engine.max_context} positions (attach a MemoryManager to compact instead)"
             )
         if self.memory is not None:
             self.memory.check_fits(n_new, list(new_segments))
@@ -1042,16 +1057,32 @@ class Session:
             positions,
             self.cache.rope_positions(positions),
             segment_id,
-            all_logits,
+            all_logits or self._records_surprisal(segment_id),
             self.query_recorder,
             self.hidden_recorder,
         )
         logits = engine.batcher.run(request)
+        if self._records_surprisal(segment_id):
+            self._record_surprisal(ids, positions_from, logits)
+            logits = logits if all_logits else logits[-1:]
         if segment_id >= 0:
             self.prefilled_tokens += len(ids)
         if not all_logits:
             self._last_logits = logits[-1]
         return logits
+
+    def _records_surprisal(self, segment_id: int) -> bool:
+        return self.surprisal_recorder is not None and segment_id >= 0  # scratch forwards are not the session's
+
+    def _record_surprisal(self, ids: list[int], start: int, logits: torch.Tensor) -> None:
+        """Surprisal of ``ids`` from the logits before each: the session's last ones, then the pass's own."""
+        before = logits[:-1].float()
+        if self._last_logits is not None:
+            before = torch.cat([self._last_logits[None].float(), before])
+        targets = torch.tensor(ids[len(ids) - len(before) :], device=before.device)
+        known = -torch.log_softmax(before, dim=-1).gather(1, targets[:, None])[:, 0]
+        unknown = torch.full((len(ids) - len(known),), float("nan"), device=known.device)
+        self.surprisal_recorder.record(start, torch.cat([unknown, known]))
 
     def _after_append(self) -> None:
         if self.memory is not None:
@@ -1087,8 +1118,9 @@ class Session:
         """Cut the session back to ``position`` (cache, transcript and segments)."""
         self._pending = []
         left = self.cache.truncate_positions(position)
-        if self.hidden_recorder is not None:
-            self.hidden_recorder.drop_from(position)
+        for recorder in (self.hidden_recorder, self.surprisal_recorder):
+            if recorder is not None:
+                recorder.drop_from(position)
         del self.tokens[position:]
         self._last_logits = None
         self.segments = [s for s in self.segments if s.start < position]

@@ -29,3 +29,4 @@ class SessionState:
     queries: object
     hidden: dict | None
     memory: tuple | None
+    surprisal: torch.Tensor | None = None

@@ -6,6 +6,7 @@ from kvmemory.compaction.methods.h2o import H2O, H2OConfig
 from kvmemory.compaction.methods.key_norm import KeyNorm, KeyNormConfig
 from kvmemory.compaction.methods.random_eviction import RandomEviction, RandomEvictionConfig
 from kvmemory.compaction.methods.real import REAL, REALConfig
+from kvmemory.compaction.methods.selective_context import SelectiveContext, SelectiveContextConfig
 from kvmemory.compaction.methods.snapkv import SnapKV, SnapKVConfig
 from kvmemory.compaction.methods.streaming_llm import StreamingLLM, StreamingLLMConfig
 from kvmemory.compaction.methods.tam import TAM, TAMConfig
@@ -24,6 +25,8 @@ __all__ = [
     "REALConfig",
     "RandomEviction",
     "RandomEvictionConfig",
+    "SelectiveContext",
+    "SelectiveContextConfig",
     "SnapKV",
     "SnapKVConfig",
     "StreamingLLM",

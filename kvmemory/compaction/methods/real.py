@@ -55,6 +55,10 @@ class REAL(CompactionMethod):
     def needs_last_layer_inputs(self) -> bool:
         return self.inner.needs_last_layer_inputs
 
+    @property
+    def needs_surprisal(self) -> bool:
+        return self.inner.needs_surprisal
+
     def head_scores(self, span: CacheSpan) -> torch.Tensor:
         if self._scores is None:
             from kvmemory.compaction.head_profiling import profile_for
