@@ -215,7 +215,5 @@ def default_policy(max_slots: int | None = None, interval: int | None = None, re
             CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
         ],
         default=CompactionRule(name="context", method="selective_context"),
-        budget=MemoryBudget(
-            max_slots=max_slots, interval=interval, recent_tokens=recent_tokens, target_fraction=0.9
-        ),
+        budget=MemoryBudget(max_slots=max_slots, interval=interval, recent_tokens=recent_tokens, target_fraction=0.9),
     )
