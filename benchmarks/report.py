@@ -251,9 +251,14 @@ def agent_section(d: dict) -> str:
 def agent_memory_section(d: dict) -> str:
     columns = ["condition", "fact gain kept", "95% CI", "exact match", "ΔNLL last turn", "degenerate", "peak KV MB"]
     columns.append("compaction s / 2,048 slots")
+    full = [r for r in d["rows"] if r["condition"] == "uncompacted"]
+    tokens = [r["cap_tokens"] / 1000 for r in full]
+    facts = [len(r["facts"]) for r in full]
+    fact_range = f"{min(facts)}" if min(facts) == max(facts) else f"{min(facts)}-{max(facts)}"
     out = [
         "**Agent memory** (`python -m benchmarks.agent_memory`): real coding-agent traces "
-        f"({', '.join(d['traces'])}; 5.3k-6.3k tokens, 11-12 single-mention facts each, asked at the end), "
+        f"({', '.join(d['traces'])}; {min(tokens):.1f}k-{max(tokens):.1f}k tokens, "
+        f"{fact_range} single-mention facts each, asked at the end; {d.get('weights', 'fp32')} weights), "
         "replayed step by step under a cap of 1/N of each trace; kvmemory conditions at equal KV bytes, text "
         "baselines at the same token budget. *Fact gain kept*: "
         "the share of the answer log-probability gain that the whole trace gives over no trace (1 = as good as "

@@ -21,12 +21,23 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.methods.counter_causal import PositionScores, span_positions
 from kvmemory.compaction.registry import register
+from kvmemory.compaction.solvers import pool_scores
 from kvmemory.errors import InvalidArgumentError
 
 
 class SelectiveContextConfig(MethodConfig):
     max_unit_tokens: int = Field(64, ge=1, description="a line longer than this is ranked in pieces this long")
+    window_share: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="share of each head's budget for the slots the selector window attends to most (SnapKV "
+        "scoring): what the next tokens lean on, whatever its surprisal",
+    )
+    window: int = Field(32, ge=1, description="selector-window tokens whose queries vote (with window_share)")
+    kernel: int = Field(7, ge=1, description="pooling kernel over neighbouring slots (with window_share)")
 
 
 def unit_scores(
@@ -55,38 +66,61 @@ def unit_scores(
     return mean[unit]
 
 
+def line_surprisal(span: CacheSpan, max_unit_tokens: int) -> PositionScores:
+    """Each span position ranked by the mean surprisal of its unit (higher is kept first; within a unit the
+    earlier token first, so a partly kept line keeps its start). Raises if no surprisal was recorded."""
+    positions = span_positions(span).cpu()
+    recorded = span.surprisal if span.surprisal is not None else torch.empty(0)
+    surprisal = torch.full(positions.shape, float("nan"))
+    inside = positions < len(recorded)
+    surprisal[inside] = recorded[positions[inside]].float()
+    if bool(surprisal.isnan().all()):
+        raise InvalidArgumentError(
+            "selective_context ranks tokens by their recorded surprisal and none was recorded for this span: "
+            "call session.record_surprisal() before appending (a memory manager whose policy uses the method "
+            "switches it on when attached)"
+        )
+    texts = [span.text_of_token(span.token_of_position.get(p, -1)) for p in positions.tolist()]
+    ends_line = torch.tensor(["\n" in text for text in texts], dtype=torch.bool)
+    scores = unit_scores(positions, surprisal, ends_line, max_unit_tokens)
+    order = torch.argsort(-scores, stable=True)  # positions ascend: within a tie the earlier token comes first
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order))
+    return PositionScores(positions, -rank.float())
+
+
 @register
 class SelectiveContext(ScoreEviction):
     """Selective context (Li et al., EMNLP 2023): keep the lines of highest mean surprisal, in every head."""
 
     name = "selective_context"
     Config = SelectiveContextConfig
-    uses_queries = False
     global_scores = True
+
+    @property
+    def uses_queries(self) -> bool:
+        return self.config.window_share > 0
 
     @property
     def needs_surprisal(self) -> bool:
         return True
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
-        positions = torch.unique(torch.cat([layer.positions[layer.valid].cpu() for layer in span.layers]))
-        recorded = span.surprisal if span.surprisal is not None else torch.empty(0)
-        surprisal = torch.full(positions.shape, float("nan"))
-        inside = positions < len(recorded)
-        surprisal[inside] = recorded[positions[inside]].float()
-        if bool(surprisal.isnan().all()):
-            raise InvalidArgumentError(
-                "selective_context ranks tokens by their recorded surprisal and none was recorded for this span: "
-                "call session.record_surprisal() before appending (a memory manager whose policy uses the method "
-                "switches it on when attached)"
-            )
-        texts = [span.text_of_token(span.token_of_position.get(p, -1)) for p in positions.tolist()]
-        ends_line = torch.tensor(["\n" in text for text in texts], dtype=torch.bool)
-        scores = unit_scores(positions, surprisal, ends_line, self.config.max_unit_tokens)
-        self._table = torch.full((int(positions[-1]) + 1,), float("-inf"))
-        # ties (the tokens of one unit) go to the earlier token: a partly kept line keeps its start
-        self._table[positions] = scores - positions * 1e-9
+        self._scores = line_surprisal(span, self.config.max_unit_tokens)
+        self._group_size = span.query_group_size
         return super().compact(span, budgets)
 
     def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:
-        return self._table[layer.positions.cpu().clamp_min(0)].to(layer.keys.device)
+        return self._scores.score_slots(layer.positions.cpu()).to(layer.keys.device)
+
+    def forced(self, layer: LayerSpan, budget: torch.Tensor) -> torch.Tensor | None:
+        """The ``window_share`` of each head's budget that the selector window attends to most."""
+        if self.config.window_share == 0 or layer.queries is None:
+            return None
+        queries = layer.queries[:, -self.config.window * self._group_size :]
+        attention = pool_scores(layer.attention(queries).mean(dim=1), self.config.kernel).masked_fill(~layer.valid, -1)
+        forced = torch.zeros_like(layer.valid)
+        for h, slots in enumerate(budget.tolist()):
+            take = min(int(slots * self.config.window_share), int(layer.valid[h].sum()))
+            forced[h, torch.topk(attention[h], take).indices] = True
+        return forced
