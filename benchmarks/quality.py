@@ -45,8 +45,19 @@ METHODS = {  # label: (registry name, params, reference-query sources)
     "am_real_context": ("real", {"inner": "attention_matching"}, CONTEXT),
     "tam": ("tam", {"length_exponent": 1.0}, "window"),
     "tam_sqrt_wn": ("tam", {"length_exponent": 0.5}, "window"),
+    "selective_context": ("selective_context", {}, "window"),
 }
-EVICTION = ("streaming_llm", "h2o", "tova", "snapkv", "key_norm", "random", "counter_causal", "real")
+EVICTION = (
+    "streaming_llm",
+    "h2o",
+    "tova",
+    "snapkv",
+    "key_norm",
+    "random",
+    "counter_causal",
+    "real",
+    "selective_context",
+)
 PROBES = [
     (
         "NOTICE deploy: the rollback token for cluster east is 8841.",
@@ -67,6 +78,7 @@ def prepared_session(engine, ids: list[int]):
     session = engine.session()
     session.record_queries(WINDOW, context=CONTEXT_QUERIES)
     session.record_last_layer_inputs()
+    session.record_surprisal()
     session.append_tokens(ids)
     return session
 

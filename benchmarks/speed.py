@@ -10,18 +10,21 @@ plain transformers, per weight format, and decode after compaction.
   is warmed up once, then they take turns run by run, so drift on a shared machine hits all; medians.
 * ``callers``: decode at 512 tokens called from the main thread, a fresh thread per call and a long-lived
   worker thread (how a script, a server and an async API call a Session).
+* ``recording``: prefill and decode at 2,048 tokens with each token's surprisal recorded (what the default
+  policy's selective context reads) against without.
 * ``compacted``: decode after compacting the longest context to 400 slots per head (even, and uneven heads
   of the same total) against the same session uncompacted, and against llama.cpp at that context.
 * ``kernels``: one token through every linear weight of a model of the default model's shapes, per kernel
   (why kvmemory offers 16-bit weights and no int8/int4 on this kind of CPU).
 
     python -m benchmarks.speed [--repeats 3] [--decode-tokens 32] [--contexts 512 2048 4096]
-        [--skip weights kernels]
+        [--skip weights kernels] [--only recording]   # --only: rerun sections, keep the rest of the saved run
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import threading
 import time
@@ -40,12 +43,15 @@ from kvmemory.runtime.weights import default_weights
 
 WEIGHT_FORMATS = ["fp32", "bf16", "fp16"]
 QUALITY_METHODS = ["snapkv", "am_real", "tam"]
+SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted"]
 
 
 # ---- runners: each returns (prefill seconds, decode seconds) for ``ids`` then ``n`` greedy tokens ----------
-def session_runner(engine):
+def session_runner(engine, record_surprisal: bool = False):
     def run(ids, n):
         session = engine.session()
+        if record_surprisal:
+            session.record_surprisal()
         start = time.perf_counter()
         session.append_tokens(ids)
         prefilled = time.perf_counter()
@@ -197,6 +203,18 @@ def callers_section(engine, text_ids, n_dec, repeats):
     return row
 
 
+def recording_section(engine, text_ids, n_dec, repeats):
+    """What recording each token's surprisal (the default policy's selective context) costs a session."""
+    runners = {"plain": session_runner(engine), "surprisal recorded": session_runner(engine, record_surprisal=True)}
+    medians = alternate(runners, text_ids[:2048], n_dec, repeats)
+    row = {"context": 2048}
+    for name, (prefill, decode) in medians.items():
+        row |= {f"{name} prefill tok/s": 2048 / prefill, f"{name} decode tok/s": n_dec / decode}
+    row["prefill cost"] = row["plain prefill tok/s"] / row["surprisal recorded prefill tok/s"] - 1
+    print(table([row], list(row)), flush=True)
+    return row
+
+
 def transformers_plain(model):
     """transformers' own sdpa attention over a DynamicCache, on the engine's model (restored after each run)."""
     inner = transformers_runner(model)
@@ -341,27 +359,34 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
-    parser.add_argument("--skip", nargs="*", default=[], choices=["weights", "kernels"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
+    parser.add_argument(
+        "--only", nargs="+", choices=SECTIONS, help="run only these sections, keeping the others from the saved run"
+    )
     args = parser.parse_args()
 
     engine = Engine.from_pretrained("default")
     text_ids = engine.tokenizer.encode(source_text(200_000), add_special_tokens=False)
     n_dec = args.decode_tokens
-    out = {
-        "decode_tokens": n_dec,
-        "repeats": args.repeats,
-        "weights_default": default_weights(engine.device, engine.dtype),
-    }
-    if "kernels" not in args.skip:
+    run = [name for name in (args.only or SECTIONS) if name not in args.skip]
+    out = json.loads((RESULTS / "speed.json").read_text()) if args.only else {}
+    out |= {"decode_tokens": n_dec, "repeats": args.repeats}
+    out["weights_default"] = default_weights(engine.device, engine.dtype)
+    if "kernels" in run:
         out["kernels"] = run_on_compute(kernels_section, engine.config, args.repeats)
-    if "weights" not in args.skip:
+    if "weights" in run:
         out["weights"] = weights_section(text_ids, n_dec, args.repeats)
-    out["callers"] = callers_section(engine, text_ids, n_dec, args.repeats)
-    out["contexts"] = contexts_section(engine, text_ids, args.contexts, n_dec, args.repeats)
-    longest = out["contexts"][-1]
-    out["compacted"] = compacted_section(
-        engine, text_ids, longest["context"], n_dec, args.repeats, longest.get("llama.cpp decode tok/s")
-    )
+    if "callers" in run:
+        out["callers"] = callers_section(engine, text_ids, n_dec, args.repeats)
+    if "recording" in run:
+        out["recording"] = recording_section(engine, text_ids, n_dec, args.repeats)
+    if "contexts" in run:
+        out["contexts"] = contexts_section(engine, text_ids, args.contexts, n_dec, args.repeats)
+    if "compacted" in run:
+        longest = out["contexts"][-1]
+        out["compacted"] = compacted_section(
+            engine, text_ids, longest["context"], n_dec, args.repeats, longest.get("llama.cpp decode tok/s")
+        )
     print()
     print(table(out["contexts"], list(out["contexts"][0])))
     plot(out)

@@ -253,7 +253,7 @@ def test_counter_causal_score_survives_a_rebase():
 
 
 @pytest.mark.parametrize("arch_name", list(ARCHITECTURES))
-@pytest.mark.parametrize("method_name", available_methods() + ["am_counter_causal", "am_omp", "am_selective_context"])
+@pytest.mark.parametrize("method_name", available_methods() + ["am_counter_causal", "am_omp"])
 def test_every_method_runs_on_every_architecture(arch_name, method_name):
     engine = Engine(tiny_model(arch_name))
     session = engine.session()
@@ -264,7 +264,6 @@ def test_every_method_runs_on_every_architecture(arch_name, method_name):
     params = {
         "am_counter_causal": ("attention_matching", {"selector": "counter_causal"}),
         "am_omp": ("attention_matching", {"selector": "omp"}),
-        "am_selective_context": ("attention_matching", {"selector": "selective_context"}),
         "real": ("real", {"scores": [[1.0, 2.0], [3.0, 0.5]]}),
     }
     name, kwargs = params.get(method_name, (method_name, {}))

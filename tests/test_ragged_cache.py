@@ -151,7 +151,7 @@ def test_uniform_budgets_keep_the_dense_layout_bit_for_bit(tiny_engine):
     assert torch.equal(session.logprobs(cont), padded_twin(session).logprobs(cont))
 
 
-@pytest.mark.parametrize("method_name", available_methods() + ["am_counter_causal", "am_selective_context"])
+@pytest.mark.parametrize("method_name", available_methods() + ["am_counter_causal"])
 def test_every_method_compacts_a_cache_whose_heads_are_already_uneven(method_name):
     engine = Engine(tiny_model("llama", num_hidden_layers=3))
     session = engine.session()
@@ -162,7 +162,6 @@ def test_every_method_compacts_a_cache_whose_heads_are_already_uneven(method_nam
     session.apply_plan(uneven_plan(session, seed=4))
     params = {
         "am_counter_causal": ("attention_matching", {"selector": "counter_causal"}),
-        "am_selective_context": ("attention_matching", {"selector": "selective_context"}),
         "real": ("real", {"scores": [[1.0, 2.0], [3.0, 0.5], [0.7, 1.4]]}),
     }
     name, kwargs = params.get(method_name, (method_name, {}))

@@ -202,7 +202,7 @@ class MemoryPolicy(BaseModel):
         return cls.from_dict(data)
 
 
-def default_policy(max_slots: int | None = None, interval: int | None = None, recent_tokens: int = 128) -> MemoryPolicy:
+def default_policy(max_slots: int | None = None, recent_tokens: int = 128) -> MemoryPolicy:
     """Good out of the box for agents: protect the system prompt, the task and tool schemas; compact nothing
     until the cap requires it, then keep the lines of highest surprisal across everything else
     (``selective_context``), just as many as the cap allows. On real agent traces
@@ -215,5 +215,5 @@ def default_policy(max_slots: int | None = None, interval: int | None = None, re
             CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
         ],
         default=CompactionRule(name="context", method="selective_context"),
-        budget=MemoryBudget(max_slots=max_slots, interval=interval, recent_tokens=recent_tokens, target_fraction=0.9),
+        budget=MemoryBudget(max_slots=max_slots, recent_tokens=recent_tokens, target_fraction=0.9),
     )

@@ -24,16 +24,13 @@ from kvmemory.compaction.base import (
     topk_per_head,
 )
 from kvmemory.compaction.methods.counter_causal import surprise_scores
-from kvmemory.compaction.methods.selective_context import SelectiveContextConfig, line_surprisal
 from kvmemory.compaction.registry import register
 from kvmemory.compaction.solvers import fit_bias_and_values, gather_columns, nnls_box, pool_scores, reduce_attention
 
 
 class AttentionMatchingConfig(MethodConfig):
-    selector: Literal["highest_attention", "omp", "counter_causal", "selective_context"] = Field(
-        "highest_attention",
-        description="how keys are chosen; counter_causal uses the surprise score, selective_context the lines "
-        "of highest recorded surprisal",
+    selector: Literal["highest_attention", "omp", "counter_causal"] = Field(
+        "highest_attention", description="how keys are chosen; counter_causal uses the surprise score"
     )
     reduction: Literal["rms", "max", "mean"] = Field("rms", description="attention reduction over queries")
     pool_kernel: int = Field(0, ge=0, description="pooling of selection scores over neighbouring slots (0: off)")
@@ -72,20 +69,10 @@ class AttentionMatching(CompactionMethod):
     def needs_last_layer_inputs(self) -> bool:
         return self.config.selector == "counter_causal" and self.config.counter_causal_fast
 
-    @property
-    def needs_surprisal(self) -> bool:
-        return self.config.selector == "selective_context"
-
-    @property
-    def global_scores(self) -> bool:
-        return self.config.selector == "selective_context"
-
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         position_scores = None
         if self.config.selector == "counter_causal":
             position_scores = surprise_scores(span, fast=self.config.counter_causal_fast)
-        elif self.config.selector == "selective_context":
-            position_scores = line_surprisal(span, SelectiveContextConfig().max_unit_tokens)
         results = []
         for layer in span.layers:
             forced = protected_mask(span, layer)

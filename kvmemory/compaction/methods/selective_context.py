@@ -23,21 +23,11 @@ from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan, MethodCo
 from kvmemory.compaction.eviction import ScoreEviction
 from kvmemory.compaction.methods.counter_causal import PositionScores, span_positions
 from kvmemory.compaction.registry import register
-from kvmemory.compaction.solvers import pool_scores
 from kvmemory.errors import InvalidArgumentError
 
 
 class SelectiveContextConfig(MethodConfig):
     max_unit_tokens: int = Field(64, ge=1, description="a line longer than this is ranked in pieces this long")
-    window_share: float = Field(
-        0.0,
-        ge=0.0,
-        le=1.0,
-        description="share of each head's budget for the slots the selector window attends to most (SnapKV "
-        "scoring): what the next tokens lean on, whatever its surprisal",
-    )
-    window: int = Field(32, ge=1, description="selector-window tokens whose queries vote (with window_share)")
-    kernel: int = Field(7, ge=1, description="pooling kernel over neighbouring slots (with window_share)")
 
 
 def unit_scores(
@@ -95,11 +85,8 @@ class SelectiveContext(ScoreEviction):
 
     name = "selective_context"
     Config = SelectiveContextConfig
+    uses_queries = False
     global_scores = True
-
-    @property
-    def uses_queries(self) -> bool:
-        return self.config.window_share > 0
 
     @property
     def needs_surprisal(self) -> bool:
@@ -107,20 +94,7 @@ class SelectiveContext(ScoreEviction):
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         self._scores = line_surprisal(span, self.config.max_unit_tokens)
-        self._group_size = span.query_group_size
         return super().compact(span, budgets)
 
     def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:
         return self._scores.score_slots(layer.positions.cpu()).to(layer.keys.device)
-
-    def forced(self, layer: LayerSpan, budget: torch.Tensor) -> torch.Tensor | None:
-        """The ``window_share`` of each head's budget that the selector window attends to most."""
-        if self.config.window_share == 0 or layer.queries is None:
-            return None
-        queries = layer.queries[:, -self.config.window * self._group_size :]
-        attention = pool_scores(layer.attention(queries).mean(dim=1), self.config.kernel).masked_fill(~layer.valid, -1)
-        forced = torch.zeros_like(layer.valid)
-        for h, slots in enumerate(budget.tolist()):
-            take = min(int(slots * self.config.window_share), int(layer.valid[h].sum()))
-            forced[h, torch.topk(attention[h], take).indices] = True
-        return forced
