@@ -228,6 +228,7 @@ def main() -> None:
     print(table(rows, list(rows[0])))
     plot(rows, RESULTS / "concurrency.png")
     settings = {"context": args.context, "tokens": args.tokens, "cap": args.cap, "weights": weights}
+    settings["default_method"] = default_policy().default.method
     out = save("concurrency", {**settings, "rows": rows})
     print(f"saved {out}")
 

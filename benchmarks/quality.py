@@ -256,7 +256,7 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
-def update_last_run(last: dict, out: dict, methods: list[str]) -> dict:
+def update_last_run(last: dict, out: dict, methods: list[str], skipped: list[str]) -> dict:
     """A partial run (some sections, or some methods) replaces only what it measured in the last full run:
     its sections, or within them the rows of its methods (and the full-cache reference it re-measured)."""
     remeasured = set(methods) | {"full"}
@@ -269,7 +269,8 @@ def update_last_run(last: dict, out: dict, methods: list[str]) -> dict:
         plot(merged["quality"], RESULTS / "quality.png")
     merged["methods"] = last.get("methods", out["methods"])
     merged["seconds"] = last.get("seconds", 0.0)
-    merged["partial_reruns"] = last.get("partial_reruns", []) + [{"methods": methods, "seconds": out["seconds"]}]
+    rerun = {"methods": methods, "skip": skipped, "seconds": out["seconds"]}
+    merged["partial_reruns"] = last.get("partial_reruns", []) + [rerun]
     return merged
 
 
@@ -318,7 +319,7 @@ def main() -> None:
     out["seconds"] = time.perf_counter() - started
     previous = RESULTS / "quality.json"
     if (args.skip or set(args.methods) != set(METHODS)) and previous.is_file():
-        out = update_last_run(json.loads(previous.read_text()), out, args.methods)
+        out = update_last_run(json.loads(previous.read_text()), out, args.methods, args.skip)
     print(f"saved {save('quality', out)}")
 
 

@@ -119,7 +119,8 @@ def quality_section(d: dict) -> str:
         f"Lower is better; the best per column in bold."
         + "".join(
             f" Rows of {', '.join(f'`{m}`' for m in run['methods'])} were remeasured later "
-            f"(`python -m benchmarks.quality --methods {' '.join(run['methods'])} --skip retrieval latency`)."
+            f"(`python -m benchmarks.quality --methods {' '.join(run['methods'])} "
+            f"--skip {' '.join(run.get('skip', ['retrieval', 'latency']))}`)."
             for run in d.get("partial_reruns", [])
         )
     ]
@@ -271,7 +272,7 @@ def agent_memory_section(d: dict) -> str:
         "baselines at the same token budget. *Fact gain kept*: "
         "the share of the answer log-probability gain that the whole trace gives over no trace (1 = as good as "
         "uncompacted); *degenerate*: empty, repetitive or off-topic free replies; *compaction s*: seconds the memory "
-        "manager spent compacting per 2,048 slots it compacted (– where a run predates that measurement)."
+        "manager spent compacting per 2,048 slots it compacted (– where it compacted nothing)."
     ]
     for cap in dict.fromkeys(r["cap"] for r in d["summary"]):
         body = [
@@ -283,7 +284,7 @@ def agent_memory_section(d: dict) -> str:
                 f"{r['delta_nll_last_turn']:+.3f}",
                 f"{r['degenerate_replies']:.0%}",
                 f"{r['peak_kv_mb']:.0f}",
-                "–" if r.get("pause_s_per_2048_slots") is None else f"{r['pause_s_per_2048_slots']:.1f}",
+                "–" if not r.get("pause_s_per_2048_slots") else f"{r['pause_s_per_2048_slots']:.1f}",
             ]
             for r in d["summary"]
             if r["cap"] == cap
@@ -362,7 +363,8 @@ def concurrency_section(d: dict) -> str:
         "concurrent "
         f"agent sessions on the default model, each holding an agent trace (up to {d['context']} tokens of real tool "
         "calls and outputs) under the "
-        f"default policy, decode {d['tokens']} greedy tokens at once (aggregate decode tokens/s), then append their "
+        f"default policy (its method then: `{d.get('default_method', 'tam')}`), decode {d['tokens']} greedy "
+        "tokens at once (aggregate decode tokens/s), then append their "
         "next tool result and stream a reply (time to first token). Side by side: the engine batching the sessions' "
         "forwards, the same engine one session per forward, and transformers `generate` over the same contexts "
         "left-padded into one batch.\n\n" + md(rows, columns)
