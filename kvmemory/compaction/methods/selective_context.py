@@ -11,7 +11,8 @@ Why it suits agent memory: a value read once (a port, a name, a bucket) was unpr
 read, and the rest of its line is the key a later question finds it by. Selectors that rank by the
 attention of recent queries keep what the last turn looks at and lose such facts. Scores do not depend on
 the queries or on the layer, so every head keeps the same tokens and a later compaction keeps a subset of
-an earlier one's choice (nothing drifts over repeated compactions).
+an earlier one's choice (nothing drifts over repeated compactions). Kept slots stay verbatim: fitting β to
+the recent queries, as Attention Matching does, measured to push exactly these slots down.
 """
 
 from __future__ import annotations
