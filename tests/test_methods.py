@@ -296,6 +296,25 @@ def test_reference_query_sources(tiny_engine):
     assert torch.equal(session._last_logits, before[2])
 
 
+def test_a_source_gives_at_most_a_bounded_number_of_tokens_queries(tiny_engine):
+    """A span of many segments must not hand a method an unbounded query matrix (its fit holds H·m·n)."""
+    from kvmemory.compaction.queries import reference_queries
+
+    session = tiny_engine.session()
+    session.record_queries(8, context=16)
+    for i in range(10):
+        session.append_tokens(random_tokens(20, seed=i))
+    g = tiny_engine.config.num_attention_heads // tiny_engine.num_kv_heads
+    positions = torch.arange(4, 190)
+    every = reference_queries(session, "context", positions)
+    assert every[0].shape[1] > 40 * g
+    capped = reference_queries(session, ["window", "context"], positions, max_tokens_per_source=40)
+    assert capped[0].shape[1] == 8 * g + 40 * g  # the window whole, then 40 evenly spaced context tokens
+    tokens = every[0].view(2, -1, g, 16)
+    first, last = capped[0][:, 8 * g : 9 * g], capped[0][:, -g:]
+    assert torch.equal(first, tokens[:, 0]) and torch.equal(last, tokens[:, -1])  # whole GQA groups, both ends
+
+
 def test_scratch_query_sources_leave_the_session_unchanged(default_engine):
     from kvmemory.compaction.queries import reference_queries
 

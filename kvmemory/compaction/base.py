@@ -65,6 +65,11 @@ class LayerSpan:
             self._cache.update(phi=phi, row_max=row_max, row_mass=phi.sum(-1))
         return self._cache["phi"], self._cache["row_max"], self._cache["row_mass"]
 
+    def release(self) -> None:
+        """Drop the logits and masses cached for the reference queries: a method that is done with this
+        layer calls it, so the span never holds one (H, m, n) matrix per layer at once."""
+        self._cache.clear()
+
     def attention(self, queries: torch.Tensor | None = None) -> torch.Tensor:
         """(H, m, n) attention of each query over the span alone."""
         if queries is not None:

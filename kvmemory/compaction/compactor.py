@@ -142,6 +142,7 @@ def _select(session, positions, method, job: SpanJob, measure_error: bool):
                 index, _ = pad_selection(res.keep, layer.bias.device)
                 shift = res.bias - torch.gather(layer.bias, 1, index)
             errors.append(attention_output_error(layer.logits(), layer.values, res.keep, shift, res.values))
+            layer.release()
         error = float(sum(errors) / len(errors))
     before = float(capacity.float().mean())
     after = float(torch.tensor([[k.numel() for k in r.keep] for r in results]).float().mean())

@@ -28,4 +28,5 @@ class ScoreEviction(CompactionMethod):
                 forced = prot if forced is None else forced | prot
             keep = topk_per_head(self.score(layer, span), layer.valid, budget, forced)
             results.append(LayerResult(keep=keep))
+            layer.release()
         return results

@@ -20,6 +20,7 @@ from kvmemory.errors import KVMemoryError
 
 QuerySource = Literal["window", "context", "repeat", "self_study"]
 QUERY_SOURCES = ("window", "context", "repeat", "self_study")
+MAX_SOURCE_TOKENS = 2048  # tokens' queries one source may give a compaction (bounds the fit's memory)
 REPEAT_INSTRUCTION = "\n\nRepeat the previous context verbatim.\n\n"
 SELF_STUDY_INSTRUCTION = (
     "\n\nSummarize the text above: list every name, number, file, error and fact it contains, "
@@ -28,28 +29,45 @@ SELF_STUDY_INSTRUCTION = (
 
 
 def reference_queries(
-    session, sources: str | list[str], positions: torch.Tensor, self_study_tokens: int = 64
+    session,
+    sources: str | list[str],
+    positions: torch.Tensor,
+    self_study_tokens: int = 64,
+    max_tokens_per_source: int = MAX_SOURCE_TOKENS,
 ) -> list[torch.Tensor]:
-    """Per layer (H, m, D) reference queries for the span at ``positions`` from the given sources."""
+    """Per layer (H, m, D) reference queries for the span at ``positions`` from the given sources; a source
+    other than the window gives at most ``max_tokens_per_source`` tokens' queries, evenly spaced (a method's
+    fit holds an (H, m, span) attention matrix per layer, so m must stay bounded whatever the span)."""
     sources = [sources] if isinstance(sources, str) else list(sources)
+    group = session.engine.config.num_attention_heads // session.engine.num_kv_heads
     per_source = []
     for source in sources:
         if source == "window":
             per_source.append(_window(session))
-        elif source == "context":
+            continue
+        if source == "context":
             found = _context(session, positions)
             if found is None:  # not recorded, or compacted before and released: the window stands in
                 if "window" not in sources:
                     per_source.append(_window(session))
                 continue
-            per_source.append(found)
         elif source == "repeat":
-            per_source.append(_repeat(session, positions))
+            found = _repeat(session, positions)
         elif source == "self_study":
-            per_source.append(_self_study(session, self_study_tokens))
+            found = _self_study(session, self_study_tokens)
         else:
             raise ValueError(f"unknown reference-query source {source!r}; use one of {QUERY_SOURCES}")
+        per_source.append([_evenly_spaced(q, max_tokens_per_source, group) for q in found])
     return [torch.cat([qs[layer] for qs in per_source], dim=1) for layer in range(session.engine.num_layers)]
+
+
+def _evenly_spaced(queries: torch.Tensor | None, tokens: int, group: int) -> torch.Tensor | None:
+    """At most ``tokens`` evenly spaced tokens' queries of (H, T·G, D), whole GQA groups."""
+    if queries is None or queries.shape[1] <= tokens * group:
+        return queries
+    heads, rows, dim = queries.shape
+    chosen = torch.linspace(0, rows // group - 1, tokens, device=queries.device).round().long()
+    return queries.view(heads, rows // group, group, dim)[:, chosen].reshape(heads, tokens * group, dim)
 
 
 def _window(session) -> list[torch.Tensor]:

@@ -77,6 +77,7 @@ class AttentionMatching(CompactionMethod):
         for layer in span.layers:
             forced = protected_mask(span, layer)
             results.append(self.compact_layer(layer, budgets[layer.layer], forced, position_scores))
+            layer.release()
         return results
 
     # ---- one layer -----------------------------------------------------------------------------

@@ -126,7 +126,11 @@ class TAM(CompactionMethod):
         self.matching = AttentionMatching(self.config.matching)
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
-        return [self._compact_layer(span, layer, budgets[layer.layer]) for layer in span.layers]
+        results = []
+        for layer in span.layers:
+            results.append(self._compact_layer(span, layer, budgets[layer.layer]))
+            layer.release()
+        return results
 
     def _compact_layer(self, span: CacheSpan, layer: LayerSpan, budget: torch.Tensor) -> LayerResult:
         cfg = self.config
