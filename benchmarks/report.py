@@ -70,7 +70,8 @@ def speed_section(d: dict) -> str:
         r = d["recording"]
         text += (
             f"\n\nRecording each token's surprisal (what the default policy's selective context ranks by) at "
-            f"{r['context']} tokens: prefill {r['surprisal recorded prefill tok/s']:.0f} tok/s vs "
+            f"{r['context']} tokens (medians of {r.get('repeats', d['repeats'])}): "
+            f"prefill {r['surprisal recorded prefill tok/s']:.0f} tok/s vs "
             f"{r['plain prefill tok/s']:.0f} without ({r['prefill cost']:+.0%} time), decode "
             f"{r['surprisal recorded decode tok/s']:.1f} vs {r['plain decode tok/s']:.1f} tok/s."
         )

@@ -207,7 +207,7 @@ def recording_section(engine, text_ids, n_dec, repeats):
     """What recording each token's surprisal (the default policy's selective context) costs a session."""
     runners = {"plain": session_runner(engine), "surprisal recorded": session_runner(engine, record_surprisal=True)}
     medians = alternate(runners, text_ids[:2048], n_dec, repeats)
-    row = {"context": 2048}
+    row = {"context": 2048, "repeats": repeats}
     for name, (prefill, decode) in medians.items():
         row |= {f"{name} prefill tok/s": 2048 / prefill, f"{name} decode tok/s": n_dec / decode}
     row["prefill cost"] = row["plain prefill tok/s"] / row["surprisal recorded prefill tok/s"] - 1
@@ -369,9 +369,13 @@ def main() -> None:
     text_ids = engine.tokenizer.encode(source_text(200_000), add_special_tokens=False)
     n_dec = args.decode_tokens
     run = [name for name in (args.only or SECTIONS) if name not in args.skip]
-    out = json.loads((RESULTS / "speed.json").read_text()) if args.only else {}
-    out |= {"decode_tokens": n_dec, "repeats": args.repeats}
-    out["weights_default"] = default_weights(engine.device, engine.dtype)
+    out = {
+        "decode_tokens": n_dec,
+        "repeats": args.repeats,
+        "weights_default": default_weights(engine.device, engine.dtype),
+    }
+    if args.only:  # the saved run's settings describe its sections; a rerun section records its own repeats
+        out = json.loads((RESULTS / "speed.json").read_text())
     if "kernels" in run:
         out["kernels"] = run_on_compute(kernels_section, engine.config, args.repeats)
     if "weights" in run:

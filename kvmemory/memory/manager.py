@@ -102,7 +102,9 @@ class MemoryManager:
         """Physical slots the cache may hold: the policy's cap, and never more than the model's context (a
         policy without a cap compacts only when the session would outgrow what the model can attend to)."""
         budget = self.policy.budget
-        caps = [budget.max_slots or self.session.engine.max_context, self.session.engine.max_context]
+        caps = [self.session.engine.max_context]
+        if budget.max_slots:
+            caps.append(budget.max_slots)
         if budget.max_bytes:
             caps.append(budget.max_bytes // self.session.engine.kv_bytes_per_token)
         return min(caps)

@@ -175,14 +175,6 @@ class SurprisalRecorder:
         gap = torch.full((max(0, start - len(self.values)),), float("nan"))
         self.values = torch.cat([self.values[:start], gap, values, self.values[start + len(values) :]])
 
-    def at(self, positions: torch.Tensor) -> torch.Tensor:
-        """Surprisal at ``positions`` (NaN where unknown)."""
-        positions = positions.long().cpu()
-        out = torch.full(positions.shape, float("nan"))
-        inside = (positions >= 0) & (positions < len(self.values))
-        out[inside] = self.values[positions[inside]]
-        return out
-
     def drop_from(self, position: int) -> None:
         self.values = self.values[:position]
 
@@ -191,3 +183,17 @@ class SurprisalRecorder:
 
     def restore(self, state: torch.Tensor) -> None:
         self.values = state
+
+
+def surprisal_of(ids: list[int], before: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
+    """−log p of each of ``ids`` from the logits before it: ``before`` (V,) for the first (None: unknown, NaN),
+    then the pass's own rows ``logits`` (T, V). log-sum-exp minus the token's logit: no (T, V) softmax."""
+    logits = logits[:-1].float()
+    targets = torch.tensor(ids[1:], device=logits.device)
+    rest = torch.logsumexp(logits, -1) - logits.gather(1, targets[:, None])[:, 0]
+    if before is None:
+        first = torch.full((1,), float("nan"), device=rest.device)
+    else:
+        before = before.float()
+        first = (torch.logsumexp(before, -1) - before[ids[0]])[None]
+    return torch.cat([first, rest])

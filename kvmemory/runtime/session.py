@@ -63,7 +63,7 @@ from kvmemory.runtime.conversation import (
 from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
 from kvmemory.runtime.memory_hooks import SessionMemory
 from kvmemory.runtime.persistence import save_session
-from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder, SurprisalRecorder
+from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder, SurprisalRecorder, surprisal_of
 from kvmemory.runtime.search import rank_segments
 from kvmemory.runtime.segments import SEGMENT_KINDS, Segment
 from kvmemory.runtime.state import SessionState
@@ -271,7 +271,7 @@ class Session:
 
     def record_surprisal(self) -> SurprisalRecorder:
         """Keep each appended token's surprisal (for the selective-context method). Every prefilled token's
-        logits are then computed: the LM head runs on every row (+27% prefill time on the default model at
+        logits are then computed: the LM head runs on every row (+24% prefill time on the default model at
         2,048 tokens, ``python -m benchmarks.speed --only recording``; decode is unchanged)."""
         if self.surprisal_recorder is None:
             self.surprisal_recorder = SurprisalRecorder()
@@ -1076,14 +1076,10 @@ class Session:
         return self.surprisal_recorder is not None and segment_id >= 0  # scratch forwards are not the session's
 
     def _record_surprisal(self, ids: list[int], start: int, logits: torch.Tensor) -> None:
-        """Surprisal of ``ids`` from the logits before each: the session's last ones, then the pass's own."""
-        before = logits[:-1].float()
-        if self._last_logits is not None:
-            before = torch.cat([self._last_logits[None].float(), before])
-        targets = torch.tensor(ids[len(ids) - len(before) :], device=before.device)
-        known = -torch.log_softmax(before, dim=-1).gather(1, targets[:, None])[:, 0]
-        unknown = torch.full((len(ids) - len(known),), float("nan"), device=known.device)
-        self.surprisal_recorder.record(start, torch.cat([unknown, known]))
+        """Surprisal of ``ids`` from the logits before each (the session's last ones, then the pass's own),
+        computed where the model runs: it reads a (T, vocabulary) matrix."""
+        values = self.engine.batcher.execute(surprisal_of, ids, self._last_logits, logits)
+        self.surprisal_recorder.record(start, values)
 
     def _after_append(self) -> None:
         if self.memory is not None:
