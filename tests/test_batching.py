@@ -49,13 +49,13 @@ KINDS = ("plain", "matched", "uneven", "capped")
 
 def slow_passes(engine: Engine, seconds: float = 0.02) -> None:
     """Make each pass take a while, so that the other sessions' steps queue up behind it and batch."""
-    forward = engine.model.forward
+    forward = engine.batcher.forward
 
-    def slow(*args, **kwargs):
+    def slow(*args):
         time.sleep(seconds)
-        return forward(*args, **kwargs)
+        return forward(*args)
 
-    engine.model.forward = slow
+    engine.batcher.forward = slow
 
 
 def run_together(sessions, call):
@@ -118,16 +118,17 @@ def test_a_pass_that_fails_with_several_sessions_is_undone_and_each_retried_alon
     engine = Engine(tiny_model("llama", eos_token_id=None))
     alone = [greedy(12)(build(engine, kind)) for kind in ("matched", "uneven")]
     sessions = [build(engine, kind) for kind in ("matched", "uneven")]
-    forward, failed = engine.model.forward, []
+    forward, failed = engine.batcher.forward, []
 
-    def fails_when_shared(*args, **kwargs):  # as a pass too large for the device would
+    def fails_when_shared(input_ids, rope, cache, *rest):  # as a pass too large for the device would, once
         time.sleep(0.02)
-        if len(kwargs["packed_cache"].requests) > 1 and not failed:
+        logits = forward(input_ids, rope, cache, *rest)  # every cache of the pass has taken its tokens
+        if len(cache.requests) > 1 and not failed:
             failed.append(True)
             raise RuntimeError("out of memory")
-        return forward(*args, **kwargs)
+        return logits
 
-    engine.model.forward = fails_when_shared
+    engine.batcher.forward = fails_when_shared
     assert run_together(sessions, greedy(12)) == alone  # the half-applied pass left no trace
     assert failed and engine.batcher.stats.retried == 1
 

@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache
 
 from kvmemory.cache import CompactCache
 from kvmemory.runtime import compute
+from kvmemory.runtime.forward import forward_for
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
 
@@ -128,10 +129,7 @@ class ForwardBatcher:
         self._returning: set[int] = set()  # caches of the last pass that have not queued again
         self._gather_until = 0.0
         self._cond = threading.Condition()
-        last_layer = model.model.layers[-1]
-        if not getattr(last_layer, "_kvmemory_hooked", False):  # once per model, however many engines share it
-            last_layer.register_forward_pre_hook(_record_last_layer_inputs, with_kwargs=True)
-            last_layer._kvmemory_hooked = True
+        self.forward = forward_for(model)
 
     def run(self, request: ForwardRequest) -> torch.Tensor:
         """Queue ``request``, take part in passes until it has run, and return its logits."""
@@ -213,37 +211,12 @@ class ForwardBatcher:
             request.cache.begin_append(request.positions, request.segment_id)
             if request.query_recorder is not None:
                 request.query_recorder.current_segment = request.segment_id
-        _running.recording = [(r, s, e) for r, (s, e) in zip(batch, cache.bounds) if r.hidden_recorder is not None]
-        try:
-            with torch.no_grad():
-                out = self.model(
-                    input_ids=input_ids,
-                    position_ids=rope,
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=keep,
-                    packed_cache=cache,
-                    attention_path=self.attention_path,
-                )
-        finally:
-            _running.recording = []
-        logits, start = out.logits[0], 0
+        recording = [(r, s, e) for r, (s, e) in zip(batch, cache.bounds) if r.hidden_recorder is not None]
+        with torch.no_grad():
+            logits = self.forward(input_ids, rope, cache, keep, self.attention_path, recording)
+        start = 0
         for request in batch:
             rows = len(request.ids) if request.all_logits else 1
             request.logits = logits[start : start + rows]
             start += rows
         self.stats.count(batch)
-
-
-_running = threading.local()  # what the pass this thread runs records (read by the last-layer hook)
-
-
-def _record_last_layer_inputs(module, args, kwargs):
-    """Hand each recording request its tokens' input to the last decoder layer (fast counter-causal)."""
-    recording = getattr(_running, "recording", None)
-    if not recording:
-        return None
-    hidden = args[0] if args else kwargs["hidden_states"]
-    for request, start, end in recording:
-        request.hidden_recorder.record(request.positions, hidden[0, start:end])
-    return None

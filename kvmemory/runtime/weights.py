@@ -83,6 +83,34 @@ class SixteenBitLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}"
 
 
+def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One linear layer computing ``parts`` side by side (their outputs concatenated), for projections of the
+    same input (q, k and v; gate and up): one matrix product instead of several, each of which costs a
+    kernel call and its 16-bit conversions. The parts' weights become views of the fused weight, so nothing
+    is held twice and each part still computes what it did. None when the parts differ in kind, dtype,
+    device or bias. (Should the fused layer switch itself to bf16 on an fp16 overflow, the parts keep
+    their fp16 views.)"""
+    kinds = {(type(p), p.weight.dtype, p.weight.device, p.bias is None) for p in parts}
+    if len(kinds) != 1 or type(parts[0]) not in (nn.Linear, SixteenBitLinear):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([p.weight for p in parts])
+        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    fused = linear if type(parts[0]) is nn.Linear else SixteenBitLinear(linear, weight.dtype)
+    offset = 0
+    for part in parts:
+        rows = slice(offset, offset + part.weight.shape[0])
+        part.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if bias is not None:
+            part.bias = nn.Parameter(bias[rows], requires_grad=False)
+        offset = rows.stop
+    return fused
+
+
 def default_weights(device: torch.device, dtype: torch.dtype) -> str | None:
     """fp16 weights under fp32 activations on CPU (decode reads half the bytes; the fastest kernel measured,
     see the module docstring); otherwise the model's dtype (None for a dtype no format names: the weights

@@ -1,0 +1,191 @@
+"""The model's forward pass as the engine runs it: every decoder layer called straight from its weights.
+
+Decoding one token of a small model on a CPU spends more time in Python than in its kernels when the
+pass goes through transformers' module tree: ~400 module calls per token, each through ``nn.Module``'s
+hook dispatch, keyword plumbing and deprecation wrappers (the default model at 512 tokens: 17.7 ms per
+token in the model's forward, of which 7 ms are matrix products). ``DirectForward`` computes the same
+thing for the architectures kvmemory supports (Llama, Mistral, Qwen2, Qwen3) as one loop over the
+layers: it calls each module's own ``forward`` (so 16-bit weights keep their kernels) and the fused
+RMSNorm kernel, and attends through ``kvmemory_attention`` exactly as the transformers path does (β,
+ragged heads, packed sessions, query recording). ``python -m benchmarks.speed`` measures the result.
+
+A model laid out any other way (another layer class, or modules with hooks such as accelerate's
+offloading) runs through transformers' own forward with kvmemory's attention registered
+(``TransformersForward``). Both return the same logits (tests/test_forward.py, every architecture).
+
+Either forward is called as ``forward(input_ids, rope, cache, keep, attention_path, recording)``:
+``input_ids`` and ``rope`` (1, T); ``cache`` the pass's ``PackedCache``; ``keep`` what transformers calls
+``logits_to_keep`` (an int: the last rows, 0 for all; or a tensor of row indices); ``recording``: (hidden
+recorder, request, start, end) for requests that keep their tokens' input to the last layer. Returns the
+logits (rows, vocabulary).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from kvmemory.attention import kvmemory_attention
+from kvmemory.runtime.weights import fuse_linears
+
+ARCHITECTURES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+
+
+def forward_for(model):
+    """The fastest forward that computes ``model`` exactly: ``DirectForward`` when its layout is known."""
+    return DirectForward.of(model) or TransformersForward(model)
+
+
+def record_last_layer_inputs(recording, hidden: torch.Tensor) -> None:
+    """Hand each recording request its tokens' input to the last decoder layer (fast counter-causal)."""
+    for request, start, end in recording:
+        request.hidden_recorder.record(request.positions, hidden[0, start:end])
+
+
+def rows_to_keep(hidden: torch.Tensor, keep) -> torch.Tensor:
+    """transformers' ``logits_to_keep``: an int keeps the last rows (0 all of them), a tensor those rows."""
+    return hidden[:, -keep:] if isinstance(keep, int) else hidden[:, keep]
+
+
+class TransformersForward:
+    """The model's own forward with kvmemory's attention registered (any layout transformers runs)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._recording = threading.local()
+        last_layer = model.model.layers[-1]
+        last_layer.register_forward_pre_hook(self._last_layer_hook, with_kwargs=True)
+
+    def __call__(self, input_ids, rope, cache, keep, attention_path, recording=()):
+        self._recording.now = recording
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=rope,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=keep,
+                packed_cache=cache,
+                attention_path=attention_path,
+            )
+        finally:
+            self._recording.now = ()
+        return out.logits[0]
+
+    def _last_layer_hook(self, module, args, kwargs):
+        recording = getattr(self._recording, "now", ())
+        if recording:
+            record_last_layer_inputs(recording, args[0] if args else kwargs["hidden_states"])
+
+
+def rms_norm(norm):
+    """transformers' RMSNorm (normalise in fp32, scale in the model's dtype) as the fused kernel."""
+    weight, eps = norm.weight, norm.variance_epsilon
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+    return apply
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in transformers' half layout, as ``apply_rotary_pos_emb`` computes it."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → its fused projections
+
+
+def fused(module, names: tuple[str, ...]):
+    """The fused projection (``fuse_linears``) of ``module``'s ``names``, made once per module (engines may
+    share a model); None when they cannot be fused."""
+    made = _FUSED.setdefault(module, {})
+    if names not in made:
+        made[names] = fuse_linears([getattr(module, name) for name in names])
+    return made[names]
+
+
+class DecoderLayer:
+    """One decoder layer's computation, reading the weights of transformers' modules; q, k and v come from
+    one matrix product, as do gate and up."""
+
+    def __init__(self, layer, qkv, gate_up):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attention = attn  # kvmemory_attention reads its layer index
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        q_rows, kv_rows = attn.q_proj.out_features, attn.k_proj.out_features
+        self.qkv_split = (q_rows // self.head_dim, kv_rows // self.head_dim, kv_rows // self.head_dim)
+        self.mlp_split = (mlp.gate_proj.out_features, mlp.up_proj.out_features)
+        self.input_norm, self.post_norm = rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm)
+        self.qkv, self.o = qkv.forward, attn.o_proj.forward
+        qk_norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))  # Qwen3
+        self.q_norm, self.k_norm = (rms_norm(n) for n in qk_norms) if qk_norms[0] is not None else (None, None)
+        self.gate_up, self.down, self.act = gate_up.forward, mlp.down_proj.forward, mlp.act_fn.forward
+
+    def __call__(self, x, cos, sin, cache, attention_path):
+        q, k, v = self.qkv(self.input_norm(x)).view(*x.shape[:-1], -1, self.head_dim).split(self.qkv_split, dim=2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        keys, values = cache.update(k, v, self.attention.layer_idx)
+        out, _ = kvmemory_attention(
+            self.attention, q, keys, values, None, self.scaling, packed_cache=cache, attention_path=attention_path
+        )
+        x = x + self.o(out.reshape(*x.shape[:-1], -1))
+        gate, up = self.gate_up(self.post_norm(x)).split(self.mlp_split, dim=-1)
+        return x + self.down(self.act(gate) * up)
+
+
+class DirectForward:
+    """The decoder stack as one loop over its layers (see the module docstring). It reads the modules as
+    they are when it is made; a module replaced later is not seen."""
+
+    def __init__(self, model, layers: list[DecoderLayer]):
+        inner = model.model
+        self.embed, self.rotary = inner.embed_tokens.forward, inner.rotary_emb
+        self.layers = layers
+        self.norm = rms_norm(inner.norm)
+        self.head = model.get_output_embeddings().forward
+
+    @classmethod
+    def of(cls, model) -> DirectForward | None:
+        """A DirectForward for ``model``, or None when its layout is not one this class reproduces exactly
+        (another architecture, a module with hooks, projections that cannot be fused)."""
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if not layers:
+            return None
+        arch = type(layers[0]).__name__.removesuffix("DecoderLayer")
+        known = {"DecoderLayer", "Attention", "MLP", "RMSNorm", "RotaryEmbedding", "ForCausalLM", "Model"}
+        if arch not in ARCHITECTURES or type(model).__name__ != f"{arch}ForCausalLM":
+            return None
+        for module in model.modules():
+            name = type(module).__name__
+            hooked = module._forward_hooks or module._forward_pre_hooks
+            if hooked or name.startswith(arch) and name.removeprefix(arch) not in known:
+                return None
+        built = []
+        for layer in layers:
+            qkv = fused(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+            gate_up = fused(layer.mlp, ("gate_proj", "up_proj"))
+            if qkv is None or gate_up is None:
+                return None
+            built.append(DecoderLayer(layer, qkv, gate_up))
+        return cls(model, built)
+
+    def __call__(self, input_ids, rope, cache, keep, attention_path, recording=()):
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(x, rope)
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            if i == last and recording:
+                record_last_layer_inputs(recording, x)
+            x = layer(x, cos, sin, cache, attention_path)
+        return self.head(self.norm(rows_to_keep(x, keep)))[0]
