@@ -93,10 +93,16 @@ def rms_norm(norm):
     return apply
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in transformers' half layout, as ``apply_rotary_pos_emb`` computes it."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin with its first half negated), shaped to broadcast over heads: ``rotate`` then needs no
+    concatenation (``sin``'s halves are equal, so this is transformers' ``rotate_half`` product exactly)."""
+    half = sin.shape[-1] // 2
+    return cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in transformers' half layout: x·cos + rotate_half(x)·sin, with the halves swapped by a roll."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → its fused projections
@@ -120,7 +126,7 @@ class DecoderLayer:
         self.attention = attn  # kvmemory_attention reads its layer index
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         q_rows, kv_rows = attn.q_proj.out_features, attn.k_proj.out_features
-        self.qkv_split = (q_rows // self.head_dim, kv_rows // self.head_dim, kv_rows // self.head_dim)
+        self.heads, self.kv_heads = q_rows // self.head_dim, kv_rows // self.head_dim
         self.mlp_split = (mlp.gate_proj.out_features, mlp.up_proj.out_features)
         self.input_norm, self.post_norm = rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm)
         self.qkv, self.o = qkv.forward, attn.o_proj.forward
@@ -129,11 +135,12 @@ class DecoderLayer:
         self.gate_up, self.down, self.act = gate_up.forward, mlp.down_proj.forward, mlp.act_fn.forward
 
     def __call__(self, x, cos, sin, cache, attention_path):
-        q, k, v = self.qkv(self.input_norm(x)).view(*x.shape[:-1], -1, self.head_dim).split(self.qkv_split, dim=2)
+        qkv = self.qkv(self.input_norm(x)).view(*x.shape[:-1], -1, self.head_dim)
+        heads, kv_heads = self.heads, self.kv_heads
+        qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :].transpose(1, 2)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])), dim=2)
+        q, k = rotate(qk.transpose(1, 2), cos, sin).split((heads, kv_heads), dim=1)  # q and k rotated at once
         keys, values = cache.update(k, v, self.attention.layer_idx)
         out, _ = kvmemory_attention(
             self.attention, q, keys, values, None, self.scaling, packed_cache=cache, attention_path=attention_path
@@ -181,8 +188,7 @@ class DirectForward:
 
     def __call__(self, input_ids, rope, cache, keep, attention_path, recording=()):
         x = self.embed(input_ids)
-        cos, sin = self.rotary(x, rope)
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        cos, sin = rope_tables(*self.rotary(x, rope))
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if i == last and recording:
