@@ -213,26 +213,33 @@ class CompactLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
-        grown = tuple(n + q for n in self.lengths)
-        copy_first = any(n < s for n, s in zip(self.lengths, self.shared))  # a snapshot holds those rows
-        if copy_first or any(g > c for g, c in zip(grown, self.capacities)):
-            self._relayout(tuple(max(c, g + _headroom(g)) for c, g in zip(self.capacities, grown)))
+        if not self._room_for(q):
+            self._relayout(tuple(max(c, n + q + _headroom(n + q)) for c, n in zip(self.capacities, self.lengths)))
         new = (key_states[0], value_states[0], 0.0, positions, positions if rope is None else rope, segment_ids)
         if self.uniform:
-            n, end = self.lengths[0], grown[0]
+            n = self.lengths[0]
+            end = n + q
             for view, value in zip(self._views, new):
                 view[:, n:end] = value
-            self.lengths = grown
+            self.lengths = (end,) * self.num_heads
             return self._views.keys[None, :, :end], self._views.values[None, :, :end]
         per_head = [isinstance(value, torch.Tensor) and value.dim() > 1 for value in new]  # keys and values
         for h, (start, n) in enumerate(zip(self.starts, self.lengths)):  # a few heads: slice copies are cheapest
             for store, value, split in zip(self.slots, new, per_head):
                 store[start + n : start + n + q] = value[h] if split else value
-        self.lengths = grown
+        self.lengths = tuple(n + q for n in self.lengths)
         return (
             [k[None, None] for k in self.head_views("keys")],
             [v[None, None] for v in self.head_views("values")],
         )
+
+    def _room_for(self, q: int) -> bool:
+        """Whether every head can take ``q`` more rows in place: within its capacity, and past every row a
+        snapshot still refers to (checked per decoded token and layer, so even heads take one comparison)."""
+        if self.uniform:
+            n = self.lengths[0]
+            return n >= max(self.shared) and n + q <= self.capacities[0]
+        return all(s <= n and n + q <= c for n, s, c in zip(self.lengths, self.shared, self.capacities))
 
     def get_seq_length(self) -> int:
         return self.length
