@@ -24,24 +24,25 @@ def median_time(fn, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def decode_once(session, tokens: int) -> float:
+    """Seconds to decode exactly ``tokens`` greedy tokens from ``session``, which is left as it was."""
+    state = session.snapshot()
+    start = time.perf_counter()
+    session.generate(params=SamplingParams(max_new_tokens=tokens, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    session.restore(state)
+    return elapsed
+
+
 def decode_seconds(sessions: dict, tokens: int, repeats: int) -> dict:
     """Median seconds to decode exactly ``tokens`` greedy tokens from each session, left as it was after every run:
     each warmed up once, then the sessions take turns run by run, so drift on a shared machine hits all."""
-
-    def decode(session) -> float:
-        state = session.snapshot()
-        start = time.perf_counter()
-        session.generate(params=SamplingParams(max_new_tokens=tokens, ignore_eos=True))
-        elapsed = time.perf_counter() - start
-        session.restore(state)
-        return elapsed
-
     for session in sessions.values():
-        decode(session)
+        decode_once(session, tokens)
     times = {name: [] for name in sessions}
     for _ in range(repeats):
         for name, session in sessions.items():
-            times[name].append(decode(session))
+            times[name].append(decode_once(session, tokens))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -53,8 +53,9 @@ def speed_section(d: dict) -> str:
         f"{c['uneven_kv_bytes'] / 2**20:.1f} MiB) {c['uneven_decode_tok_s']:.1f} tok/s ({c['uneven_vs_even']:.2f}× "
         "the even heads)"
         + (
-            f"; llama.cpp decodes the uncompacted {c['context']} tokens at {c['llama_cpp_decode_tok_s']:.1f} tok/s "
-            f"({c['compacted_vs_llama_cpp']:.2f}× for the compacted session)."
+            f"; llama.cpp, taking turns with these sessions, decodes the uncompacted {c['context']} tokens at "
+            f"{c['llama_cpp_decode_tok_s']:.1f} tok/s ({c['compacted_vs_llama_cpp']:.2f}× for the compacted session; "
+            f"medians of {c.get('repeats', d['repeats'])} runs)."
             if "llama_cpp_decode_tok_s" in c
             else "."
         )

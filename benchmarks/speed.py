@@ -13,7 +13,7 @@ plain transformers, per weight format, and decode after compaction.
 * ``recording``: prefill and decode at 2,048 tokens with each token's surprisal recorded (what the default
   policy's selective context reads) against without.
 * ``compacted``: decode after compacting the longest context to 400 slots per head (even, and uneven heads
-  of the same total) against the same session uncompacted, and against llama.cpp at that context.
+  of the same total) against the same session uncompacted and llama.cpp at that context, taking turns.
 * ``kernels``: one token through every linear weight of a model of the default model's shapes, per kernel
   (why kvmemory offers 16-bit weights and no int8/int4 on this kind of CPU).
 
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from benchmarks.common import RESULTS, decode_seconds, median_time, save, table
+from benchmarks.common import RESULTS, decode_once, decode_seconds, median_time, save, table
 from benchmarks.quality import quality
 from benchmarks.texts import TEXT_KINDS, source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams, run_on_compute
@@ -243,30 +243,40 @@ def evenly_spaced_plan(session, slots: int, uneven: bool = False) -> CompactionP
     return CompactionPlan(plans)
 
 
-def compacted_section(engine, text_ids, ctx, n_dec, repeats, llama_decode):
+def decoder(session):
+    """A runner decoding ``n`` tokens from ``session`` as it stands (no prefill), leaving it as it was."""
+    return lambda ids, n: (0.0, decode_once(session, n))
+
+
+def compacted_section(engine, text_ids, ctx, n_dec, repeats):
+    """Decode after compacting ``ctx`` tokens to 400 slots per head (even, and uneven heads of the same total)
+    against the same session uncompacted and llama.cpp at that context, all taking turns run by run."""
     full, small, uneven = engine.session(), engine.session(), engine.session()
     for s in (full, small, uneven):
         s.append_tokens(text_ids[:ctx])
     small.apply_plan(evenly_spaced_plan(small, 400))
     uneven.apply_plan(evenly_spaced_plan(uneven, 400, uneven=True))
-    t_full, t_small, t_uneven = decode_seconds(
-        {"uncompacted": full, "compacted": small, "uneven": uneven}, n_dec, repeats
-    ).values()
+    runners = {"uncompacted": decoder(full), "compacted": decoder(small), "uneven": decoder(uneven)}
+    llama = llama_cpp_runner(ctx + n_dec + 8)
+    if llama is not None:
+        runners["llama.cpp"] = llama
+    seconds = {name: decode for name, (_, decode) in alternate(runners, text_ids[:ctx], n_dec, repeats).items()}
     row = {
         "context": ctx,
+        "repeats": repeats,
         "slots": small.cache.physical_length,
-        "uncompacted_decode_tok_s": n_dec / t_full,
-        "compacted_decode_tok_s": n_dec / t_small,
-        "uneven_decode_tok_s": n_dec / t_uneven,
-        "speedup": t_full / t_small,
-        "uneven_vs_even": t_small / t_uneven,
+        "uncompacted_decode_tok_s": n_dec / seconds["uncompacted"],
+        "compacted_decode_tok_s": n_dec / seconds["compacted"],
+        "uneven_decode_tok_s": n_dec / seconds["uneven"],
+        "speedup": seconds["uncompacted"] / seconds["compacted"],
+        "uneven_vs_even": seconds["compacted"] / seconds["uneven"],
         "uncompacted_kv_bytes": full.stats().kv_bytes,
         "compacted_kv_bytes": small.stats().kv_bytes,
         "uneven_kv_bytes": uneven.stats().kv_bytes,
     }
-    if llama_decode is not None:
-        row["llama_cpp_decode_tok_s"] = llama_decode
-        row["compacted_vs_llama_cpp"] = row["compacted_decode_tok_s"] / llama_decode
+    if llama is not None:
+        row["llama_cpp_decode_tok_s"] = n_dec / seconds["llama.cpp"]
+        row["compacted_vs_llama_cpp"] = seconds["llama.cpp"] / seconds["compacted"]
     print(table([row], list(row)), flush=True)
     return row
 
@@ -387,10 +397,7 @@ def main() -> None:
     if "contexts" in run:
         out["contexts"] = contexts_section(engine, text_ids, args.contexts, n_dec, args.repeats)
     if "compacted" in run:
-        longest = out["contexts"][-1]
-        out["compacted"] = compacted_section(
-            engine, text_ids, longest["context"], n_dec, args.repeats, longest.get("llama.cpp decode tok/s")
-        )
+        out["compacted"] = compacted_section(engine, text_ids, max(args.contexts), n_dec, args.repeats)
     print()
     print(table(out["contexts"], list(out["contexts"][0])))
     plot(out)
