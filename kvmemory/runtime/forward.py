@@ -5,9 +5,11 @@ pass goes through transformers' module tree: ~400 module calls per token, each t
 hook dispatch, keyword plumbing and deprecation wrappers (the default model at 512 tokens: 17.7 ms per
 token in the model's forward, of which 7 ms are matrix products). ``DirectForward`` computes the same
 thing for the architectures kvmemory supports (Llama, Mistral, Qwen2, Qwen3) as one loop over the
-layers: it calls each module's own ``forward`` (so 16-bit weights keep their kernels) and the fused
-RMSNorm kernel, and attends through ``kvmemory_attention`` exactly as the transformers path does (β,
-ragged heads, packed sessions, query recording). ``python -m benchmarks.speed`` measures the result.
+layers: q, k and v come from one matrix product and so do gate and up (``fuse_linears``: the modules'
+weights become views of the fused one), each projection's own ``forward`` runs (so 16-bit weights keep
+their kernels), RMSNorm is torch's ``rms_norm``, and attention goes through ``kvmemory_attention`` exactly
+as on the transformers path (β, ragged heads, packed sessions, query recording). A Session now decodes
+faster than transformers' own decode on the same weights (``python -m benchmarks.speed``).
 
 A model laid out any other way (another layer class, or modules with hooks such as accelerate's
 offloading) runs through transformers' own forward with kvmemory's attention registered
@@ -15,8 +17,8 @@ offloading) runs through transformers' own forward with kvmemory's attention reg
 
 Either forward is called as ``forward(input_ids, rope, cache, keep, attention_path, recording)``:
 ``input_ids`` and ``rope`` (1, T); ``cache`` the pass's ``PackedCache``; ``keep`` what transformers calls
-``logits_to_keep`` (an int: the last rows, 0 for all; or a tensor of row indices); ``recording``: (hidden
-recorder, request, start, end) for requests that keep their tokens' input to the last layer. Returns the
+``logits_to_keep`` (an int: the last rows, 0 for all; or a tensor of row indices); ``recording``: (request,
+start, end) of the requests whose hidden recorder keeps their tokens' input to the last layer. Returns the
 logits (rows, vocabulary).
 """
 
@@ -82,7 +84,7 @@ class TransformersForward:
 
 
 def rms_norm(norm):
-    """transformers' RMSNorm (normalise in fp32, scale in the model's dtype) as the fused kernel."""
+    """transformers' RMSNorm (normalise in fp32, scale in the model's dtype) as one ``rms_norm`` call."""
     weight, eps = norm.weight, norm.variance_epsilon
 
     def apply(x: torch.Tensor) -> torch.Tensor:
