@@ -17,9 +17,8 @@ from tests.test_batching import build, run_together, slow_passes
 SHAPES = ("plain", "matched", "uneven", "capped")
 
 
-def engines(arch: str, **overrides) -> tuple[Engine, Engine]:
+def engines(model) -> tuple[Engine, Engine]:
     """(the direct loop, transformers' forward) over the same weights; a hook makes the second fall back."""
-    model = tiny_model(arch, **overrides)
     hooked = copy.deepcopy(model)
     hooked.model.layers[0].register_forward_hook(lambda *args: None)
     direct, transformers_forward = Engine(model), Engine(hooked)
@@ -31,7 +30,7 @@ def engines(arch: str, **overrides) -> tuple[Engine, Engine]:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_direct_forward_equals_transformers_on_every_cache_shape(arch, shape):
     results = []
-    for engine in engines(arch, eos_token_id=None):
+    for engine in engines(tiny_model(arch, eos_token_id=None)):
         session = build(engine, shape)
         scored = session.logprobs(random_tokens(9, seed=5))
         reply = session.generate(max_new_tokens=10).token_ids
@@ -44,7 +43,7 @@ def test_direct_forward_equals_transformers_on_every_cache_shape(arch, shape):
 
 def test_packed_passes_and_last_layer_inputs_match_transformers():
     recorded = []
-    for engine in engines("qwen2"):
+    for engine in engines(tiny_model("qwen2")):
         sessions = [engine.session() for _ in range(3)]
         for session in sessions:
             session.record_last_layer_inputs()
@@ -56,6 +55,19 @@ def test_packed_passes_and_last_layer_inputs_match_transformers():
         recorded.append([torch.stack([store[p] for p in sorted(store)]) for store in stores])
     for a, b in zip(*recorded):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_biased_projections_fuse_with_their_biases():
+    model = tiny_model("llama", attention_bias=True, mlp_bias=True)  # every projection has a bias
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_()  # initialised to zero
+    results = []
+    for engine in engines(model):
+        session = build(engine, "matched")
+        results.append(session.logprobs(random_tokens(9, seed=6)))
+    torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
