@@ -118,7 +118,6 @@ class ForwardBatcher:
     """
 
     def __init__(self, model, max_tokens: int = 2048, max_gather_seconds: float = 0.1, attention_path=None):
-        self.model = model
         self.device = next(model.parameters()).device  # read once: execute() runs on every decode step
         self.attention_path = attention_path
         self.max_tokens = max_tokens
