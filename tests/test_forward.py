@@ -4,6 +4,7 @@ every supported architecture and cache shape, and fusing the projections changes
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -55,6 +56,13 @@ def test_packed_passes_and_last_layer_inputs_match_transformers():
         recorded.append([torch.stack([store[p] for p in sorted(store)]) for store in stores])
     for a, b in zip(*recorded):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_a_wrapped_module_keeps_transformers_forward():
+    model = tiny_model("llama")
+    mlp = model.model.layers[1].mlp
+    mlp.forward = functools.partial(type(mlp).forward, mlp)  # as accelerate's add_hook_to_module wraps it
+    assert isinstance(Engine(model).batcher.forward, TransformersForward)
 
 
 def test_biased_projections_fuse_with_their_biases():

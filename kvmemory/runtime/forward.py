@@ -11,8 +11,8 @@ their kernels), RMSNorm is torch's ``rms_norm``, and attention goes through ``kv
 as on the transformers path (β, ragged heads, packed sessions, query recording). A Session now decodes
 faster than transformers' own decode on the same weights (``python -m benchmarks.speed``).
 
-A model laid out any other way (another layer class, or modules with hooks such as accelerate's
-offloading) runs through transformers' own forward with kvmemory's attention registered
+A model laid out any other way (another layer class, or modules with hooks or a replaced ``forward``, as
+accelerate's offloading attaches) runs through transformers' own forward with kvmemory's attention registered
 (``TransformersForward``). Both return the same logits (tests/test_forward.py, every architecture).
 
 Either forward is called as ``forward(input_ids, rope, cache, keep, attention_path, recording)``:
@@ -107,6 +107,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+def hooked(module) -> bool:
+    """Whether something wraps this module's call: nn.Module hooks, or a ``forward`` replaced on the instance
+    (how accelerate attaches its offloading and device hooks)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in vars(module)
+
+
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → its fused projections
 
 
@@ -176,8 +182,7 @@ class DirectForward:
             return None
         for module in model.modules():
             name = type(module).__name__
-            hooked = module._forward_hooks or module._forward_pre_hooks
-            if hooked or name.startswith(arch) and name.removeprefix(arch) not in known:
+            if hooked(module) or name.startswith(arch) and name.removeprefix(arch) not in known:
                 return None
         built = []
         for layer in layers:
