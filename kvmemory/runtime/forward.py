@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from kvmemory.attention import kvmemory_attention
+from kvmemory.runtime.loading import SUPPORTED_ARCHITECTURES
 from kvmemory.runtime.weights import fuse_linears
-
-ARCHITECTURES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 
 
 def forward_for(model):
@@ -174,11 +173,11 @@ class DirectForward:
         """A DirectForward for ``model``, or None when its layout is not one this class reproduces exactly
         (another architecture, a module with hooks, projections that cannot be fused)."""
         layers = getattr(getattr(model, "model", None), "layers", None)
-        if not layers:
+        if not layers or getattr(model.config, "model_type", None) not in SUPPORTED_ARCHITECTURES:
             return None
-        arch = type(layers[0]).__name__.removesuffix("DecoderLayer")
+        arch = type(model).__name__.removesuffix("ForCausalLM")  # transformers' own classes: Llama..., Qwen3...
         known = {"DecoderLayer", "Attention", "MLP", "RMSNorm", "RotaryEmbedding", "ForCausalLM", "Model"}
-        if arch not in ARCHITECTURES or type(model).__name__ != f"{arch}ForCausalLM":
+        if type(layers[0]).__name__ != f"{arch}DecoderLayer":
             return None
         for module in model.modules():
             name = type(module).__name__
