@@ -413,7 +413,8 @@ def update_saved(conditions: list[str], caps: list[int], replies: int) -> None:
             print(f"1/{divisor} {trace['name']:<10} {condition:<17} NLL {row['nll_last_turn']:.3f}", flush=True)
             fresh[(trace["name"], condition, divisor)] = {**row, "divisor": divisor}
     rows = [fresh.pop((r["trace"], r["condition"], r["divisor"]), r) for r in saved["rows"]] + list(fresh.values())
-    finish(rows, {(t, q): lp for t, q, lp in saved["no_trace"]}, saved["caps"], saved["replies"], weights)
+    caps = sorted(set(saved["caps"]) | set(caps), reverse=True)  # tightest first, as a full run orders them
+    finish(rows, {(t, q): lp for t, q, lp in saved["no_trace"]}, caps, saved["replies"], weights)
 
 
 def main() -> None:
