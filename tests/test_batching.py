@@ -11,8 +11,6 @@ import torch
 
 from kvmemory import Engine
 from kvmemory.memory import MemoryManager, MemoryPolicy
-from kvmemory.runtime import session as session_module
-from kvmemory.runtime.recorders import surprisal_of
 from tests.conftest import random_tokens, tiny_model
 from tests.test_contract import assert_same_state, state_of, uneven_plan
 
@@ -150,38 +148,6 @@ def test_one_sessions_failure_leaves_it_unchanged_and_the_others_running():
     assert results[0] == expected
     assert isinstance(results[1], RuntimeError)
     assert_same_state(state_of(broken), before)
-
-
-def test_a_session_whose_sampling_fails_in_the_pass_is_unchanged_and_the_others_run_on(monkeypatch):
-    engine = Engine(tiny_model("llama", eos_token_id=None))
-    expected = greedy(12)(build(engine, "plain"))
-    healthy, broken = build(engine, "plain"), build(engine, "matched")
-    broken.record_surprisal()  # its passes compute surprisal after the pass, where the pass ran
-    before = state_of(broken)
-    computed = []
-
-    def fails_on_the_fifth(*args):
-        computed.append(True)
-        if len(computed) == 5:
-            raise RuntimeError("surprisal failed")
-        return surprisal_of(*args)
-
-    monkeypatch.setattr(session_module, "surprisal_of", fails_on_the_fifth)
-    slow_passes(engine)
-    results = run_together([healthy, broken], greedy(12))
-    assert results[0] == expected
-    assert isinstance(results[1], RuntimeError)
-    assert_same_state(state_of(broken), before)
-
-
-def test_a_decoded_token_hands_work_to_the_compute_thread_once():
-    engine = Engine(tiny_model("llama", eos_token_id=None))
-    session = build(engine, "plain")
-    session.record_surprisal()  # surprisal and sampling both run inside the pass
-    execute, calls = engine.batcher.execute, []
-    engine.batcher.execute = lambda fn, *args: calls.append(fn) or execute(fn, *args)
-    session.generate(max_new_tokens=10)
-    assert len(calls) == 10  # the first token from the logits the session had, then one pass per token
 
 
 @pytest.mark.default_model

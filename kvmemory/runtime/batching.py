@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,11 +39,7 @@ class ForwardRequest:
     all_logits: bool = False
     query_recorder: QueryRecorder | None = None
     hidden_recorder: HiddenRecorder | None = None
-    # what to compute from the logits where the pass ran, right after it (surprisal, the next token): a
-    # decoding session then hands work to the compute thread once per token, not once per step of its own
-    then: Callable[[torch.Tensor], object] | None = None
     logits: torch.Tensor | None = None  # (T, V) with all_logits, else (1, V)
-    outcome: object = None  # what ``then`` returned
     error: BaseException | None = None
     done: bool = False
 
@@ -199,15 +194,7 @@ class ForwardBatcher:
                 raise
             return
         for request in batch:
-            if request.then is not None:
-                try:
-                    request.outcome = request.then(request.logits)
-                except BaseException as error:  # this request's alone: its session undoes its part of the pass
-                    request.error = error
             request.done = True
-        interrupts = [r.error for r in batch if r.error is not None and not isinstance(r.error, Exception)]
-        if interrupts:
-            raise interrupts[0]
 
     def _forward(self, batch: list[ForwardRequest]) -> None:
         cache = PackedCache(batch)

@@ -647,10 +647,8 @@ class Session:
 
     def _sample_next(self, params: SamplingParams, generator, generation: Generation) -> int:
         """Run pending tokens, sample the next one and append it (pending until the next step runs it)."""
-        pick = functools.partial(params.pick, generator=generator)
-        token = self._flush_pending(pick)
-        if token is None:  # nothing was pending: sample from the logits the session already has
-            token = self.engine.batcher.execute(pick, self._last_logits)
+        self._flush_pending()
+        token = self.engine.batcher.execute(params.pick, self._last_logits, generator)
         segment = self._reply_segment()
         self.tokens.append(token)
         self._pending.append(token)
@@ -739,7 +737,7 @@ class Session:
 
             def run(ids, all_logits: bool = False) -> torch.Tensor:
                 nonlocal position
-                logits, _ = self._forward(list(ids), segment_id=-1, positions_from=position, all_logits=all_logits)
+                logits = self._forward(list(ids), segment_id=-1, positions_from=position, all_logits=all_logits)
                 position += len(ids)
                 return logits
 
@@ -1032,28 +1030,19 @@ class Session:
             if progress is not None:
                 progress(done, total)
 
-    def _flush_pending(self, pick: Callable[[torch.Tensor], int] | None = None) -> int | None:
-        """Run sampled-but-unprocessed tokens through the model (they belong to the last segment); with
-        ``pick``, return the token it samples from the pass's last logits (None when nothing was pending)."""
+    def _flush_pending(self) -> None:
+        """Run sampled-but-unprocessed tokens through the model (they belong to the last segment)."""
         if not self._pending:
-            return None
+            return
         ids, seg_id = self._pending, self.segments[-1].id
         if self.memory is not None:
             self.memory.make_room(len(ids))
-        _, token = self._forward(ids, seg_id, positions_from=len(self.tokens) - len(ids), pick=pick)
+        self._forward(ids, seg_id, positions_from=len(self.tokens) - len(ids))
         self._pending = []
-        return token
 
-    def _forward(
-        self,
-        ids: list[int],
-        segment_id: int,
-        positions_from: int,
-        all_logits: bool = False,
-        pick: Callable[[torch.Tensor], int] | None = None,
-    ) -> tuple[torch.Tensor, int | None]:
-        """Run ``ids`` through the model at ``positions_from`` into the cache: (logits, the token ``pick``
-        samples from the last row, if given). Callers own the rollback (``_atomic`` or ``scratch``)."""
+    def _forward(self, ids: list[int], segment_id: int, positions_from: int, all_logits: bool = False) -> torch.Tensor:
+        """Run ``ids`` through the model at ``positions_from`` into the cache. Callers own the rollback
+        (``_atomic`` or ``scratch``)."""
         engine = self.engine
         positions = torch.arange(positions_from, positions_from + len(ids), device=engine.device)
         if (
@@ -1063,40 +1052,34 @@ class Session:
             and self.cache.rope_length > self.cache.physical_length + len(ids)
         ):  # only when there are gaps to close
             self._rebase()
-        surprisal = self._records_surprisal(segment_id)
-        before = self._last_logits
-
-        def then(logits: torch.Tensor) -> tuple[torch.Tensor | None, int | None]:
-            """Surprisal (it reads a (T, vocabulary) matrix) and sampling, where the pass ran."""
-            return (
-                surprisal_of(ids, before, logits) if surprisal else None,
-                pick(logits[-1]) if pick is not None else None,
-            )
-
         request = ForwardRequest(
             self.cache,
             ids,
             positions,
             self.cache.rope_positions(positions),
             segment_id,
-            all_logits or surprisal,
+            all_logits or self._records_surprisal(segment_id),
             self.query_recorder,
             self.hidden_recorder,
-            then if surprisal or pick is not None else None,
         )
         logits = engine.batcher.run(request)
-        values, token = request.outcome or (None, None)
-        if surprisal:
-            self.surprisal_recorder.record(positions_from, values)
+        if self._records_surprisal(segment_id):
+            self._record_surprisal(ids, positions_from, logits)
             logits = logits if all_logits else logits[-1:]
         if segment_id >= 0:
             self.prefilled_tokens += len(ids)
         if not all_logits:
             self._last_logits = logits[-1]
-        return logits, token
+        return logits
 
     def _records_surprisal(self, segment_id: int) -> bool:
         return self.surprisal_recorder is not None and segment_id >= 0  # scratch forwards are not the session's
+
+    def _record_surprisal(self, ids: list[int], start: int, logits: torch.Tensor) -> None:
+        """Surprisal of ``ids`` from the logits before each (the session's last ones, then the pass's own),
+        computed where the model runs: it reads a (T, vocabulary) matrix."""
+        values = self.engine.batcher.execute(surprisal_of, ids, self._last_logits, logits)
+        self.surprisal_recorder.record(start, values)
 
     def _after_append(self) -> None:
         if self.memory is not None:
