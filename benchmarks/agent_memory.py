@@ -310,7 +310,7 @@ def summarise(rows: list[dict], none: dict, divisor: int) -> list[dict]:
     }
     full_nll = {r["trace"]: r["nll_last_turn"] for r in rows if r["condition"] == "uncompacted"}
     out = []
-    for condition in dict.fromkeys(r["condition"] for r in rows):
+    for condition in sorted({r["condition"] for r in rows}, key=CONDITIONS.index):  # one order in every table
         mine = [r for r in rows if r["condition"] == condition]
         triples = [
             (f["logprob"], none[(r["trace"], f["question"])], full[(r["trace"], f["question"])])
