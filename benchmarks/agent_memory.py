@@ -28,6 +28,7 @@ bootstrap intervals over facts.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import random
 import re
@@ -199,6 +200,23 @@ def ask(session, view, history, facts, tokenizer) -> list[dict]:
     return out
 
 
+def held_in_cache(session, answer: str) -> float:
+    """Share of the cache's KV heads that still hold the first token of the answer's first mention in the
+    session's transcript (0 when what the session was shown no longer mentions it): whether the memory kept the
+    fact at all, apart from whether the model can use what it kept."""
+    tokenizer, offsets, text = session.engine.tokenizer, [], ""
+    for token in session.tokens:
+        offsets.append(len(text))
+        text += tokenizer.decode([token])
+    at = text.find(answer)
+    if at < 0:
+        return 0.0
+    position = bisect.bisect_right(offsets, at) - 1
+    layers = session.cache.layers
+    held = sum(int((p == position).sum()) for layer in layers for p in layer.head_views("positions"))
+    return held / sum(layer.num_heads for layer in layers)
+
+
 def free_replies(session, view, history, n: int) -> list[str]:
     replies = []
     for seed in range(n):
@@ -255,7 +273,9 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
     nll = float(-session.logprobs(last_turn).mean())
     session.set_messages(view.show(messages))
     peak = max(peak, session.stats().kv_bytes, memory.peak_slots * engine.kv_bytes_per_token if memory else 0)
-    facts = ask(session, view, messages, trace["facts"], engine.tokenizer)
+    held = [held_in_cache(session, answer) for _, answer in trace["facts"]]
+    asked = ask(session, view, messages, trace["facts"], engine.tokenizer)
+    facts = [{**fact, "held": h} for fact, h in zip(asked, held)]
     texts = free_replies(session, view, messages, replies)
     context = trace_text(messages)
     row = {
@@ -326,6 +346,7 @@ def summarise(rows: list[dict], none: dict, divisor: int) -> list[dict]:
                 "cap": f"1/{divisor}",
                 "condition": condition,
                 "fact_gain_kept": gain_share(triples),
+                "answers_held": answers_held(mine, none, full),
                 "gain_ci": f"[{share_lo:.2f}, {share_hi:.2f}]",
                 "exact_match": statistics.fmean(exact),
                 "exact_ci": f"[{exact_lo:.2f}, {exact_hi:.2f}]",
@@ -337,6 +358,17 @@ def summarise(rows: list[dict], none: dict, divisor: int) -> list[dict]:
             }
         )
     return out
+
+
+def answers_held(rows: list[dict], none: dict, full: dict) -> float | None:
+    """Share of the fact gain whose answer the memory still holds at the end, weighted like the gain (rows
+    saved before this was measured have none)."""
+    key = lambda r, f: (r["trace"], f["question"])  # noqa: E731
+    facts = [(f, full[key(r, f)] - none[key(r, f)]) for r in rows for f in r["facts"]]
+    if any("held" not in f for f, _ in facts):
+        return None
+    helped = [(f["held"], gain) for f, gain in facts if gain > 0]
+    return sum(h * gain for h, gain in helped) / sum(gain for _, gain in helped)
 
 
 def pause_per_2048(rows: list[dict]) -> float | None:

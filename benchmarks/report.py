@@ -260,7 +260,8 @@ def agent_section(d: dict) -> str:
 
 
 def agent_memory_section(d: dict) -> str:
-    columns = ["condition", "fact gain kept", "95% CI", "exact match", "ΔNLL last turn", "degenerate", "peak KV MB"]
+    columns = ["condition", "fact gain kept", "95% CI", "answers held", "exact match", "ΔNLL last turn", "degenerate"]
+    columns.append("peak KV MB")
     columns.append("compaction s / 2,048 slots")
     full = [r for r in d["rows"] if r["condition"] == "uncompacted"]
     tokens = [r["cap_tokens"] / 1000 for r in full]
@@ -273,7 +274,9 @@ def agent_memory_section(d: dict) -> str:
         "replayed step by step under a cap of 1/N of each trace; kvmemory conditions at equal KV bytes, text "
         "baselines at the same token budget. *Fact gain kept*: "
         "the share of the answer log-probability gain that the whole trace gives over no trace (1 = as good as "
-        "uncompacted); *degenerate*: empty, repetitive or off-topic free replies; *compaction s*: seconds the memory "
+        "uncompacted); *answers held*: the share of that gain whose answer the memory still holds at the end "
+        "(its first token, in the KV heads that keep it; – where not measured); *degenerate*: empty, repetitive or "
+        "off-topic free replies; *compaction s*: seconds the memory "
         "manager spent compacting per 2,048 slots it compacted (– where it compacted nothing)."
     ]
     for cap in dict.fromkeys(r["cap"] for r in d["summary"]):
@@ -282,6 +285,7 @@ def agent_memory_section(d: dict) -> str:
                 r["condition"],
                 f"{r['fact_gain_kept']:.2f}",
                 r["gain_ci"],
+                "–" if r.get("answers_held") is None else f"{r['answers_held']:.2f}",
                 f"{r['exact_match']:.0%}",
                 f"{r['delta_nll_last_turn']:+.3f}",
                 f"{r['degenerate_replies']:.0%}",
