@@ -363,8 +363,9 @@ def summarise(rows: list[dict], none: dict, divisor: int) -> list[dict]:
 def answers_held(rows: list[dict], none: dict, full: dict) -> float | None:
     """Share of the fact gain whose answer the memory still holds at the end, weighted like the gain (rows
     saved before this was measured have none)."""
-    key = lambda r, f: (r["trace"], f["question"])  # noqa: E731
-    facts = [(f, full[key(r, f)] - none[key(r, f)]) for r in rows for f in r["facts"]]
+    facts = [
+        (f, full[(r["trace"], f["question"])] - none[(r["trace"], f["question"])]) for r in rows for f in r["facts"]
+    ]
     if any("held" not in f for f, _ in facts):
         return None
     helped = [(f["held"], gain) for f, gain in facts if gain > 0]

@@ -260,9 +260,17 @@ def agent_section(d: dict) -> str:
 
 
 def agent_memory_section(d: dict) -> str:
-    columns = ["condition", "fact gain kept", "95% CI", "answers held", "exact match", "ΔNLL last turn", "degenerate"]
-    columns.append("peak KV MB")
-    columns.append("compaction s / 2,048 slots")
+    columns = [
+        "condition",
+        "fact gain kept",
+        "95% CI",
+        "answers held",
+        "exact match",
+        "ΔNLL last turn",
+        "degenerate",
+        "peak KV MB",
+        "compaction s / 2,048 slots",
+    ]
     full = [r for r in d["rows"] if r["condition"] == "uncompacted"]
     tokens = [r["cap_tokens"] / 1000 for r in full]
     facts = [len(r["facts"]) for r in full]
