@@ -200,21 +200,25 @@ def ask(session, view, history, facts, tokenizer) -> list[dict]:
     return out
 
 
-def held_in_cache(session, answer: str) -> float:
-    """Share of the cache's KV heads that still hold the first token of the answer's first mention in the
+def held_in_cache(session, answers: list[str]) -> list[float]:
+    """Per answer, the share of the cache's KV heads that still hold the first token of its first mention in the
     session's transcript (0 when what the session was shown no longer mentions it): whether the memory kept the
     fact at all, apart from whether the model can use what it kept."""
     tokenizer, offsets, text = session.engine.tokenizer, [], ""
-    for token in session.tokens:
+    for token in session.tokens:  # the transcript's text once, with where each token starts
         offsets.append(len(text))
         text += tokenizer.decode([token])
-    at = text.find(answer)
-    if at < 0:
-        return 0.0
-    position = bisect.bisect_right(offsets, at) - 1
     layers = session.cache.layers
-    held = sum(int((p == position).sum()) for layer in layers for p in layer.head_views("positions"))
-    return held / sum(layer.num_heads for layer in layers)
+    heads = sum(layer.num_heads for layer in layers)
+    out = []
+    for answer in answers:
+        at = text.find(answer)
+        if at < 0:
+            out.append(0.0)
+            continue
+        position = bisect.bisect_right(offsets, at) - 1
+        out.append(sum(int((p == position).sum()) for layer in layers for p in layer.head_views("positions")) / heads)
+    return out
 
 
 def free_replies(session, view, history, n: int) -> list[str]:
@@ -273,7 +277,7 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
     nll = float(-session.logprobs(last_turn).mean())
     session.set_messages(view.show(messages))
     peak = max(peak, session.stats().kv_bytes, memory.peak_slots * engine.kv_bytes_per_token if memory else 0)
-    held = [held_in_cache(session, answer) for _, answer in trace["facts"]]
+    held = held_in_cache(session, [answer for _, answer in trace["facts"]])
     asked = ask(session, view, messages, trace["facts"], engine.tokenizer)
     facts = [{**fact, "held": h} for fact, h in zip(asked, held)]
     texts = free_replies(session, view, messages, replies)
