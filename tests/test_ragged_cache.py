@@ -25,7 +25,7 @@ def padded_twin(session):
         keys, values = (t[0, :, :width].reshape(heads * width, -1) for t in (layer.keys, layer.values))
         fields = (layer.bias[0], layer.positions, layer.rope, layer.segments)
         meta = (t[:, :width].reshape(-1) for t in fields)
-        flat = Slots(keys, values, *meta)
+        flat = Slots.of(keys, values, *meta)
         starts = tuple(h * width for h in range(heads))
         layer.restore(LayerState(flat, starts, (width,) * heads, (width,) * heads, (width,) * heads, True))
     return twin
@@ -181,8 +181,7 @@ def test_a_v1_file_layout_converts_without_its_padding(tiny_engine):
     session.append_tokens(random_tokens(60, seed=9))
     session.apply_plan(uneven_plan(session, seed=2))
     for layer in session.cache.layers:
-        padded = Slots(*(getattr(layer, name) for name in Slots._fields))
-        padded = padded._replace(keys=padded.keys[0], values=padded.values[0], bias=padded.bias[0])
+        padded = Slots.of(layer.keys[0], layer.values[0], layer.bias[0], layer.positions, layer.rope, layer.segments)
         state = LayerState.from_padded(padded)
         assert state.lengths == layer.lengths and state.biased == layer.biased
         for a, b in zip(state.live(), layer.snapshot().live()):

@@ -5,8 +5,8 @@ an additive attention bias β (fp32: 0 for verbatim tokens, fitted for compacted
 original (logical) position, the RoPE position its key is rotated at and the id of the segment it came
 from.
 
-Storage is ragged per KV head, so a head costs exactly the slots it keeps. Each field is one flat tensor
-whose rows are grouped by head: head h owns rows ``[start[h], start[h] + capacity[h])`` and uses the
+Storage is ragged per KV head, so a head costs exactly the slots it keeps. Keys, values and the four
+small fields (one int32 row per slot) are flat tensors whose rows are grouped by head: head h owns rows ``[start[h], start[h] + capacity[h])`` and uses the
 first ``length[h]`` of them (``Slots`` and ``CompactLayer``). When every head has the same capacity the
 flat tensors are exactly the usual (heads, slots, dim) layout, read through views with no copy; heads
 with different budgets (REAL, AdaKV-style sharing, TAM's per-head budgets) each keep only their own
@@ -57,16 +57,34 @@ def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
     return (k * emb.cos() + rotated_half * emb.sin()).to(keys.dtype)
 
 
+FIELDS = ("keys", "values", "bias", "positions", "rope", "segments")  # what a slot holds (module docstring)
+
+
 class Slots(NamedTuple):
-    """One layer's storage: a flat tensor per field, rows grouped by KV head (never mutated as a tuple, so
-    a snapshot can hold it)."""
+    """One layer's storage, rows grouped by KV head (never mutated as a tuple, so a snapshot can hold it).
+
+    A slot's four small fields share one int32 row of ``meta``: β's fp32 bits, position, RoPE position and
+    segment id. Appending a token then writes three rows per layer instead of six, and each write costs a
+    few µs of a decoded token; ``bias``, ``positions``, ``rope`` and ``segments`` are views of its columns."""
 
     keys: torch.Tensor  # (N, D)
     values: torch.Tensor  # (N, Dv)
-    bias: torch.Tensor  # (N,) fp32
-    positions: torch.Tensor  # (N,) int32: the token's index in the transcript
-    rope: torch.Tensor  # (N,) int32: the position its key is rotated at
-    segments: torch.Tensor  # (N,) int32
+    meta: torch.Tensor  # (N, 4) int32
+
+    @classmethod
+    def of(cls, keys, values, bias, positions, rope, segments) -> Slots:
+        """Storage from separate fields (shaped alike but for the key and value dimension)."""
+        columns = (bias.to(torch.float32).view(torch.int32), positions, rope, segments)
+        return cls(keys, values, torch.stack([c.to(torch.int32) for c in columns], dim=-1))
+
+    bias = property(lambda self: self.meta[..., 0].view(torch.float32))  # β (fp32)
+    positions = property(lambda self: self.meta[..., 1])  # the token's index in the transcript
+    rope = property(lambda self: self.meta[..., 2])  # the position its key is rotated at
+    segments = property(lambda self: self.meta[..., 3])
+
+    def fields(self) -> list[torch.Tensor]:
+        """The six fields in ``FIELDS`` order (views, no copy)."""
+        return [getattr(self, name) for name in FIELDS]
 
     def take(self, rows: torch.Tensor) -> Slots:
         """Fresh, exactly-sized storage holding ``rows`` of this one, in that order."""
@@ -178,17 +196,11 @@ class CompactLayer(CacheLayerMixin):
     def _allocate(self, capacities: tuple[int, ...], key_dim: int, value_dim: int) -> Slots:
         n = sum(capacities)
         kw = dict(dtype=self.dtype, device=self.device)
-        meta = dict(dtype=torch.int32, device=self.device)
+        meta = torch.full((n, 4), PAD_POSITION, dtype=torch.int32, device=self.device)  # segment −1 too
+        meta[:, 0] = 0  # β = 0.0
         # zeros, not garbage: rows past a head's length are masked, but a masked row still meets a zero
         # attention weight in one-call kernels (flex), and 0 × NaN would not be 0
-        return Slots(
-            torch.zeros(n, key_dim, **kw),
-            torch.zeros(n, value_dim, **kw),
-            torch.zeros(n, dtype=torch.float32, device=self.device),
-            torch.full((n,), PAD_POSITION, **meta),
-            torch.full((n,), PAD_POSITION, **meta),
-            torch.full((n,), -1, **meta),
-        )
+        return Slots(torch.zeros(n, key_dim, **kw), torch.zeros(n, value_dim, **kw), meta)
 
     def _relayout(self, capacities: tuple[int, ...]) -> None:
         """Move the live rows into fresh storage with these per-head capacities."""
@@ -207,26 +219,28 @@ class CompactLayer(CacheLayerMixin):
         self._set(LayerState(slots, (0,) * heads, (0,) * heads, (0,) * heads, (0,) * heads, False))
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, positions=None, segment_ids=None, rope=None, **kwargs):
-        """Append ``q`` new tokens to every head. Returns the keys and values attention reads: (1, H, S, D)
-        views when the heads are even, else one (1, 1, S_h, D) view per head."""
+    def update(self, key_states, value_states, meta: torch.Tensor):
+        """Append ``q`` new tokens to every head: keys and values (1, H, q, D), ``meta`` their (q, 4) rows
+        (``CompactCache.append_rows``). Returns the keys and values attention reads: (1, H, S, D) views when
+        the heads are even, else one (1, 1, S_h, D) view per head."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
         if not self._room_for(q):
             self._relayout(tuple(max(c, n + q + _headroom(n + q)) for c, n in zip(self.capacities, self.lengths)))
-        new = (key_states[0], value_states[0], 0.0, positions, positions if rope is None else rope, segment_ids)
         if self.uniform:
-            n = self.lengths[0]
+            views, n = self._views, self.lengths[0]
             end = n + q
-            for view, value in zip(self._views, new):
-                view[:, n:end] = value
+            views.keys[:, n:end] = key_states[0]
+            views.values[:, n:end] = value_states[0]
+            views.meta[:, n:end] = meta
             self.lengths = (end,) * self.num_heads
-            return self._views.keys[None, :, :end], self._views.values[None, :, :end]
-        per_head = [isinstance(value, torch.Tensor) and value.dim() > 1 for value in new]  # keys and values
+            return views.keys[None, :, :end], views.values[None, :, :end]
+        slots = self.slots
         for h, (start, n) in enumerate(zip(self.starts, self.lengths)):  # a few heads: slice copies are cheapest
-            for store, value, split in zip(self.slots, new, per_head):
-                store[start + n : start + n + q] = value[h] if split else value
+            slots.keys[start + n : start + n + q] = key_states[0, h]
+            slots.values[start + n : start + n + q] = value_states[0, h]
+            slots.meta[start + n : start + n + q] = meta
         self.lengths = tuple(n + q for n in self.lengths)
         return (
             [k[None, None] for k in self.head_views("keys")],
@@ -348,7 +362,7 @@ class CompactLayer(CacheLayerMixin):
         if plan.values is not None:
             slots = slots._replace(values=plan.values.to(slots.values)[valid])
         if plan.bias is not None:
-            slots = slots._replace(bias=plan.bias.to(self.device, torch.float32)[valid])
+            slots.bias.copy_(plan.bias.to(self.device, torch.float32)[valid])  # fresh storage: written in place
         lengths = tuple(k.numel() for k in keep)
         self._set(LayerState.packed(slots, lengths, bool((slots.bias != 0).any())))
 
@@ -378,6 +392,15 @@ class CompactLayer(CacheLayerMixin):
         return 0 if self.slots is None else sum(t.numel() * t.element_size() for t in self.slots)
 
 
+class AppendRows(NamedTuple):
+    """What a forward appends to every layer: the tokens' ``Slots.meta`` rows (q, 4), and the logical and
+    RoPE lengths once they are in."""
+
+    meta: torch.Tensor
+    logical_length: int
+    rope_length: int
+
+
 @dataclass
 class CacheSnapshot:
     """A CompactCache's state at one moment: each layer's (shared) buffers and length, and the counters."""
@@ -402,29 +425,27 @@ class CompactCache(Cache):
         self.logical_length = 0
         self.rope_length = 0  # the RoPE position the next token gets (below logical_length after a rebase)
         self.compactions = 0
-        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see begin_append
+        self._pending: AppendRows | None = None  # see begin_append
         self.default_segment = 0
 
     def begin_append(self, positions: torch.Tensor, segment_id: int) -> None:
-        self._pending = self._append_metadata(positions, segment_id)
+        self._pending = self.append_rows(positions, segment_id)
 
-    def _append_metadata(self, positions: torch.Tensor, segment_id: int):
-        """(positions, segment ids, RoPE positions) of the tokens a forward appends: made once, used by every layer."""
-        segment_ids = torch.full((positions.numel(),), segment_id, dtype=torch.int32)
-        return positions, segment_ids, positions - self.logical_length + self.rope_length
+    def append_rows(self, positions: torch.Tensor, segment_id: int) -> AppendRows:
+        """The metadata rows (``Slots.meta``) of tokens appended at transcript ``positions``: made once per
+        forward, written by every layer."""
+        rope = self.rope_positions(positions)
+        meta = torch.stack([torch.zeros_like(positions), positions, rope, torch.full_like(positions, segment_id)], -1)
+        return AppendRows(meta.to(torch.int32), int(positions.max()) + 1, int(rope.max()) + 1)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         q = key_states.shape[2]
-        if self._pending is None or self._pending[0].numel() != q:
+        if self._pending is None or self._pending.meta.shape[0] != q:
             positions = torch.arange(self.logical_length, self.logical_length + q, device=key_states.device)
-            self._pending = self._append_metadata(positions, self.default_segment)
-        positions, segment_ids, rope = self._pending
-        keys, values = self.layers[layer_idx].update(
-            key_states, value_states, positions=positions, segment_ids=segment_ids, rope=rope
-        )
+            self._pending = self.append_rows(positions, self.default_segment)
+        keys, values = self.layers[layer_idx].update(key_states, value_states, self._pending.meta)
         if layer_idx == len(self.layers) - 1:
-            self.logical_length = int(positions.max()) + 1
-            self.rope_length = int(rope.max()) + 1
+            self.logical_length, self.rope_length = self._pending.logical_length, self._pending.rope_length
             self._pending = None
         return keys, values
 

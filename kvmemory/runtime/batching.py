@@ -211,8 +211,18 @@ class ForwardBatcher:
             if request.query_recorder is not None:
                 request.query_recorder.current_segment = request.segment_id
         recording = [(r, s, e) for r, (s, e) in zip(batch, cache.bounds) if r.hidden_recorder is not None]
-        with torch.no_grad():
-            logits = self.forward(input_ids, rope, cache, keep, self.attention_path, recording)
+        query_recorders = [r.query_recorder for r in batch if r.query_recorder is not None]
+        for recorder in query_recorders:
+            recorder.begin_pass()
+        try:
+            with torch.no_grad():
+                logits = self.forward(input_ids, rope, cache, keep, self.attention_path, recording)
+        except BaseException:
+            for recorder in query_recorders:
+                recorder.abort_pass()
+            raise
+        for recorder in query_recorders:
+            recorder.end_pass()
         start = 0
         for request in batch:
             rows = len(request.ids) if request.all_logits else 1

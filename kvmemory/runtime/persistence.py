@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from kvmemory.cache.compact_cache import EMPTY_LAYER, CacheSnapshot, LayerState, Slots
+from kvmemory.cache.compact_cache import EMPTY_LAYER, FIELDS, CacheSnapshot, LayerState, Slots
 from kvmemory.errors import ModelMismatchError, SessionFileError
 from kvmemory.runtime.memory_hooks import memory_loader
 from kvmemory.runtime.segments import Segment
@@ -105,7 +105,7 @@ def _payload(session, snap: SessionState) -> tuple[dict[str, torch.Tensor], dict
         initialized = layer_state.slots is not None
         layers.append({"lengths": list(layer_state.lengths), "biased": layer_state.biased, "initialized": initialized})
         if initialized:
-            for name, live in zip(Slots._fields, layer_state.live()):
+            for name, live in zip(FIELDS, layer_state.live().fields()):
                 tensors[f"layer.{i}.{name}"] = live.detach().cpu().contiguous()
     if snap.last_logits is not None:
         tensors["last_logits"] = snap.last_logits.detach().cpu().contiguous()
@@ -254,9 +254,10 @@ def _layer_state(meta: dict, i: int, tensor) -> LayerState:
     """One layer of a saved cache (version 1 files held it padded to the longest head: the padding goes)."""
     if not meta["initialized"]:
         return EMPTY_LAYER
-    slots = Slots(*(tensor(f"layer.{i}.{name}") for name in Slots._fields))
+    keys, values, bias, positions, rope, segments = (tensor(f"layer.{i}.{name}") for name in FIELDS)
     if "lengths" not in meta:
-        return LayerState.from_padded(slots._replace(keys=slots.keys[0], values=slots.values[0], bias=slots.bias[0]))
+        return LayerState.from_padded(Slots.of(keys[0], values[0], bias[0], positions, rope, segments))
+    slots = Slots.of(keys, values, bias, positions, rope, segments)
     return LayerState.packed(slots, tuple(meta["lengths"]), meta["biased"])
 
 

@@ -8,6 +8,11 @@
 * ``SurprisalRecorder`` keeps each token's surprisal −log p(token | what came before), which the
   selective-context method ranks by.
 Queries come back grouped by KV head: (H, tokens·G, D), rows token-major.
+
+A forward pass hands the recorder one query per layer. Grouping, windowing and copying them layer by layer
+cost ~15 µs a layer (0.5 ms of a ~15 ms decoded token on the default model), so the batcher brackets each
+pass with ``begin_pass``/``end_pass``: the layers' queries are collected during the pass and stored at its
+end, in a few tensor operations for all layers at once.
 """
 
 from __future__ import annotations
@@ -15,11 +20,11 @@ from __future__ import annotations
 import torch
 
 
-def group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """(1, Hq, T, D) → (H, T·G, D) with the G query heads of each KV head stacked per token."""
-    _, hq, t, d = query.shape
+def group_queries(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(L, Hq, T, D) → (L, H, T·G, D) with the G query heads of each KV head stacked per token."""
+    layers, hq, t, d = queries.shape
     g = hq // num_kv_heads
-    return query[0].view(num_kv_heads, g, t, d).permute(0, 2, 1, 3).reshape(num_kv_heads, t * g, d)
+    return queries.view(layers, num_kv_heads, g, t, d).transpose(2, 3).reshape(layers, num_kv_heads, t * g, d)
 
 
 class QueryRecorder:
@@ -44,31 +49,57 @@ class QueryRecorder:
         self.context: dict[int, list[torch.Tensor | None]] = {}
         self.current_segment = -1
         self.groups: int | None = None  # G: query heads per KV head, known from the first recorded query
+        self._pass: list[tuple[int, torch.Tensor]] | None = None  # (layer, query) of the pass in progress
 
     def record(self, layer: int, query: torch.Tensor) -> None:
-        query = query.detach()
-        groups = self.groups = query.shape[1] // self.num_kv_heads
+        """Keep ``layer``'s post-RoPE queries (1, Hq, T, D) of the tokens a forward runs; inside a pass
+        (``begin_pass``) they are stored when it ends."""
+        if self._pass is not None:
+            self._pass.append((layer, query.detach()))
+        else:
+            self._store([layer], [query.detach()])
+
+    def begin_pass(self) -> None:
+        """Collect the queries of the forward pass that starts now; ``end_pass`` stores them."""
+        self._pass = []
+
+    def end_pass(self) -> None:
+        recorded, self._pass = self._pass, None
+        if recorded:
+            self._store([layer for layer, _ in recorded], [query for _, query in recorded])
+
+    def abort_pass(self) -> None:
+        """Forget the queries of a pass that failed."""
+        self._pass = None
+
+    def _store(self, layers: list[int], queries: list[torch.Tensor]) -> None:
+        """Each of ``layers``' queries (1, Hq, T, D) of one pass, into the capture, the context and the window:
+        grouped, cut and copied once for all of them."""
+        groups = self.groups = queries[0].shape[1] // self.num_kv_heads
+        keep_context = self.context_tokens and self.current_segment >= 0 and not self.frozen
+        window = 0 if self.frozen else self.window
+        if self.captured is None and not keep_context:
+            if window <= 0:
+                return
+            queries = [q[:, :, -window:] for q in queries]  # only the tokens the window keeps
+        grouped = group_queries(torch.cat(queries), self.num_kv_heads)
         if self.captured is not None:
-            self.captured[layer].append(group_queries(query, self.num_kv_heads).to(self.dtype))
-        if self.frozen:
-            return
-        keep_context = self.context_tokens and self.current_segment >= 0
-        if not keep_context and self.window <= 0:
-            return
-        # grouped once for both stores; without context, only the tokens the window keeps
-        grouped = group_queries(query if keep_context else query[:, :, -self.window :], self.num_kv_heads)
+            for layer, layer_queries in zip(layers, grouped.to(self.dtype)):
+                self.captured[layer].append(layer_queries)
         if keep_context:
-            self._keep_context(layer, grouped.to(self.context_dtype), groups)
-        if self.window <= 0:
+            for layer, layer_queries in zip(layers, grouped.to(self.context_dtype)):
+                self._keep_context(layer, layer_queries, groups)
+        if window <= 0:
             return
-        keep_rows = self.window * groups
-        piece = grouped[:, -keep_rows:].to(self.dtype, copy=True)  # never a view
-        pieces, rows = (*self.recent[layer], piece), self._rows[layer] + piece.shape[1]
-        if piece.shape[1] == keep_rows:  # a whole window on its own (a prefill chunk)
-            pieces, rows = (piece,), keep_rows
-        elif rows >= 2 * keep_rows:
-            pieces, rows = (torch.cat(pieces, dim=1)[:, -keep_rows:].clone(),), keep_rows
-        self.recent[layer], self._rows[layer] = pieces, rows
+        keep_rows = window * groups
+        pieces_now = grouped[:, :, -keep_rows:].to(self.dtype, copy=True)  # never a view of the pass's queries
+        for layer, piece in zip(layers, pieces_now):
+            pieces, rows = (*self.recent[layer], piece), self._rows[layer] + piece.shape[1]
+            if piece.shape[1] == keep_rows:  # a whole window on its own (a prefill chunk)
+                pieces, rows = (piece,), keep_rows
+            elif rows >= 2 * keep_rows:
+                pieces, rows = (torch.cat(pieces, dim=1)[:, -keep_rows:].clone(),), keep_rows
+            self.recent[layer], self._rows[layer] = pieces, rows
 
     def _keep_context(self, layer: int, grouped: torch.Tensor, groups: int) -> None:
         """Append to the segment's context queries; past 2N tokens, thin out to every other token."""
@@ -134,6 +165,7 @@ class QueryRecorder:
 
     def restore(self, state) -> None:
         recent, context, self.current_segment = state
+        self._pass = None
         self.recent, self.context = list(recent), {k: list(v) for k, v in context.items()}
         self._rows = [sum(p.shape[1] for p in pieces) for pieces in self.recent]
 
