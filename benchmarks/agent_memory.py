@@ -42,7 +42,6 @@ from benchmarks.agent_traces import load_traces, trace_text
 from benchmarks.common import RESULTS, save, table
 from integrations.chat_model import ChatKVMemory, to_chat_dicts
 from kvmemory import Engine, MemoryManager, MemoryPolicy, default_policy
-from kvmemory.runtime.weights import default_weights
 
 KV_METHODS = {  # condition: (registry name, params) every compacted rule of the default policy switches to
     "am": ("attention_matching", {}),
@@ -494,7 +493,7 @@ def main() -> None:
             rows.append({**row, "divisor": divisor})
             partial = {"caps": args.caps, "replies": args.replies, "rows": rows, "partial": True}
             save("agent_memory", {**partial, "no_trace": [list(k) + [v] for k, v in none.items()]})
-    finish(rows, none, args.caps, args.replies, default_weights(engine.device, engine.dtype))
+    finish(rows, none, args.caps, args.replies, engine.weights)
 
 
 if __name__ == "__main__":

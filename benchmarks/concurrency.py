@@ -36,8 +36,7 @@ from benchmarks.agent_traces import load_traces
 from benchmarks.common import RESULTS, save, table
 from kvmemory import Engine, SamplingParams, run_on_compute
 from kvmemory.memory import MemoryManager, default_policy
-from kvmemory.runtime.loading import pick_device_and_dtype
-from kvmemory.runtime.weights import default_weights
+from kvmemory.runtime.weights import WEIGHT_FORMATS
 
 
 def contexts(engine: Engine, count: int, context: int) -> list[tuple[list[dict], list[dict]]]:
@@ -190,10 +189,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--cap", type=int, default=2048)
-    parser.add_argument("--weights", choices=["fp32", "bf16", "fp16"], help="default: the engine's default")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, help="default: the engine's default")
     args = parser.parse_args()
-    weights = args.weights or default_weights(*pick_device_and_dtype(None, None))
-    engine = Engine.from_pretrained("default", weights=weights)
+    engine = Engine.from_pretrained("default", weights=args.weights)
     unbatched = Engine(engine.model, engine.tokenizer, name=engine.name, max_batch_tokens=1)
     reference = copy.deepcopy(engine.model)
     reference.set_attn_implementation("sdpa")
@@ -227,7 +225,7 @@ def main() -> None:
         row["speedup_vs_one"] = row["kvmemory_tok_s"] / one if one else None
     print(table(rows, list(rows[0])))
     plot(rows, RESULTS / "concurrency.png")
-    settings = {"context": args.context, "tokens": args.tokens, "cap": args.cap, "weights": weights}
+    settings = {"context": args.context, "tokens": args.tokens, "cap": args.cap, "weights": engine.weights}
     settings["default_method"] = default_policy().default.method
     out = save("concurrency", {**settings, "rows": rows})
     print(f"saved {out}")

@@ -39,9 +39,9 @@ from benchmarks.quality import quality
 from benchmarks.texts import TEXT_KINDS, source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams, run_on_compute
 from kvmemory.runtime.loading import default_model_file
-from kvmemory.runtime.weights import default_weights
+from kvmemory.runtime.weights import Int4Linear, quantize_int4
 
-WEIGHT_FORMATS = ["fp32", "bf16", "fp16"]
+WEIGHT_FORMATS = ["fp32", "bf16", "fp16", "int4"]
 QUALITY_METHODS = ["snapkv", "am_real", "tam"]
 SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted"]
 
@@ -135,7 +135,7 @@ def weights_section(text_ids, n_dec, repeats):
                 "weights": name,
                 "decode_tok_s": n_dec / decode[name],
                 "prefill_tok_s": 512 / prefill,
-                "weight_mb": sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e6,
+                "weight_mb": sum(t.numel() * t.element_size() for t in weight_tensors(engine.model)) / 1e6,
                 "nll": {f"{r['kind']}/{r['method']}": r["nll"] for r in scored},
             }
         )
@@ -149,6 +149,11 @@ def weights_section(text_ids, n_dec, repeats):
     columns = ["weights", "decode_tok_s", "prefill_tok_s", "weight_mb", "max_full_nll_change", "same_method_order"]
     print(table(rows, columns), flush=True)
     return rows
+
+
+def weight_tensors(model) -> list[torch.Tensor]:
+    """Parameters and buffers (int4 layers keep their packed weights as buffers)."""
+    return [*model.parameters(), *model.buffers()]
 
 
 def method_order(nll: dict, kind: str) -> list[str]:
@@ -292,9 +297,9 @@ def kernels_section(config, repeats):
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=generator) * 0.02 for n, k in shapes]
 
-    def int8_rows(w):
+    def int8_rows(w, dtype=torch.float32):  # the scales' dtype is the activations'
         scale = w.abs().amax(1) / 127
-        return (w / scale[:, None]).round().to(torch.int8), scale
+        return (w / scale[:, None]).round().to(torch.int8), scale.to(dtype)
 
     def int4_groups(w, group=32):
         groups = w.reshape(w.shape[0], -1, group)
@@ -316,9 +321,17 @@ def kernels_section(config, repeats):
         "bf16": (torch.Tensor.bfloat16, lambda x, w: F.linear(x.bfloat16(), w).float()),
         "fp16": (torch.Tensor.half, lambda x, w: F.linear(x.half(), w).float()),
         "int8 weight-only (_weight_int8pack_mm)": (int8_rows, lambda x, p: torch._weight_int8pack_mm(x, *p)),
+        "int8 weight-only, bf16 activations": (
+            lambda w: int8_rows(w, torch.bfloat16),
+            lambda x, p: torch._weight_int8pack_mm(x.bfloat16(), *p).float(),
+        ),
         "int4 weight-only (_weight_int4pack_mm_for_cpu)": (
             int4_groups,
             lambda x, p: torch._weight_int4pack_mm_for_cpu(x, p[0], p[2], p[1]),
+        ),
+        "int4 weight-only, bf16 activations (kvmemory's int4)": (
+            lambda w: Int4Linear(*quantize_int4(w)[:2], w.shape[1]),
+            lambda x, layer: layer(x),
         ),
         "int8 dynamic (fbgemm)": (fbgemm_dynamic, lambda x, m: m(x)),
     }
@@ -382,7 +395,7 @@ def main() -> None:
     out = {
         "decode_tokens": n_dec,
         "repeats": args.repeats,
-        "weights_default": default_weights(engine.device, engine.dtype),
+        "weights_default": engine.weights,
     }
     if args.only:  # the saved run's settings describe its sections; a rerun section records its own repeats
         out = json.loads((RESULTS / "speed.json").read_text())

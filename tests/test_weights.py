@@ -1,4 +1,4 @@
-"""16-bit linear weights under fp32 activations (``Engine.from_pretrained(weights=...)``)."""
+"""16-bit and int4 linear weights under fp32 activations (``Engine.from_pretrained(weights=...)``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ from torch import nn
 
 from kvmemory import Engine, InvalidArgumentError, SamplingParams
 from kvmemory.runtime import weights
-from kvmemory.runtime.weights import DIRECT_ROWS, SixteenBitLinear, default_weights, store_linear_weights
+from kvmemory.runtime.forward import DirectForward, TransformersForward
+from kvmemory.runtime.weights import (
+    DIRECT_ROWS,
+    INT4_GROUP,
+    Int4Linear,
+    SixteenBitLinear,
+    default_weights,
+    quantize_int4,
+    store_linear_weights,
+)
 from tests.conftest import tiny_model
 
 
@@ -92,7 +101,10 @@ def test_weight_format_errors_name_the_problem_before_anything_loads():
     assert store_linear_weights(model, "fp32") is model and any(type(m) is nn.Linear for m in model.modules())
 
 
-def test_default_weights_per_device():
+def test_default_weights_per_device(monkeypatch):
+    monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: True)
+    assert default_weights(torch.device("cpu"), torch.float32) == "auto"
+    monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: False)
     assert default_weights(torch.device("cpu"), torch.float32) == "fp16"
     assert default_weights(torch.device("cuda"), torch.bfloat16) == "bf16"
     assert default_weights(torch.device("cpu"), torch.float16) == "fp16"
@@ -111,7 +123,7 @@ def test_the_default_model_on_16_bit_weights_scores_text_as_fp32_does(default_en
         session.append_tokens(ids[:256])
         nll[name] = float(-session.logprobs(ids[256:]).mean())
     assert abs(nll["default"] - nll["fp32"]) < 0.01
-    assert fast.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
+    assert fast.weights == ("int4" if weights.cpu_has_native_bf16() else "fp16")  # the file is Q4_1: int4 is exact
 
 
 def test_a_layer_whose_fp16_result_overflows_switches_to_bf16():
@@ -123,3 +135,90 @@ def test_a_layer_whose_fp16_result_overflows_switches_to_bf16():
     out = sixteen(x)  # many rows: the guarded path
     assert sixteen.weight.dtype == torch.bfloat16 and out.isfinite().all()
     torch.testing.assert_close(out, linear(x), rtol=1e-2, atol=1e-2)
+
+
+def four_bit(weight: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """A weight of ``weight``'s shape that is 4-bit already, as a Q4_1 GGUF's dequantised weights are: per group
+    of 32 inputs, step · q + low with q in 0..15, and each group using both ends of its range."""
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = weight.shape
+    levels = torch.randint(0, 16, (rows, cols // INT4_GROUP, INT4_GROUP), generator=g).float()
+    levels[..., 0], levels[..., 1] = 0, 15
+    step = torch.rand(rows, cols // INT4_GROUP, 1, generator=g) * 0.01 + 1e-3
+    low = -8 * step + torch.randn(rows, cols // INT4_GROUP, 1, generator=g) * 1e-3
+    return (levels * step + low).reshape(rows, cols)
+
+
+def four_bit_model(arch: str = "llama", **overrides):
+    """A tiny model whose decoder linear layers are 4-bit already (4 KV heads: q, k and v fill whole blocks of
+    64 packed rows, so they fuse)."""
+    model = tiny_model(arch, num_key_value_heads=4, **overrides)
+    head = model.get_output_embeddings()
+    for i, linear in enumerate(m for m in model.modules() if type(m) is nn.Linear and m is not head):
+        linear.weight.data = four_bit(linear.weight, seed=i)
+    return model
+
+
+def test_int4_keeps_a_four_bit_weight_and_rounds_only_in_bf16():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    gaussian = quantize_int4(linear.weight.detach())[2]
+    linear.weight.data = four_bit(linear.weight)
+    packed, scales_and_zeros, exact = quantize_int4(linear.weight.detach())
+    assert exact and not gaussian  # a weight that is not 4-bit is told apart
+    int4 = Int4Linear.of(linear)
+    x = torch.randn(5, 3, 64)
+    out = int4(x)
+    assert out.shape == (5, 3, 96) and out.dtype == torch.float32
+    # the kernel's product: bf16 input, the weight from bf16 scales and zeros, a bf16 result
+    step, zero = scales_and_zeros.float().unbind(-1)
+    levels = (
+        (linear.weight - (zero - 8 * step).t().repeat_interleave(INT4_GROUP, 1))
+        / step.t().repeat_interleave(INT4_GROUP, 1)
+    ).round()
+    rebuilt = (levels - 8) * step.t().repeat_interleave(INT4_GROUP, 1) + zero.t().repeat_interleave(INT4_GROUP, 1)
+    expected = rounded(F.linear(rounded(x, torch.bfloat16), rebuilt), torch.bfloat16) + linear.bias
+    torch.testing.assert_close(out, expected, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-5)
+    torch.testing.assert_close(out, linear(x), rtol=0.03, atol=0.03)  # and near the fp32 layer
+
+
+def test_auto_stores_int4_exactly_where_the_weights_are_four_bit_and_fp16_elsewhere():
+    model = four_bit_model()
+    model.model.layers[1].mlp.down_proj.weight.data = torch.randn(64, 128) * 0.02  # not 4-bit
+    store_linear_weights(model, "auto")
+    layers = model.model.layers
+    assert type(layers[0].mlp.down_proj) is Int4Linear and type(layers[1].self_attn.q_proj) is Int4Linear
+    assert type(layers[1].mlp.down_proj) is SixteenBitLinear and layers[1].mlp.down_proj.weight.dtype == torch.float16
+    assert type(model.lm_head) is SixteenBitLinear and model.lm_head.weight.dtype == torch.float16
+    with pytest.raises(InvalidArgumentError, match="CPU int4 kernel"):
+        store_linear_weights(four_bit_model().to("meta"), "int4")
+
+
+def test_fused_int4_projections_compute_what_their_parts_do():
+    model = store_linear_weights(four_bit_model("qwen2"), "int4")  # qwen2: q, k and v have biases
+    direct, parts = DirectForward.of(model), TransformersForward(model)
+    assert direct is not None and type(direct.layers[0].qkv.__self__) is Int4Linear
+    engine = Engine(model)
+    ids = list(range(3, 30))
+    logits = {}
+    for name, forward in (("fused", direct), ("parts", parts)):
+        engine.batcher.forward = forward
+        session = engine.session()
+        session.append_tokens(ids)
+        logits[name] = session.logprobs(ids[1:])
+    torch.testing.assert_close(logits["fused"], logits["parts"], rtol=0, atol=1e-5)
+
+
+def test_a_session_on_int4_weights_decodes_as_a_full_forward_of_its_model_does():
+    model = store_linear_weights(four_bit_model(), "int4")
+    engine = Engine(model)
+    assert engine.weights == "int4" and isinstance(engine.batcher.forward, DirectForward)
+    prompt = list(range(3, 40))
+    lone = engine.session()
+    lone.append_tokens(prompt)
+    reply = lone.generate(params=SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    with torch.no_grad():
+        ids = list(prompt)
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert reply == ids[len(prompt) :]

@@ -5,15 +5,15 @@ an additive attention bias β (fp32: 0 for verbatim tokens, fitted for compacted
 original (logical) position, the RoPE position its key is rotated at and the id of the segment it came
 from.
 
-Storage is ragged per KV head, so a head costs exactly the slots it keeps. Keys, values and the four
-small fields (one int32 row per slot) are flat tensors whose rows are grouped by head: head h owns rows ``[start[h], start[h] + capacity[h])`` and uses the
-first ``length[h]`` of them (``Slots`` and ``CompactLayer``). When every head has the same capacity the
-flat tensors are exactly the usual (heads, slots, dim) layout, read through views with no copy; heads
-with different budgets (REAL, AdaKV-style sharing, TAM's per-head budgets) each keep only their own
-slots, and attention reads each head's rows directly (``kvmemory.attention``). Nothing is padded, so a
-cache's bytes are its kept slots' bytes. Compaction code that wants whole-layer tensors reads
-``keys``/``values``/``bias``/``positions``/``rope``/``segments``: (heads, longest head, ...) views, or for
-uneven heads a padded copy (keys and values 0, β −∞, positions −1 on each shorter head's tail).
+Storage is ragged per KV head, so a head costs exactly the slots it keeps. Keys, values and the four small
+fields (one int32 row per slot) are flat tensors whose rows are grouped by head: head h owns rows ``[start[h],
+start[h] + capacity[h])`` and uses the first ``length[h]`` of them (``Slots`` and ``CompactLayer``). When
+every head has the same capacity the flat tensors are exactly the usual (heads, slots, dim) layout, read
+through views with no copy; heads with different budgets (REAL, AdaKV-style sharing, TAM's per-head budgets)
+each keep only their own slots, and attention reads each head's rows directly (``kvmemory.attention``).
+Nothing is padded, so a cache's bytes are its kept slots' bytes. Compaction code that wants whole-layer
+tensors reads ``keys``/``values``/``bias``/``positions``/``rope``/``segments``: (heads, longest head, ...)
+views, or for uneven heads a padded copy (keys and values 0, β −∞, positions −1 on each shorter head's tail).
 
 The logical length (what new positions count from) is separate from the slot counts, so tokens appended
 after a compaction keep their true positions. Appends write into headroom left past each head's length;

@@ -22,7 +22,7 @@ from kvmemory.runtime.loading import (
 )
 from kvmemory.runtime.persistence import load_session
 from kvmemory.runtime.session import Session
-from kvmemory.runtime.weights import default_weights, store_linear_weights, weight_dtype
+from kvmemory.runtime.weights import check_weights, default_weights, store_linear_weights, weight_format
 
 MAX_LOGICAL_POSITIONS = 2**31 - 1  # the cache stores positions as int32
 
@@ -77,12 +77,13 @@ class Engine:
         cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None, **limits
     ) -> Engine:
         """``dtype``: activations and KV cache (fp32 on CPU, bf16 on CUDA); ``weights``: how the linear layers'
-        weights are stored ("fp32", "bf16", "fp16"; default fp16 under fp32 activations, see
-        ``kvmemory.runtime.weights``)."""
+        weights are stored ("fp32", "bf16", "fp16", "int4", or "auto": int4 for weights that are 4-bit already,
+        such as the default model's, fp16 for the rest; the default under fp32 activations on a CPU with bf16
+        dot products, else fp16 there: see ``kvmemory.runtime.weights``)."""
         device, dtype = pick_device_and_dtype(device, dtype)
         weights = weights or default_weights(device, dtype)
         if weights is not None:
-            weight_dtype(weights)  # a bad name fails before anything loads
+            check_weights(weights)  # a bad name fails before anything loads
 
         def load():
             model, tokenizer = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
@@ -100,6 +101,11 @@ class Engine:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def weights(self) -> str:
+        """How the decoder's linear layers store their weights ("int4", "fp16", ...)."""
+        return weight_format(self.model)
 
     @property
     def num_layers(self) -> int:

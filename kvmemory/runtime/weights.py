@@ -37,7 +37,10 @@ from kvmemory.errors import InvalidArgumentError
 from kvmemory.hardware import cpu_has_native_bf16
 
 log = logging.getLogger("kvmemory.weights")
-WEIGHT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+WEIGHT_FORMATS = ("fp32", *SIXTEEN_BIT, "int4", "auto")
+INT4_GROUP = 32  # inputs per scale and zero: GGUF Q4_1's block, so that file's weights are kept as they are
+INT4_PACK_ROWS = 64  # the CPU kernel packs output rows in blocks of 64: fused weights split there
 DIRECT_ROWS = 2  # up to this many rows the 16-bit kernel wins; past it widening the weight does (AVX2)
 WIDEN_BLOCK_BYTES = 2 << 20  # widened weight blocks of this size stay in cache
 
@@ -83,6 +86,64 @@ class SixteenBitLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}"
 
 
+class Int4Linear(nn.Module):
+    """``nn.Linear`` with its weight in 4 bits: per group of 32 inputs, w = scale·q + low with q in 0..15.
+
+    That is the layout of GGUF's Q4_1 (and the affine sub-blocks of Q4_K), so the weights of such a file
+    come back exactly from their dequantised fp32 values (``is_four_bit``), and only the kernel's bf16
+    scale and zero round them. The product runs in torch's CPU int4 kernel on bf16 activations, where it is
+    vectorised (on fp32 or fp16 inputs the same kernel is 10-30× slower): the input and the output are
+    rounded to bf16, as with bf16 weights, and keep the caller's dtype outside."""
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int, bias=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, packed.shape[0]
+        self.register_buffer("packed", packed)  # (out, in / 2) uint8, the kernel's layout
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # (in / 32, out, 2) bf16
+        self.bias = bias  # tiny: kept in the activation dtype
+
+    @classmethod
+    def of(cls, linear: nn.Linear, only_if_exact: bool = False) -> Int4Linear | None:
+        """``linear`` in int4; with ``only_if_exact``, None unless its weight is 4-bit already (``quantize_int4``)."""
+        packed, scales_and_zeros, exact = quantize_int4(linear.weight.detach())
+        if only_if_exact and not exact:
+            return None
+        return cls(packed, scales_and_zeros, linear.in_features, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        # contiguous: a fused layer's part holds a strided view, which the kernel would misread
+        scales_and_zeros = self.scales_and_zeros.contiguous()
+        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, scales_and_zeros)
+        out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=int4 (groups of 32)"
+
+
+def int4_groups(weight: torch.Tensor):
+    """Per group of ``INT4_GROUP`` inputs, the levels q (0..15), the step and the lowest value of ``weight``."""
+    w = weight.float()
+    groups = w.reshape(w.shape[0], -1, INT4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    step = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)  # a constant group: q = 0
+    levels = ((groups - low[..., None]) / step[..., None]).round().clamp(0, 15)
+    return levels, step, low
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(packed levels, scales and zeros) in the CPU kernel's layout, which dequantises (q − 8)·scale + zero
+    (hence zero = low + 8·step), and whether ``weight`` was 4-bit already (say dequantised from a Q4_1
+    GGUF): its levels give it back to fp32 rounding, so int4 loses nothing but the bf16 scale rounding."""
+    levels, step, low = int4_groups(weight)
+    rebuilt = (levels * step[..., None] + low[..., None]).reshape(weight.shape)
+    exact = bool((rebuilt - weight.float()).abs().max() <= 1e-6 * weight.abs().max())
+    packed = torch._convert_weight_to_int4pack_for_cpu(levels.reshape(weight.shape).to(torch.int32), 1)
+    scales_and_zeros = torch.stack([step.t(), (low + 8 * step).t()], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scales_and_zeros, exact
+
+
 def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
     """One linear layer computing ``parts`` side by side (their outputs concatenated), for projections of the
     same input (q, k and v; gate and up): one matrix product instead of several, each of which costs a
@@ -90,6 +151,8 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
     is held twice and each part still computes what it did. None when the parts differ in kind, dtype,
     device or bias. (Should the fused layer switch itself to bf16 on an fp16 overflow, the parts keep
     their fp16 views.)"""
+    if all(type(p) is Int4Linear for p in parts):
+        return _fuse_int4(parts)
     kinds = {(type(p), p.weight.dtype, p.weight.device, p.bias is None) for p in parts}
     if len(kinds) != 1 or type(parts[0]) not in (nn.Linear, SixteenBitLinear):
         return None
@@ -111,36 +174,78 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
     return fused
 
 
+def _fuse_int4(parts: list[Int4Linear]) -> Int4Linear | None:
+    """``fuse_linears`` for int4 parts: their packed rows and scales side by side, the parts' becoming views.
+    None unless every part fills whole blocks of packed rows (then the blocks of the fused weight are
+    exactly the parts' blocks) and all share an input size and having a bias or not."""
+    alike = len({(p.in_features, p.bias is None) for p in parts}) == 1
+    if not alike or any(p.out_features % INT4_PACK_ROWS for p in parts):
+        return None
+    packed = torch.cat([p.packed for p in parts])
+    scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1)
+    bias = None if parts[0].bias is None else nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    offset = 0
+    for part in parts:
+        rows = slice(offset, offset + part.out_features)
+        part.packed, part.scales_and_zeros = packed[rows], scales_and_zeros[:, rows]
+        if bias is not None:
+            part.bias = nn.Parameter(bias[rows], requires_grad=False)
+        offset = rows.stop
+    return Int4Linear(packed, scales_and_zeros, parts[0].in_features, bias)
+
+
 def default_weights(device: torch.device, dtype: torch.dtype) -> str | None:
-    """fp16 weights under fp32 activations on CPU (decode reads half the bytes; the fastest kernel measured,
-    see the module docstring); otherwise the model's dtype (None for a dtype no format names: the weights
-    are left as loaded)."""
+    """Under fp32 activations on CPU: "auto" where the CPU has bf16 dot products (int4 for every layer whose
+    weight is 4-bit already, as a Q4_1 GGUF's are: nothing lost, a quarter of fp16's bytes to read per
+    token; fp16 for the rest), else fp16 (half the bytes of fp32; the fastest kernel there, see the module
+    docstring). Otherwise the model's dtype (None for a dtype no format names: left as loaded)."""
     if device.type == "cpu" and dtype == torch.float32:
-        return "fp16"
-    return next((name for name, value in WEIGHT_FORMATS.items() if value == dtype), None)
+        return "auto" if cpu_has_native_bf16() else "fp16"
+    formats = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return formats.get(dtype)
 
 
-def weight_dtype(weights: str) -> torch.dtype:
+def check_weights(weights: str) -> str:
     if weights not in WEIGHT_FORMATS:
-        raise InvalidArgumentError(f"weights must be one of {tuple(WEIGHT_FORMATS)}, got {weights!r}")
-    return WEIGHT_FORMATS[weights]
+        raise InvalidArgumentError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    return weights
+
+
+def weight_format(model: nn.Module) -> str:
+    """How ``model``'s decoder linear layers store their weights ("int4", "fp16", ...)."""
+    head = model.get_output_embeddings()
+    for module in model.modules():
+        if type(module) is Int4Linear:
+            return "int4"
+        if type(module) in (nn.Linear, SixteenBitLinear) and module is not head:
+            return str(module.weight.dtype).removeprefix("torch.").replace("float", "fp").replace("bfloat", "bf")
+    return "fp32"
 
 
 def store_linear_weights(model: nn.Module, weights: str) -> nn.Module:
-    """Swap every linear layer of ``model`` for a 16-bit one when ``weights`` is narrower than the
-    activations. The output head is kept in fp16 under bf16 weights: logits of 10–30 would be rounded to
-    steps of 0.06–0.125 in bf16 (8× finer in fp16, far inside its range); a tied head gets its own copy."""
-    dtype = weight_dtype(weights)
+    """Swap every linear layer of ``model`` for a 16-bit or int4 one when ``weights`` is narrower than the
+    activations. The output head is kept in fp16 under bf16 and int4 weights: logits of 10–30 would be
+    rounded to steps of 0.06–0.125 in bf16 (8× finer in fp16, far inside its range); a tied head gets its
+    own copy. int4 runs on CPU only (its kernel is torch's CPU one); a layer whose inputs do not split into
+    groups of 32 keeps fp16."""
+    check_weights(weights)
     activations = next(model.parameters()).dtype
-    if dtype == activations:
+    if weights in ("int4", "auto") and next(model.parameters()).device.type != "cpu":
+        raise InvalidArgumentError("weights='int4' runs torch's CPU int4 kernel; on an accelerator use bf16 or fp16")
+    dtype = {"fp32": torch.float32, **SIXTEEN_BIT}.get(weights, torch.float16)  # int4, auto: the rest in fp16
+    if dtype == activations and weights not in ("int4", "auto"):
         return model
     if dtype.itemsize > activations.itemsize:
         raise InvalidArgumentError(f"weights={weights!r} is wider than the model's {activations}; pass dtype too")
     head = model.get_output_embeddings()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                narrow = torch.float16 if child is head and dtype == torch.bfloat16 else dtype
-                setattr(parent, name, SixteenBitLinear(child, narrow))
+            if type(child) is not nn.Linear:
+                continue
+            four_bit = weights in ("int4", "auto") and child is not head and child.in_features % INT4_GROUP == 0
+            replaced = Int4Linear.of(child, only_if_exact=weights == "auto") if four_bit else None
+            if replaced is None:
+                replaced = SixteenBitLinear(child, torch.float16 if child is head and weights == "bf16" else dtype)
+            setattr(parent, name, replaced)
     model.config.tie_word_embeddings = False  # the head's 16-bit copy no longer shares the embedding
     return model
