@@ -97,8 +97,9 @@ def speed_section(d: dict) -> str:
     if "kernels" in d:
         kernels = [[k["kernel"], f"{k['ms_per_token']:.1f}"] for k in d["kernels"]]
         text += (
-            "\n\nOne token through every linear weight of the default model's shapes, per CPU kernel (why 16-bit "
-            "weights and not int8/int4 on this CPU):\n\n" + md(kernels, ["kernel", "ms per token"])
+            "\n\nOne token through every linear weight of the default model's shapes (output head included), per "
+            "CPU kernel (torch's int8 and int4 weight-only kernels are vectorised for bf16 activations only):\n\n"
+            + md(kernels, ["kernel", "ms per token"])
         )
     return text + "\n\n![speed](benchmarks/results/speed.png)"
 

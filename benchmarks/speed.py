@@ -44,6 +44,7 @@ from kvmemory.runtime.weights import Int4Linear, quantize_int4
 WEIGHT_FORMATS = ["fp32", "bf16", "fp16", "int4"]
 QUALITY_METHODS = ["snapkv", "am_real", "tam"]
 SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted"]
+ENGINE_SECTIONS = ["callers", "recording", "contexts", "compacted"]  # run on the default engine's weights
 
 
 # ---- runners: each returns (prefill seconds, decode seconds) for ``ids`` then ``n`` greedy tokens ----------
@@ -399,6 +400,13 @@ def main() -> None:
     }
     if args.only:  # the saved run's settings describe its sections; a rerun section records its own repeats
         out = json.loads((RESULTS / "speed.json").read_text())
+        kept = [name for name in ENGINE_SECTIONS if name in out and name not in run]
+        if out.get("weights_default") != engine.weights and kept:
+            parser.error(
+                f"the saved run's sections {kept} used {out.get('weights_default')} weights, this engine "
+                f"{engine.weights}: rerun them too"
+            )
+        out["weights_default"] = engine.weights
     if "kernels" in run:
         out["kernels"] = run_on_compute(kernels_section, engine.config, args.repeats)
     if "weights" in run:

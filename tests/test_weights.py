@@ -111,8 +111,8 @@ def test_default_weights_per_device(monkeypatch):
     assert default_weights(torch.device("cpu"), torch.float64) is None  # left as loaded
 
 
-def test_the_default_model_on_16_bit_weights_scores_text_as_fp32_does(default_engine):
-    """The quality bar of 16-bit weights: teacher-forced NLL within 0.01 nats of the fp32 reference."""
+def test_the_default_model_on_its_default_weights_scores_text_as_fp32_does(default_engine):
+    """The quality bar of the default (int4 or fp16) weights: teacher-forced NLL within 0.01 nats of fp32."""
     from benchmarks.texts import source_text
 
     fast = Engine.from_pretrained("default")

@@ -1,28 +1,37 @@
-"""Linear weights stored in 16 bits while activations and the cache stay in the model's dtype.
+"""Linear weights stored in 16 or 4 bits while activations and the cache stay in the model's dtype.
 
-Decoding one token reads every weight once; on a CPU that read is the decode step's cost. The *kernels*
-table of ``python -m benchmarks.speed`` times one token through the default model's linear layers: on a
-2-core AVX2 machine 40 ms in fp32, 18 in bf16, 15 in fp16; on a 2-core AVX-512 (bf16, VNNI) machine 32, 13
-and 7.5. So ``Engine.from_pretrained(weights="fp16")``, the CPU default, keeps each linear layer's weight
-in fp16 (``"bf16"``: in bf16, the output head in fp16, see ``store_linear_weights``) and leaves embeddings,
-norms, activations and the KV cache in fp32. fp16 also keeps 3 more mantissa bits than bf16 (full-cache
-NLL of the default model 0.0006 from fp32's, bf16 0.0017). Its narrower range is guarded where it is
-cheap: a layer whose fp16 result overflows in a pass over many rows (prefill) switches itself to bf16.
+Decoding one token reads every weight once; on a CPU that read is most of the decode step's cost. The
+*kernels* table of ``python -m benchmarks.speed`` times one token through the default model's linear layers
+per kernel. ``Engine.from_pretrained(weights=...)`` offers:
 
-A forward over a few rows (decoding) runs the 16-bit kernel directly. Over many rows (prefill chunks,
+* ``"fp16"``: each linear layer's weight in fp16 (half fp32's bytes), embeddings, norms, activations and the
+  KV cache in fp32. fp16 keeps 3 more mantissa bits than bf16 (full-cache NLL of the default model 0.0006
+  from fp32's, bf16 0.0017). Its narrower range is guarded where it is cheap: a layer whose fp16 result
+  overflows in a pass over many rows (prefill) switches itself to bf16. The CPU default without bf16 dot
+  products.
+* ``"bf16"``: the same in bf16, the output head in fp16 (``store_linear_weights``).
+* ``"int4"``: per group of 32 inputs, 4-bit levels with a scale and a zero (``Int4Linear``), run by torch's
+  CPU int4 kernel on bf16 activations: a quarter of fp16's bytes. This is GGUF Q4_1's layout, so the
+  weights of a Q4_1 file (the default model's) come back exactly from their dequantised values; only the
+  kernel's bf16 scales and its bf16 input and output round them, as bf16 weights round theirs.
+* ``"auto"``: int4 for every layer whose weight is 4-bit already (nothing lost), fp16 for the rest; the
+  CPU default where bf16 dot products exist (AVX-512 BF16, AMX), where the int4 kernel is fast.
+
+A 16-bit forward over a few rows (decoding) runs the 16-bit kernel directly. Over many rows (prefill chunks,
 scoring, a batched pass) it widens the weight to the activation dtype first: CPUs without native 16-bit dot
 products (AVX2) run 16-bit GEMM 6–7× slower than fp32 at 64+ rows, while widening costs one pass over the
-weight. bf16 weights on a CPU with bf16 dot products (AVX-512 BF16, AMX) run the bf16 kernel at every row
-count: 8 rows cost 1.04× one row there and 64 rows 2×, against 2.3× and 7.4× widened (so ``weights="bf16"``
-prefills 2× faster and batches far better there, while one row decodes faster in fp16).
-Both paths round the input and the output to 16 bits and accumulate in fp32, so a row's result
-depends on how many rows share its pass only where the two kernels' summation orders round differently
-(the last place of a few elements).
+weight. bf16 weights on a CPU with bf16 dot products run the bf16 kernel at every row count: 8 rows cost
+1.04× one row there and 64 rows 2×, against 2.3× and 7.4× widened. Both paths round the input and the
+output to 16 bits and accumulate in fp32, so a row's result depends on how many rows share its pass only
+where the two kernels' summation orders round differently (the last place of a few elements).
 
-Measured alternatives (same table): int8 weight-only (``torch._weight_int8pack_mm``, the kernel torchao's
-int8 weight-only config runs on CPU) and int4 weight-only are slower than fp32 on both CPUs, and fbgemm's
-dynamic int8 is only as fast as fp16 while also quantising activations; none is offered until a kernel
-makes one pay.
+Measured on a 2-core AVX-512 (bf16, VNNI) machine (the *kernels* table: one token through every linear
+weight of the default model's shapes, output head included): fp32 33 ms, bf16 14, fp16 8.2, and the int8
+and int4 weight-only kernels (``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``, which
+torchao's weight-only configs run on CPU) 6.4 and 6.5 on bf16 activations but 46 and 107 on fp32 ones: they
+are vectorised for bf16 only. In the model, int4 decodes 1.27× and prefills 1.55× as fast as fp16 (the
+*Weight formats* table). int8 weight-only (per-row scales) would suit weights that are not 4-bit; it is not
+offered yet. fbgemm's dynamic int8 also quantises the activations and moved the NLL by more than 0.01.
 """
 
 from __future__ import annotations
