@@ -81,6 +81,7 @@ def test_storing_16_bit_weights_replaces_every_linear_and_keeps_activations_fp32
 def test_a_session_on_16_bit_weights_decodes_as_a_full_forward_of_its_model_does():
     model = store_linear_weights(tiny_model("llama"), "bf16")
     engine = Engine(model)
+    assert engine.weights == "bf16" and Engine(tiny_model("llama")).weights == "fp32"
     prompt = list(range(3, 40))
     lone = engine.session()
     lone.append_tokens(prompt)

@@ -47,6 +47,7 @@ from kvmemory.hardware import cpu_has_native_bf16
 
 log = logging.getLogger("kvmemory.weights")
 SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FORMAT_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 WEIGHT_FORMATS = ("fp32", *SIXTEEN_BIT, "int4", "auto")
 INT4_GROUP = 32  # inputs per scale and zero: GGUF Q4_1's block, so that file's weights are kept as they are
 INT4_PACK_ROWS = 64  # the CPU kernel packs output rows in blocks of 64: fused weights split there
@@ -98,11 +99,11 @@ class SixteenBitLinear(nn.Module):
 class Int4Linear(nn.Module):
     """``nn.Linear`` with its weight in 4 bits: per group of 32 inputs, w = scale·q + low with q in 0..15.
 
-    That is the layout of GGUF's Q4_1 (and the affine sub-blocks of Q4_K), so the weights of such a file
-    come back exactly from their dequantised fp32 values (``is_four_bit``), and only the kernel's bf16
-    scale and zero round them. The product runs in torch's CPU int4 kernel on bf16 activations, where it is
-    vectorised (on fp32 or fp16 inputs the same kernel is 10-30× slower): the input and the output are
-    rounded to bf16, as with bf16 weights, and keep the caller's dtype outside."""
+    That is the layout of GGUF's Q4_1, so the weights of such a file come back exactly from their dequantised
+    fp32 values (``quantize_int4``), and only the kernel's bf16 scale and zero round them. The product runs in
+    torch's CPU int4 kernel on bf16 activations, where it is vectorised (on fp32 or fp16 inputs the same kernel
+    is 10-30× slower): the input and the output are rounded to bf16, as with bf16 weights, and keep the caller's
+    dtype outside."""
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int, bias=None):
         super().__init__()
@@ -210,8 +211,7 @@ def default_weights(device: torch.device, dtype: torch.dtype) -> str | None:
     docstring). Otherwise the model's dtype (None for a dtype no format names: left as loaded)."""
     if device.type == "cpu" and dtype == torch.float32:
         return "auto" if cpu_has_native_bf16() else "fp16"
-    formats = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    return formats.get(dtype)
+    return FORMAT_OF_DTYPE.get(dtype)
 
 
 def check_weights(weights: str) -> str:
@@ -227,7 +227,7 @@ def weight_format(model: nn.Module) -> str:
         if type(module) is Int4Linear:
             return "int4"
         if type(module) in (nn.Linear, SixteenBitLinear) and module is not head:
-            return str(module.weight.dtype).removeprefix("torch.").replace("float", "fp").replace("bfloat", "bf")
+            return FORMAT_OF_DTYPE.get(module.weight.dtype, str(module.weight.dtype))
     return "fp32"
 
 
@@ -240,7 +240,7 @@ def store_linear_weights(model: nn.Module, weights: str) -> nn.Module:
     check_weights(weights)
     activations = next(model.parameters()).dtype
     if weights in ("int4", "auto") and next(model.parameters()).device.type != "cpu":
-        raise InvalidArgumentError("weights='int4' runs torch's CPU int4 kernel; on an accelerator use bf16 or fp16")
+        raise InvalidArgumentError(f"weights={weights!r} runs torch's CPU int4 kernel; on an accelerator: bf16, fp16")
     dtype = {"fp32": torch.float32, **SIXTEEN_BIT}.get(weights, torch.float16)  # int4, auto: the rest in fp16
     if dtype == activations and weights not in ("int4", "auto"):
         return model
