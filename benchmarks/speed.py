@@ -39,7 +39,7 @@ from benchmarks.quality import quality
 from benchmarks.texts import TEXT_KINDS, source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams, run_on_compute
 from kvmemory.runtime.loading import default_model_file
-from kvmemory.runtime.weights import Int4Linear, quantize_int4
+from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, quantize_int4
 
 WEIGHT_FORMATS = ["fp32", "bf16", "fp16", "int4"]
 QUALITY_METHODS = ["snapkv", "am_real", "tam"]
@@ -302,14 +302,9 @@ def kernels_section(config, repeats):
         scale = w.abs().amax(1) / 127
         return (w / scale[:, None]).round().to(torch.int8), scale.to(dtype)
 
-    def int4_groups(w, group=32):
-        groups = w.reshape(w.shape[0], -1, group)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scale = ((high - low) / 15).clamp_min(1e-8)
-        q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(w.shape).to(torch.int32)
-        zero = low + 8 * scale  # the kernel dequantises (q − 8)·scale + zero
-        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        return packed, torch.stack([scale.t(), zero.t()], -1).contiguous(), group
+    def int4_fp32_scales(w):  # kvmemory's int4 layout, its scales and zeros in the fp32 activations' dtype
+        packed, scales_and_zeros, _ = quantize_int4(w)
+        return packed, scales_and_zeros.float()
 
     def fbgemm_dynamic(w):
         linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
@@ -327,8 +322,8 @@ def kernels_section(config, repeats):
             lambda x, p: torch._weight_int8pack_mm(x.bfloat16(), *p).float(),
         ),
         "int4 weight-only (_weight_int4pack_mm_for_cpu)": (
-            int4_groups,
-            lambda x, p: torch._weight_int4pack_mm_for_cpu(x, p[0], p[2], p[1]),
+            int4_fp32_scales,
+            lambda x, p: torch._weight_int4pack_mm_for_cpu(x, p[0], INT4_GROUP, p[1]),
         ),
         "int4 weight-only, bf16 activations (kvmemory's int4)": (
             lambda w: Int4Linear(*quantize_int4(w)[:2], w.shape[1]),

@@ -26,9 +26,9 @@ output to 16 bits and accumulate in fp32, so a row's result depends on how many 
 where the two kernels' summation orders round differently (the last place of a few elements).
 
 Measured on a 2-core AVX-512 (bf16, VNNI) machine (the *kernels* table: one token through every linear
-weight of the default model's shapes, output head included): fp32 33 ms, bf16 14, fp16 8.2, and the int8
+weight of the default model's shapes, output head included): fp32 33 ms, bf16 14, fp16 7.9, and the int8
 and int4 weight-only kernels (``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``, which
-torchao's weight-only configs run on CPU) 6.4 and 6.5 on bf16 activations but 46 and 107 on fp32 ones: they
+torchao's weight-only configs run on CPU) 6.2 and 6.2 on bf16 activations but 44 and 105 on fp32 ones: they
 are vectorised for bf16 only. In the model, int4 decodes 1.27× and prefills 1.55× as fast as fp16 (the
 *Weight formats* table). int8 weight-only (per-row scales) would suit weights that are not 4-bit; it is not
 offered yet. fbgemm's dynamic int8 also quantises the activations and moved the NLL by more than 0.01.
