@@ -14,3 +14,10 @@ def cpu_has_native_bf16() -> bool:
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool((probe and probe()) or (amx and amx()))
+
+
+@functools.cache
+def cpu_has_fbgemm() -> bool:
+    """Whether torch has its x86 fbgemm kernels (AVX2 and up), among them the fp16-weight GEMM that keeps
+    activations, accumulation and output in fp32."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_prepack_fp16")

@@ -8,12 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmemory import Engine, InvalidArgumentError, SamplingParams
+from kvmemory.hardware import cpu_has_fbgemm
 from kvmemory.runtime import weights
 from kvmemory.runtime.forward import DirectForward, TransformersForward
 from kvmemory.runtime.weights import (
     DIRECT_ROWS,
     INT4_GROUP,
     Int4Linear,
+    PackedFp16Linear,
     SixteenBitLinear,
     default_weights,
     quantize_int4,
@@ -127,6 +129,20 @@ def test_the_default_model_on_its_default_weights_scores_text_as_fp32_does(defau
     assert fast.weights == ("int4" if weights.cpu_has_native_bf16() else "fp16")  # the file is Q4_1: int4 is exact
 
 
+@pytest.mark.skipif(not cpu_has_fbgemm(), reason="fbgemm's fp16 GEMM is x86 only")
+def test_the_packed_fp16_head_rounds_only_its_weight_and_a_row_alone_gets_the_same_bits():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 300)
+    head = PackedFp16Linear(linear)
+    x = torch.randn(9, 64) * 40  # products far past fp16's range: the input and the output stay fp32
+    many = head(x)
+    alone = torch.cat([head(x[i : i + 1]) for i in range(len(x))])
+    assert many.dtype == torch.float32 and torch.equal(many, alone)
+    expected = F.linear(x.double(), linear.weight.half().double(), linear.bias.double())
+    torch.testing.assert_close(many.double(), expected, rtol=1e-6, atol=1e-4)
+    assert head.weight.dtype == torch.float16  # readers of single rows (counter-causal) still find it
+
+
 def test_a_layer_whose_fp16_result_overflows_switches_to_bf16():
     torch.manual_seed(0)
     linear = nn.Linear(64, 32, bias=False)
@@ -190,7 +206,8 @@ def test_auto_stores_int4_exactly_where_the_weights_are_four_bit_and_fp16_elsewh
     layers = model.model.layers
     assert type(layers[0].mlp.down_proj) is Int4Linear and type(layers[1].self_attn.q_proj) is Int4Linear
     assert type(layers[1].mlp.down_proj) is SixteenBitLinear and layers[1].mlp.down_proj.weight.dtype == torch.float16
-    assert type(model.lm_head) is SixteenBitLinear and model.lm_head.weight.dtype == torch.float16
+    assert isinstance(model.lm_head, SixteenBitLinear) and model.lm_head.weight.dtype == torch.float16
+    assert (type(model.lm_head) is PackedFp16Linear) == cpu_has_fbgemm()
     with pytest.raises(InvalidArgumentError, match="CPU int4 kernel"):
         store_linear_weights(four_bit_model().to("meta"), "int4")
 
