@@ -11,6 +11,7 @@ import torch
 
 from kvmemory import Engine
 from kvmemory.memory import MemoryManager, MemoryPolicy
+from kvmemory.runtime.batching import ForwardRequest
 from tests.conftest import random_tokens, tiny_model
 from tests.test_contract import assert_same_state, state_of, uneven_plan
 
@@ -148,6 +149,24 @@ def test_one_sessions_failure_leaves_it_unchanged_and_the_others_running():
     assert results[0] == expected
     assert isinstance(results[1], RuntimeError)
     assert_same_state(state_of(broken), before)
+
+
+def test_work_after_a_pass_runs_per_request_and_fails_only_its_own_request():
+    engine = Engine(tiny_model("llama"))
+    sessions = [build(engine, "plain"), build(engine, "uneven")]
+
+    def fails(logits):
+        raise RuntimeError("sampler failed")
+
+    def request(session, after):
+        at = torch.tensor([len(session.tokens)])
+        return ForwardRequest(session.cache, [5], at, session.cache.rope_positions(at), 0, after=after)
+
+    batch = [request(sessions[0], lambda logits: int(logits[-1].argmax())), request(sessions[1], fails)]
+    engine.batcher.execute(engine.batcher._run, batch)  # one packed pass of both
+    assert engine.batcher.stats.largest == 2 and all(r.done for r in batch)
+    assert batch[0].error is None and batch[0].outcome == int(batch[0].logits[-1].argmax())
+    assert isinstance(batch[1].error, RuntimeError) and batch[1].outcome is None
 
 
 @pytest.mark.default_model

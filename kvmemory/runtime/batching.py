@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -39,7 +41,11 @@ class ForwardRequest:
     all_logits: bool = False
     query_recorder: QueryRecorder | None = None
     hidden_recorder: HiddenRecorder | None = None
+    # work on this request's logits that belongs where the model runs (surprisal, sampling): run right after
+    # the pass, so a decoded token costs one hand-over to the compute thread, not three
+    after: Callable[[torch.Tensor], Any] | None = None
     logits: torch.Tensor | None = None  # (T, V) with all_logits, else (1, V)
+    outcome: Any = None  # what ``after`` returned
     error: BaseException | None = None
     done: bool = False
 
@@ -131,7 +137,7 @@ class ForwardBatcher:
         self.forward = forward_for(model)
 
     def run(self, request: ForwardRequest) -> torch.Tensor:
-        """Queue ``request``, take part in passes until it has run, and return its logits."""
+        """Queue ``request``, take part in passes until it has run (``after`` too), and return its logits."""
         with self._cond:
             self._queue.append(request)
             self._returning.discard(id(request.cache))
@@ -194,6 +200,11 @@ class ForwardBatcher:
                 raise
             return
         for request in batch:
+            try:
+                if request.after is not None:
+                    request.outcome = request.after(request.logits)
+            except Exception as error:  # this request's own: the others in the pass are unaffected
+                request.error = error
             request.done = True
 
     def _forward(self, batch: list[ForwardRequest]) -> None:

@@ -647,8 +647,9 @@ class Session:
 
     def _sample_next(self, params: SamplingParams, generator, generation: Generation) -> int:
         """Run pending tokens, sample the next one and append it (pending until the next step runs it)."""
-        self._flush_pending()
-        token = self.engine.batcher.execute(params.pick, self._last_logits, generator)
+        token = self._flush_pending(lambda logits: params.pick(logits, generator))
+        if token is None:  # nothing was pending: the prompt's logits are at hand
+            token = self.engine.batcher.execute(params.pick, self._last_logits, generator)
         segment = self._reply_segment()
         self.tokens.append(token)
         self._pending.append(token)
@@ -1030,19 +1031,28 @@ class Session:
             if progress is not None:
                 progress(done, total)
 
-    def _flush_pending(self) -> None:
-        """Run sampled-but-unprocessed tokens through the model (they belong to the last segment)."""
+    def _flush_pending(self, pick: Callable[[torch.Tensor], int] | None = None) -> int | None:
+        """Run sampled-but-unprocessed tokens through the model (they belong to the last segment); with
+        ``pick``, the next token picked from the last logits where the model runs (None when nothing ran)."""
         if not self._pending:
-            return
+            return None
         ids, seg_id = self._pending, self.segments[-1].id
         if self.memory is not None:
             self.memory.make_room(len(ids))
-        self._forward(ids, seg_id, positions_from=len(self.tokens) - len(ids))
+        _, token = self._forward_then(ids, seg_id, len(self.tokens) - len(ids), pick=pick)
         self._pending = []
+        return token
 
     def _forward(self, ids: list[int], segment_id: int, positions_from: int, all_logits: bool = False) -> torch.Tensor:
         """Run ``ids`` through the model at ``positions_from`` into the cache. Callers own the rollback
         (``_atomic`` or ``scratch``)."""
+        return self._forward_then(ids, segment_id, positions_from, all_logits)[0]
+
+    def _forward_then(
+        self, ids: list[int], segment_id: int, positions_from: int, all_logits: bool = False, pick=None
+    ) -> tuple[torch.Tensor, int | None]:
+        """``_forward``, and with ``pick`` the next token picked from the last logits. Both that and the
+        tokens' surprisal run where the model runs, in the pass's own hand-over (``ForwardRequest.after``)."""
         engine = self.engine
         positions = torch.arange(positions_from, positions_from + len(ids), device=engine.device)
         if (
@@ -1052,34 +1062,36 @@ class Session:
             and self.cache.rope_length > self.cache.physical_length + len(ids)
         ):  # only when there are gaps to close
             self._rebase()
+        recording, before = self._records_surprisal(segment_id), self._last_logits
+
+        def after(logits: torch.Tensor) -> tuple[torch.Tensor | None, int | None]:
+            surprisal = surprisal_of(ids, before, logits) if recording else None
+            return surprisal, None if pick is None else pick(logits[-1])
+
         request = ForwardRequest(
             self.cache,
             ids,
             positions,
             self.cache.rope_positions(positions),
             segment_id,
-            all_logits or self._records_surprisal(segment_id),
+            all_logits or recording,
             self.query_recorder,
             self.hidden_recorder,
+            after if recording or pick is not None else None,
         )
         logits = engine.batcher.run(request)
-        if self._records_surprisal(segment_id):
-            self._record_surprisal(ids, positions_from, logits)
+        surprisal, token = request.outcome or (None, None)
+        if recording:
+            self.surprisal_recorder.record(positions_from, surprisal)
             logits = logits if all_logits else logits[-1:]
         if segment_id >= 0:
             self.prefilled_tokens += len(ids)
         if not all_logits:
             self._last_logits = logits[-1]
-        return logits
+        return logits, token
 
     def _records_surprisal(self, segment_id: int) -> bool:
         return self.surprisal_recorder is not None and segment_id >= 0  # scratch forwards are not the session's
-
-    def _record_surprisal(self, ids: list[int], start: int, logits: torch.Tensor) -> None:
-        """Surprisal of ``ids`` from the logits before each (the session's last ones, then the pass's own),
-        computed where the model runs: it reads a (T, vocabulary) matrix."""
-        values = self.engine.batcher.execute(surprisal_of, ids, self._last_logits, logits)
-        self.surprisal_recorder.record(start, values)
 
     def _after_append(self) -> None:
         if self.memory is not None:
