@@ -6,8 +6,8 @@ about ``--context`` tokens, cut at a tool result and a little shorter for each l
 no two sessions hold the same context. Each session runs under the default memory policy with a cap of
 ``--cap`` slots. Then, all sessions at once:
 
-* decode: ``--tokens`` greedy tokens each (end-of-turn ignored): aggregate decode tokens/s over the
-  wall time, per-session tokens/s over each session's own time;
+* decode: ``--tokens`` greedy tokens each (end-of-turn ignored), ``--repeats`` times: aggregate decode
+  tokens/s over the wall time, per-session tokens/s over each session's own time (medians);
 * turn: the trace's next tool call and result are appended and a reply is streamed: time to first token.
 
 Side by side in one run, on the same contexts:
@@ -19,7 +19,7 @@ Side by side in one run, on the same contexts:
 
 KV bytes are what the caches hold after the decode phase. Writes ``concurrency.json`` and ``.png``.
 
-    python -m benchmarks.concurrency [--sessions 1 2 4 8 16] [--context 1024] [--tokens 32]
+    python -m benchmarks.concurrency [--sessions 1 2 4 8 16] [--context 1024] [--tokens 32] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -108,10 +108,10 @@ def turn(following: dict, tokens: int):
     return work
 
 
-def kvmemory_run(engine: Engine, chosen, cap: int, tokens: int) -> dict:
+def kvmemory_run(engine: Engine, chosen, cap: int, tokens: int, repeats: int) -> dict:
     sessions = open_sessions(engine, chosen, cap)
     before = engine.batcher.stats.passes, engine.batcher.stats.requests
-    wall, results = all_at_once(sessions, decode(tokens))
+    runs = [all_at_once(sessions, decode(tokens)) for _ in range(repeats)]
     passes = engine.batcher.stats.passes - before[0]
     requests = engine.batcher.stats.requests - before[1]
     kv = sum(s.cache.allocated_bytes() for s in sessions)
@@ -120,10 +120,9 @@ def kvmemory_run(engine: Engine, chosen, cap: int, tokens: int) -> dict:
     for s in sessions:
         s.close()
     # the first token of a reply comes from the prompt's logits: the others each need a decode forward
-    decoded = sum(n - 1 for n, _ in results)
     return {
-        "decode_tok_s": decoded / wall,
-        "per_session_tok_s": statistics.median((n - 1) / t for n, t in results),
+        "decode_tok_s": statistics.median(sum(n - 1 for n, _ in results) / wall for wall, results in runs),
+        "per_session_tok_s": statistics.median((n - 1) / t for _, results in runs for n, t in results),
         "ttft_median_s": statistics.median(firsts),
         "ttft_max_s": max(firsts),
         "kv_mb": kv / 2**20,
@@ -131,7 +130,7 @@ def kvmemory_run(engine: Engine, chosen, cap: int, tokens: int) -> dict:
     }
 
 
-def transformers_run(model, tokenizer, chosen_ids: list[list[int]], tokens: int) -> dict:
+def transformers_run(model, tokenizer, chosen_ids: list[list[int]], tokens: int, repeats: int) -> dict:
     """``generate`` over the same contexts, left-padded into one batch."""
     width = max(len(ids) for ids in chosen_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -152,11 +151,14 @@ def transformers_run(model, tokenizer, chosen_ids: list[list[int]], tokens: int)
             )
         return time.perf_counter() - started, out
 
-    prefill, _ = run_on_compute(run, 1)  # where a Session's forwards run (kvmemory.runtime.compute)
-    total, out = run_on_compute(run, tokens)
+    speeds = []
+    for _ in range(repeats):
+        prefill, _ = run_on_compute(run, 1)  # where a Session's forwards run (kvmemory.runtime.compute)
+        total, out = run_on_compute(run, tokens)
+        speeds.append(len(chosen_ids) * (tokens - 1) / (total - prefill))
     cache = out.past_key_values
     kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    return {"decode_tok_s": len(chosen_ids) * (tokens - 1) / (total - prefill), "kv_mb": kv / 2**20}
+    return {"decode_tok_s": statistics.median(speeds), "kv_mb": kv / 2**20}
 
 
 def plot(rows: list[dict], path) -> None:
@@ -189,6 +191,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--cap", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3, help="decode phases per run; tokens/s is their median")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, help="default: the engine's default")
     args = parser.parse_args()
     engine = Engine.from_pretrained("default", weights=args.weights)
@@ -200,9 +203,9 @@ def main() -> None:
         chosen = contexts(engine, count, args.context)
         render = engine.render_chat
         ids = [render(shown, add_generation_prompt=True) for shown, _ in chosen]
-        batched = kvmemory_run(engine, chosen, args.cap, args.tokens)
-        alone = kvmemory_run(unbatched, chosen, args.cap, args.tokens)
-        plain = transformers_run(reference, engine.tokenizer, ids, args.tokens)
+        batched = kvmemory_run(engine, chosen, args.cap, args.tokens, args.repeats)
+        alone = kvmemory_run(unbatched, chosen, args.cap, args.tokens, args.repeats)
+        plain = transformers_run(reference, engine.tokenizer, ids, args.tokens, args.repeats)
         rows.append(
             {
                 "sessions": count,
@@ -225,7 +228,8 @@ def main() -> None:
         row["speedup_vs_one"] = row["kvmemory_tok_s"] / one if one else None
     print(table(rows, list(rows[0])))
     plot(rows, RESULTS / "concurrency.png")
-    settings = {"context": args.context, "tokens": args.tokens, "cap": args.cap, "weights": engine.weights}
+    settings = {"context": args.context, "tokens": args.tokens, "cap": args.cap, "repeats": args.repeats}
+    settings["weights"] = engine.weights
     settings["default_method"] = default_policy().default.method
     out = save("concurrency", {**settings, "rows": rows})
     print(f"saved {out}")

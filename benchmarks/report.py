@@ -377,9 +377,9 @@ def concurrency_section(d: dict) -> str:
         f"**Many agents at once** (`python -m benchmarks.concurrency`, {d.get('weights', 'bf16')} weights{on_cpu(d)}): "
         "concurrent "
         f"agent sessions on the default model, each holding an agent trace (up to {d['context']} tokens of real tool "
-        "calls and outputs) under the "
-        f"default policy (its method then: `{d.get('default_method', 'tam')}`), decode {d['tokens']} greedy "
-        "tokens at once (aggregate decode tokens/s), then append their "
+        f"calls and outputs) under the default policy with a cap of {d['cap']} slots (its method then: "
+        f"`{d.get('default_method', 'tam')}`), decode {d['tokens']} greedy tokens at once (aggregate decode "
+        f"tokens/s, median of {d.get('repeats', 1)}), then append their "
         "next tool result and stream a reply (time to first token). Side by side: the engine batching the sessions' "
         "forwards, the same engine one session per forward, and transformers `generate` over the same contexts "
         "left-padded into one batch.\n\n" + md(rows, columns)

@@ -20,4 +20,5 @@ def cpu_has_native_bf16() -> bool:
 def cpu_has_fbgemm() -> bool:
     """Whether torch has its x86 fbgemm kernels (AVX2 and up), among them the fp16-weight GEMM that keeps
     activations, accumulation and output in fp32."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_prepack_fp16")
+    engines = torch.backends.quantized.supported_engines
+    return "fbgemm" in engines and hasattr(torch.ops.quantized, "linear_prepack_fp16")
