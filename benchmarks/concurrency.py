@@ -6,18 +6,19 @@ about ``--context`` tokens, cut at a tool result and a little shorter for each l
 no two sessions hold the same context. Each session runs under the default memory policy with a cap of
 ``--cap`` slots. Then, all sessions at once:
 
-* decode: ``--tokens`` greedy tokens each (end-of-turn ignored), ``--repeats`` times: aggregate decode
-  tokens/s over the wall time, per-session tokens/s over each session's own time (medians);
+* decode: ``--tokens`` greedy tokens each (end-of-turn ignored): aggregate decode tokens/s over the wall
+  time, per-session tokens/s over each session's own time;
 * turn: the trace's next tool call and result are appended and a reply is streamed: time to first token.
 
-Side by side in one run, on the same contexts:
+Side by side in one run, on the same contexts, the decode phases of every session count and condition
+taking turns, ``--repeats`` rounds of them (medians; a session's context grows by ``--tokens`` a round):
 
 * ``kvmemory``: the engine batches the sessions' forwards (``ForwardBatcher``);
 * ``kvmemory unbatched``: one session per forward (``max_batch_tokens=1``), as an engine without batching;
 * ``transformers``: ``model.generate`` over the contexts left-padded into one batch (DynamicCache, sdpa,
   no compaction): decode tokens/s from a full run minus a prefill-only run.
 
-KV bytes are what the caches hold after the decode phase. Writes ``concurrency.json`` and ``.png``.
+KV bytes are what the caches hold after the decode phases. Writes ``concurrency.json`` and ``.png``.
 
     python -m benchmarks.concurrency [--sessions 1 2 4 8 16] [--context 1024] [--tokens 32] [--repeats 3]
 """
@@ -108,57 +109,66 @@ def turn(following: dict, tokens: int):
     return work
 
 
-def kvmemory_run(engine: Engine, chosen, cap: int, tokens: int, repeats: int) -> dict:
-    sessions = open_sessions(engine, chosen, cap)
+def decode_phase(engine: Engine, sessions, tokens: int) -> dict:
+    """All sessions decode ``tokens`` greedy tokens at once: aggregate and per-session tokens/s, passes."""
     before = engine.batcher.stats.passes, engine.batcher.stats.requests
-    runs = [all_at_once(sessions, decode(tokens)) for _ in range(repeats)]
-    passes = engine.batcher.stats.passes - before[0]
-    requests = engine.batcher.stats.requests - before[1]
-    kv = sum(s.cache.allocated_bytes() for s in sessions)
-    following = {s.id: f for s, (_, f) in zip(sessions, chosen)}
-    _, firsts = all_at_once(sessions, turn(following, tokens))
-    for s in sessions:
-        s.close()
+    wall, results = all_at_once(sessions, decode(tokens))
     # the first token of a reply comes from the prompt's logits: the others each need a decode forward
     return {
-        "decode_tok_s": statistics.median(sum(n - 1 for n, _ in results) / wall for wall, results in runs),
-        "per_session_tok_s": statistics.median((n - 1) / t for _, results in runs for n, t in results),
-        "ttft_median_s": statistics.median(firsts),
-        "ttft_max_s": max(firsts),
-        "kv_mb": kv / 2**20,
-        "sessions_per_pass": requests / passes,
+        "tok_s": sum(n - 1 for n, _ in results) / wall,
+        "per_session": [(n - 1) / t for n, t in results],
+        "passes": engine.batcher.stats.passes - before[0],
+        "requests": engine.batcher.stats.requests - before[1],
     }
 
 
-def transformers_run(model, tokenizer, chosen_ids: list[list[int]], tokens: int, repeats: int) -> dict:
-    """``generate`` over the same contexts, left-padded into one batch."""
-    width = max(len(ids) for ids in chosen_ids)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in chosen_ids])
-    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chosen_ids])
+def turn_phase(sessions, chosen, tokens: int) -> list[float]:
+    """Every session appends its next tool call and result and starts a reply: times to first token."""
+    following = {s.id: f for s, (_, f) in zip(sessions, chosen)}
+    return all_at_once(sessions, turn(following, tokens))[1]
 
-    def run(n: int):
+
+def summary(phases: list[dict], firsts: list[float]) -> dict:
+    return {
+        "decode_tok_s": statistics.median(p["tok_s"] for p in phases),
+        "per_session_tok_s": statistics.median(x for p in phases for x in p["per_session"]),
+        "sessions_per_pass": sum(p["requests"] for p in phases) / sum(p["passes"] for p in phases),
+        "ttft_median_s": statistics.median(firsts),
+        "ttft_max_s": max(firsts),
+    }
+
+
+class PaddedGenerate:
+    """transformers ``generate`` over the same contexts, left-padded into one batch; decode tokens/s from a
+    full run minus a prefill-only run."""
+
+    def __init__(self, model, tokenizer, chosen_ids: list[list[int]], tokens: int):
+        width = max(len(ids) for ids in chosen_ids)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.input_ids = torch.tensor([[self.pad] * (width - len(ids)) + ids for ids in chosen_ids])
+        self.mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chosen_ids])
+        self.model, self.tokens, self.kv_bytes = model, tokens, 0
+
+    def _run(self, n: int):
         started = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=mask,
+            out = self.model.generate(
+                input_ids=self.input_ids,
+                attention_mask=self.mask,
                 max_new_tokens=n,
                 min_new_tokens=n,
                 do_sample=False,
-                pad_token_id=pad,
+                pad_token_id=self.pad,
                 return_dict_in_generate=True,
             )
         return time.perf_counter() - started, out
 
-    speeds = []
-    for _ in range(repeats):
-        prefill, _ = run_on_compute(run, 1)  # where a Session's forwards run (kvmemory.runtime.compute)
-        total, out = run_on_compute(run, tokens)
-        speeds.append(len(chosen_ids) * (tokens - 1) / (total - prefill))
-    cache = out.past_key_values
-    kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    return {"decode_tok_s": statistics.median(speeds), "kv_mb": kv / 2**20}
+    def decode_tok_s(self) -> float:
+        prefill, _ = run_on_compute(self._run, 1)  # where a Session's forwards run (kvmemory.runtime.compute)
+        total, out = run_on_compute(self._run, self.tokens)
+        layers = out.past_key_values.layers
+        self.kv_bytes = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+        return len(self.input_ids) * (self.tokens - 1) / (total - prefill)
 
 
 def plot(rows: list[dict], path) -> None:
@@ -196,16 +206,32 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine.from_pretrained("default", weights=args.weights)
     unbatched = Engine(engine.model, engine.tokenizer, name=engine.name, max_batch_tokens=1)
+    engines = {"kvmemory": engine, "unbatched": unbatched}
     reference = copy.deepcopy(engine.model)
     reference.set_attn_implementation("sdpa")
-    rows = []
+    # every condition of every session count opens first; then each round runs all their decode phases in
+    # turn, so the machine's drift over minutes moves every count and condition alike (ratios are side by side)
+    setups = []
     for count in args.sessions:
         chosen = contexts(engine, count, args.context)
-        render = engine.render_chat
-        ids = [render(shown, add_generation_prompt=True) for shown, _ in chosen]
-        batched = kvmemory_run(engine, chosen, args.cap, args.tokens, args.repeats)
-        alone = kvmemory_run(unbatched, chosen, args.cap, args.tokens, args.repeats)
-        plain = transformers_run(reference, engine.tokenizer, ids, args.tokens, args.repeats)
+        ids = [engine.render_chat(shown, add_generation_prompt=True) for shown, _ in chosen]
+        opened = {name: open_sessions(e, chosen, args.cap) for name, e in engines.items()}
+        setups.append((count, chosen, ids, opened, PaddedGenerate(reference, engine.tokenizer, ids, args.tokens)))
+    phases = {(count, name): [] for count, *_ in setups for name in engines}
+    padded = {count: [] for count, *_ in setups}
+    for _ in range(args.repeats):
+        for count, _, _, opened, generate in setups:
+            for name, sessions in opened.items():
+                phases[count, name].append(decode_phase(engines[name], sessions, args.tokens))
+            padded[count].append(generate.decode_tok_s())
+    rows = []
+    for count, chosen, ids, opened, generate in setups:
+        kv = sum(s.cache.allocated_bytes() for s in opened["kvmemory"])
+        result = {name: summary(phases[count, name], turn_phase(opened[name], chosen, args.tokens)) for name in engines}
+        for sessions in opened.values():
+            for s in sessions:
+                s.close()
+        batched, alone = result["kvmemory"], result["unbatched"]
         rows.append(
             {
                 "sessions": count,
@@ -214,15 +240,14 @@ def main() -> None:
                 "per_session_tok_s": batched["per_session_tok_s"],
                 "sessions_per_pass": batched["sessions_per_pass"],
                 "unbatched_tok_s": alone["decode_tok_s"],
-                "transformers_tok_s": plain["decode_tok_s"],
+                "transformers_tok_s": statistics.median(padded[count]),
                 "ttft_median_s": batched["ttft_median_s"],
                 "ttft_max_s": batched["ttft_max_s"],
                 "unbatched_ttft_median_s": alone["ttft_median_s"],
-                "kv_mb": batched["kv_mb"],
-                "transformers_kv_mb": plain["kv_mb"],
+                "kv_mb": kv / 2**20,
+                "transformers_kv_mb": generate.kv_bytes / 2**20,
             }
         )
-        print(table(rows[-1:], list(rows[-1])), flush=True)
     one = rows[0]["kvmemory_tok_s"] if rows[0]["sessions"] == 1 else None
     for row in rows:
         row["speedup_vs_one"] = row["kvmemory_tok_s"] / one if one else None
