@@ -25,6 +25,7 @@ from kvmemory import (
     KVMemoryError,
     LayerPlan,
     MemoryCapError,
+    SamplingParams,
     SessionBusyError,
     SessionClosedError,
 )
@@ -152,6 +153,23 @@ def test_a_failed_append_after_mid_append_compactions_restores_the_cache_exactly
     with pytest.raises(KeyboardInterrupt):
         session.append_tokens(random_tokens(200, seed=6), progress=fail_late)
     assert len(calls) >= 2
+    assert_same_state(before, state_of(session))
+
+
+def test_a_step_whose_sampling_fails_inside_the_pass_leaves_the_session_bit_identical(tiny_engine, monkeypatch):
+    session = tiny_engine.session()
+    session.record_surprisal()  # the pass's after-work then records surprisal as well as picking the token
+    session.append_tokens(random_tokens(30, seed=5))
+    generation = session.start_generation(max_new_tokens=8, ignore_eos=True)
+    generation.step()  # picked from the prompt's logits; the token waits to run with the next step's pass
+    before = state_of(session)
+
+    def fails(params, logits, generator):
+        raise RuntimeError("sampler failed")
+
+    monkeypatch.setattr(SamplingParams, "pick", fails)
+    with pytest.raises(RuntimeError, match="sampler failed"):
+        generation.step()  # the pending token's pass runs, then its after-work fails
     assert_same_state(before, state_of(session))
 
 
