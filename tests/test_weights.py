@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmemory import Engine, InvalidArgumentError, SamplingParams
+from kvmemory.compaction.compactor import compact_span
+from kvmemory.compaction.registry import available_methods, get_method
 from kvmemory.hardware import cpu_has_fbgemm
 from kvmemory.runtime import weights
 from kvmemory.runtime.forward import DirectForward, TransformersForward
@@ -240,3 +242,20 @@ def test_a_session_on_int4_weights_decodes_as_a_full_forward_of_its_model_does()
         for _ in range(12):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     assert reply == ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("weights_format", ["int4", "fp16"])
+@pytest.mark.parametrize("method_name", available_methods())
+def test_every_compaction_method_runs_on_narrow_weights(method_name, weights_format):
+    """Methods that run the model's layers themselves (counter-causal reruns attention and projections) read
+    weights in every format, int4's packed ones included."""
+    engine = Engine(store_linear_weights(four_bit_model(), weights_format))
+    session = engine.session()
+    session.record_queries(16, context=32)
+    session.record_last_layer_inputs()
+    session.record_surprisal()
+    session.append_tokens(list(range(3, 123)))
+    kwargs = {"real": {"scores": [[1.0, 2.0, 0.5, 1.5], [3.0, 0.5, 1.0, 2.0]]}}.get(method_name, {})
+    record = compact_span(session, torch.arange(4, 100), get_method(method_name, **kwargs), 24)
+    assert record.slots_after == 24
+    assert len(session.generate(max_new_tokens=3).token_ids) == 3 and torch.isfinite(session._last_logits).all()

@@ -122,9 +122,11 @@ def _counter_causal_attention(attn_module, hidden, rotary_emb, cache_layer, posi
     return _linear(attn_module.o_proj, out.view(t, -1), mm_dtype).to(hidden.dtype)
 
 
-def _linear(proj: torch.nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``proj(x)`` computed in ``dtype`` (the projections are as costly as the attention itself)."""
-    if dtype == proj.weight.dtype:
+def _linear(proj: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``proj(x)`` computed in ``dtype`` (the projections are as costly as the attention itself); a layer
+    without a plain weight (int4) runs its own kernel."""
+    weight = getattr(proj, "weight", None)
+    if weight is None or dtype == weight.dtype:
         return proj(x.to(dtype))
     bias = proj.bias.to(dtype) if proj.bias is not None else None
     return torch.nn.functional.linear(x.to(dtype), proj.weight.to(dtype), bias)
