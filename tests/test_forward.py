@@ -78,7 +78,7 @@ def test_biased_projections_fuse_with_their_biases():
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("weights", ["fp32", "fp16"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
 def test_fused_projections_share_the_weights_they_fuse(weights):
     model = store_linear_weights(tiny_model("qwen2"), weights)  # q, k and v carry biases
     before = {name: p.clone() for name, p in model.named_parameters()}

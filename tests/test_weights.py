@@ -12,7 +12,7 @@ from kvmemory.compaction.compactor import compact_span
 from kvmemory.compaction.registry import available_methods, get_method
 from kvmemory.hardware import cpu_has_fbgemm
 from kvmemory.runtime import weights
-from kvmemory.runtime.forward import DirectForward, TransformersForward
+from kvmemory.runtime.forward import DirectForward, SideBySide, TransformersForward
 from kvmemory.runtime.weights import (
     DIRECT_ROWS,
     INT4_GROUP,
@@ -132,17 +132,37 @@ def test_the_default_model_on_its_default_weights_scores_text_as_fp32_does(defau
 
 
 @pytest.mark.skipif(not cpu_has_fbgemm(), reason="fbgemm's fp16 GEMM is x86 only")
-def test_the_packed_fp16_head_rounds_only_its_weight_and_a_row_alone_gets_the_same_bits():
+def test_packed_fp16_rounds_only_its_weight_and_a_row_alone_gets_the_same_bits():
     torch.manual_seed(0)
     linear = nn.Linear(64, 300)
-    head = PackedFp16Linear(linear)
+    packed = PackedFp16Linear(linear)
     x = torch.randn(9, 64) * 40  # products far past fp16's range: the input and the output stay fp32
-    many = head(x)
-    alone = torch.cat([head(x[i : i + 1]) for i in range(len(x))])
+    many = packed(x)
+    alone = torch.cat([packed(x[i : i + 1]) for i in range(len(x))])
     assert many.dtype == torch.float32 and torch.equal(many, alone)
     expected = F.linear(x.double(), linear.weight.half().double(), linear.bias.double())
     torch.testing.assert_close(many.double(), expected, rtol=1e-6, atol=1e-4)
-    assert head.weight.dtype == torch.float16  # readers of single rows (counter-causal) still find it
+    assert not hasattr(packed, "weight")  # held once, in fbgemm's layout
+    head = PackedFp16Linear(linear, keep_weight=True)  # readers of single rows (counter-causal) find them
+    assert head.weight.dtype == torch.float16 and torch.equal(head(x), many)
+
+
+@pytest.mark.skipif(not cpu_has_fbgemm(), reason="fbgemm's fp16 GEMM is x86 only")
+def test_fp16_layers_run_side_by_side_and_decode_as_a_full_forward_does():
+    model = store_linear_weights(tiny_model("qwen2"), "fp16")  # q, k and v carry biases
+    assert {type(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedFp16Linear))} == {PackedFp16Linear}
+    engine = Engine(model)
+    assert engine.weights == "fp16" and isinstance(engine.batcher.forward, DirectForward)
+    assert isinstance(engine.batcher.forward.layers[0].qkv.__self__, SideBySide)  # packed weights do not fuse
+    prompt = list(range(3, 40))
+    session = engine.session()
+    session.append_tokens(prompt)
+    reply = session.generate(params=SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    with torch.no_grad():
+        ids = list(prompt)
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert reply == ids[len(prompt) :]
 
 
 def test_a_layer_whose_fp16_result_overflows_switches_to_bf16():
@@ -207,9 +227,9 @@ def test_auto_stores_int4_exactly_where_the_weights_are_four_bit_and_fp16_elsewh
     store_linear_weights(model, "auto")
     layers = model.model.layers
     assert type(layers[0].mlp.down_proj) is Int4Linear and type(layers[1].self_attn.q_proj) is Int4Linear
-    assert type(layers[1].mlp.down_proj) is SixteenBitLinear and layers[1].mlp.down_proj.weight.dtype == torch.float16
-    assert isinstance(model.lm_head, SixteenBitLinear) and model.lm_head.weight.dtype == torch.float16
-    assert (type(model.lm_head) is PackedFp16Linear) == cpu_has_fbgemm()
+    fp16 = PackedFp16Linear if cpu_has_fbgemm() else SixteenBitLinear
+    assert type(layers[1].mlp.down_proj) is fp16 and type(model.lm_head) is fp16
+    assert model.lm_head.weight.dtype == torch.float16
     with pytest.raises(InvalidArgumentError, match="CPU int4 kernel"):
         store_linear_weights(four_bit_model().to("meta"), "int4")
 

@@ -115,12 +115,25 @@ def hooked(module) -> bool:
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → its fused projections
 
 
+class SideBySide:
+    """Projections of one input that do not fuse (different kinds, or fbgemm-packed fp16), run one after
+    another with their outputs concatenated: what a fused projection computes, at a few more calls."""
+
+    def __init__(self, parts: list):
+        self.parts = [part.forward for part in parts]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 def fused(module, names: tuple[str, ...]):
     """The fused projection (``fuse_linears``) of ``module``'s ``names``, made once per module (engines may
-    share a model); None when they cannot be fused."""
+    share a model); the parts side by side when they cannot be fused."""
     made = _FUSED.setdefault(module, {})
     if names not in made:
-        made[names] = fuse_linears([getattr(module, name) for name in names])
+        parts = [getattr(module, name) for name in names]
+        fusion = fuse_linears(parts)
+        made[names] = SideBySide(parts) if fusion is None else fusion
     return made[names]
 
 
@@ -171,7 +184,7 @@ class DirectForward:
     @classmethod
     def of(cls, model) -> DirectForward | None:
         """A DirectForward for ``model``, or None when its layout is not one this class reproduces exactly
-        (another architecture, a module with hooks, projections that cannot be fused)."""
+        (another architecture, a module with hooks)."""
         layers = getattr(getattr(model, "model", None), "layers", None)
         if not layers or getattr(model.config, "model_type", None) not in SUPPORTED_ARCHITECTURES:
             return None
@@ -183,13 +196,14 @@ class DirectForward:
             name = type(module).__name__
             if hooked(module) or name.startswith(arch) and name.removeprefix(arch) not in known:
                 return None
-        built = []
-        for layer in layers:
-            qkv = fused(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
-            gate_up = fused(layer.mlp, ("gate_proj", "up_proj"))
-            if qkv is None or gate_up is None:
-                return None
-            built.append(DecoderLayer(layer, qkv, gate_up))
+        built = [
+            DecoderLayer(
+                layer,
+                fused(layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                fused(layer.mlp, ("gate_proj", "up_proj")),
+            )
+            for layer in layers
+        ]
         return cls(model, built)
 
     def __call__(self, input_ids, rope, cache, keep, attention_path, recording=()):

@@ -5,10 +5,11 @@ Decoding one token reads every weight once; on a CPU that read is most of the de
 per kernel. ``Engine.from_pretrained(weights=...)`` offers:
 
 * ``"fp16"``: each linear layer's weight in fp16 (half fp32's bytes), embeddings, norms, activations and the
-  KV cache in fp32. fp16 keeps 3 more mantissa bits than bf16 (full-cache NLL of the default model 0.0006
-  from fp32's, bf16 0.0017). Its narrower range is guarded where it is cheap: a layer whose fp16 result
-  overflows in a pass over many rows (prefill) switches itself to bf16. The CPU default without bf16 dot
-  products.
+  KV cache in fp32. On x86 (fbgemm) the layers run fbgemm's fp16 GEMM (``PackedFp16Linear``), which rounds
+  nothing but the weight: the default model's NLL moves 0.00001 from fp32's. Elsewhere the 16-bit kernel
+  rounds input and output too (0.0006; bf16 0.0017), and its narrower range is guarded where it is cheap: a
+  layer whose fp16 result overflows in a pass over many rows (prefill) switches itself to bf16. The CPU
+  default without bf16 dot products.
 * ``"bf16"``: the same in bf16, the output head in fp16 (``store_linear_weights``).
 * ``"int4"``: per group of 32 inputs, 4-bit levels with a scale and a zero (``Int4Linear``), run by torch's
   CPU int4 kernel on bf16 activations: a quarter of fp16's bytes. This is GGUF Q4_1's layout, so the
@@ -17,16 +18,18 @@ per kernel. ``Engine.from_pretrained(weights=...)`` offers:
 * ``"auto"``: int4 for every layer whose weight is 4-bit already (nothing lost), fp16 for the rest; the
   CPU default where bf16 dot products exist (AVX-512 BF16, AMX), where the int4 kernel is fast.
 
-The output head (under fp32 activations on x86) runs fbgemm's fp16 GEMM (``PackedFp16Linear``): fp32 logits
-from the fp16 weight, 1.2 ms for one row of the default model and 1.3 ms for eight, so a packed pass of many
-sessions' decode steps pays for the head about once. Other 16-bit layers over a few rows (decoding) run the
-16-bit kernel directly. Over many rows (prefill chunks, scoring, a batched pass) they widen the weight to the
-activation dtype first: CPUs without native 16-bit dot products (AVX2) run 16-bit GEMM 6–7× slower than fp32
-at 64+ rows, while widening costs one pass over the weight. bf16 weights on a CPU with bf16 dot products run
-the bf16 kernel at every row count: 8 rows cost 1.04× one row there and 64 rows 2×, against 2.3× and 7.4×
-widened. Both paths round the input and the output to 16 bits and accumulate in fp32, so a row's result
-depends on how many rows share its pass only where the two kernels' summation orders round differently (the
-last place of a few elements).
+fp16 weights under fp32 activations on x86, the output head's in every format, run fbgemm's fp16 GEMM
+(``PackedFp16Linear``): fp32 in and out at about the same cost for one row as for eight (the head: 1.2 and 1.3
+ms), and 2-3× faster than widening over many rows, so prefill and packed passes of many sessions gain most.
+Packed weights do not fuse, so a decoded token makes more calls: on the default model fp16 decodes ~9% slower
+than with the fused fp16 kernel and prefills ~2× faster (paired runs in one process). Other 16-bit layers over
+a few rows (decoding) run the 16-bit kernel directly. Over many rows (prefill chunks, scoring, a batched pass)
+they widen the weight to the activation dtype first: CPUs without native 16-bit dot products (AVX2) run 16-bit
+GEMM 6–7× slower than fp32 at 64+ rows, while widening costs one pass over the weight. bf16 weights on a CPU
+with bf16 dot products run the bf16 kernel at every row count: 8 rows cost 1.04× one row there and 64 rows
+2×, against 2.3× and 7.4× widened. Both paths round the input and the output to 16 bits and accumulate in
+fp32, so a row's result depends on how many rows share its pass only where the two kernels' summation orders
+round differently (the last place of a few elements).
 
 Measured on a 2-core AVX-512 (bf16, VNNI) machine (the *kernels* table: one token through every linear
 weight of the default model's shapes, output head included): fp32 33 ms, bf16 14, fp16 7.9, and the int8
@@ -99,23 +102,32 @@ class SixteenBitLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight.dtype}"
 
 
-class PackedFp16Linear(SixteenBitLinear):
+class PackedFp16Linear(nn.Module):
     """An fp16 weight run by fbgemm's fp16 GEMM (``quantized::linear_dynamic_fp16``, x86): the kernel widens
     the weight in registers, so input, accumulation and output stay fp32. Nothing but the weight is rounded,
-    and a row gets the same bits whatever rows share its pass. For the default model's output head (49152 ×
-    576, 2-core AVX-512) one row takes 1.2 ms and eight 1.3 ms, against 1.6 and 10 ms in the fp16 kernel and
-    7-20 ms widened. fbgemm holds its own packed copy beside the fp16 ``weight`` (which readers of single rows
-    use), so only the output head is stored this way: the one layer never fused and the largest per row."""
+    nothing can overflow, and a row gets the same bits whatever rows share its pass. For the default model's
+    output head (49152 × 576, 2-core AVX-512) one row takes 1.2 ms and eight 1.3 ms, against 1.6 and 10 ms in
+    the fp16 kernel and 7-20 ms widened; 512 rows 158 ms against 343 widened (fp32's own GEMM: 220).
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear, torch.float16)
-        bias = None if self.bias is None else self.bias.detach().float()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(self.weight.float(), bias)
+    The weight lives in fbgemm's packed layout only, so layers stored this way do not fuse (the engine runs
+    them side by side, ``kvmemory.runtime.forward.SideBySide``). ``keep_weight`` also keeps the fp16 ``weight``
+    for readers of single rows (the output head: counter-causal reads the rows of the tokens it scores)."""
+
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().to(torch.float16)
+        self.bias = linear.bias  # also packed; kept for readers
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), bias)
+        if keep_weight:
+            self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":  # the module was moved after packing
-            return super().forward(x)
-        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16 (fbgemm-packed)"
 
 
 class Int4Linear(nn.Module):
@@ -185,8 +197,10 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
     their fp16 views.)"""
     if all(type(p) is Int4Linear for p in parts):
         return _fuse_int4(parts)
+    if any(type(p) not in (nn.Linear, SixteenBitLinear) for p in parts):
+        return None
     kinds = {(type(p), p.weight.dtype, p.weight.device, p.bias is None) for p in parts}
-    if len(kinds) != 1 or type(parts[0]) not in (nn.Linear, SixteenBitLinear):
+    if len(kinds) != 1:
         return None
     with torch.no_grad():
         weight = torch.cat([p.weight for p in parts])
@@ -248,6 +262,8 @@ def weight_format(model: nn.Module) -> str:
     for module in model.modules():
         if type(module) is Int4Linear:
             return "int4"
+        if type(module) is PackedFp16Linear and module is not head:
+            return "fp16"
         if type(module) in (nn.Linear, SixteenBitLinear) and module is not head:
             return FORMAT_OF_DTYPE.get(module.weight.dtype, str(module.weight.dtype))
     return "fp32"
@@ -270,17 +286,18 @@ def store_linear_weights(model: nn.Module, weights: str) -> nn.Module:
     if dtype.itemsize > activations.itemsize:
         raise InvalidArgumentError(f"weights={weights!r} is wider than the model's {activations}; pass dtype too")
     head = model.get_output_embeddings()
-    packed_head = activations == torch.float32 and next(model.parameters()).device.type == "cpu" and cpu_has_fbgemm()
+    packed_fp16 = activations == torch.float32 and next(model.parameters()).device.type == "cpu" and cpu_has_fbgemm()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
                 continue
             four_bit = weights in ("int4", "auto") and child is not head and child.in_features % INT4_GROUP == 0
             replaced = Int4Linear.of(child, only_if_exact=weights == "auto") if four_bit else None
-            if replaced is None and child is head and packed_head:
-                replaced = PackedFp16Linear(child)
+            wanted = torch.float16 if child is head and weights == "bf16" else dtype
+            if replaced is None and wanted == torch.float16 and packed_fp16:
+                replaced = PackedFp16Linear(child, keep_weight=child is head)
             if replaced is None:
-                replaced = SixteenBitLinear(child, torch.float16 if child is head and weights == "bf16" else dtype)
+                replaced = SixteenBitLinear(child, wanted)
             setattr(parent, name, replaced)
     model.config.tie_word_embeddings = False  # the head's 16-bit copy no longer shares the embedding
     return model
