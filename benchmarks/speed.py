@@ -39,7 +39,7 @@ from benchmarks.quality import quality
 from benchmarks.texts import TEXT_KINDS, source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams, run_on_compute
 from kvmemory.runtime.loading import default_model_file
-from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, quantize_int4
+from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, PackedFp16Linear, quantize_int4
 
 WEIGHT_FORMATS = ["fp32", "bf16", "fp16", "int4"]
 QUALITY_METHODS = ["snapkv", "am_real", "tam"]
@@ -136,7 +136,7 @@ def weights_section(text_ids, n_dec, repeats):
                 "weights": name,
                 "decode_tok_s": n_dec / decode[name],
                 "prefill_tok_s": 512 / prefill,
-                "weight_mb": sum(t.numel() * t.element_size() for t in weight_tensors(engine.model)) / 1e6,
+                "weight_mb": weight_bytes(engine.model) / 1e6,
                 "nll": {f"{r['kind']}/{r['method']}": r["nll"] for r in scored},
             }
         )
@@ -152,9 +152,11 @@ def weights_section(text_ids, n_dec, repeats):
     return rows
 
 
-def weight_tensors(model) -> list[torch.Tensor]:
-    """Parameters and buffers (int4 layers keep their packed weights as buffers)."""
-    return [*model.parameters(), *model.buffers()]
+def weight_bytes(model) -> int:
+    """Parameters and buffers (int4 layers keep their packed weights as buffers), and fbgemm's packed fp16
+    weights, which are neither."""
+    tensors = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return tensors + sum(m.packed_bytes for m in model.modules() if isinstance(m, PackedFp16Linear))
 
 
 def method_order(nll: dict, kind: str) -> list[str]:

@@ -142,9 +142,8 @@ def test_packed_fp16_rounds_only_its_weight_and_a_row_alone_gets_the_same_bits()
     assert many.dtype == torch.float32 and torch.equal(many, alone)
     expected = F.linear(x.double(), linear.weight.half().double(), linear.bias.double())
     torch.testing.assert_close(many.double(), expected, rtol=1e-6, atol=1e-4)
-    assert not hasattr(packed, "weight")  # held once, in fbgemm's layout
-    head = PackedFp16Linear(linear, keep_weight=True)  # readers of single rows (counter-causal) find them
-    assert head.weight.dtype == torch.float16 and torch.equal(head(x), many)
+    assert packed._weight is None  # held once, in fbgemm's layout, until a reader asks for the weight
+    assert torch.equal(packed.weight, linear.weight.detach().half()) and torch.equal(packed(x), many)
 
 
 @pytest.mark.skipif(not cpu_has_fbgemm(), reason="fbgemm's fp16 GEMM is x86 only")

@@ -110,21 +110,31 @@ class PackedFp16Linear(nn.Module):
     the fp16 kernel and 7-20 ms widened; 512 rows 158 ms against 343 widened (fp32's own GEMM: 220).
 
     The weight lives in fbgemm's packed layout only, so layers stored this way do not fuse (the engine runs
-    them side by side, ``kvmemory.runtime.forward.SideBySide``). ``keep_weight`` also keeps the fp16 ``weight``
-    for readers of single rows (the output head: counter-causal reads the rows of the tokens it scores)."""
+    them side by side, ``kvmemory.runtime.forward.SideBySide``), and ``weight`` is unpacked on first read."""
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool = False):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().to(torch.float16)
         self.bias = linear.bias  # also packed; kept for readers
         bias = None if linear.bias is None else linear.bias.detach().float()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), bias)
-        if keep_weight:
-            self.weight = nn.Parameter(weight, requires_grad=False)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().half().float(), bias)
+        self._weight = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The fp16 weight, unpacked from fbgemm's copy on first read (0.2 s for the default model's head) and
+        kept from then on: only readers of single rows ask for it (counter-causal, the head's rows)."""
+        if self._weight is None:
+            self._weight = torch.ops.quantized.linear_unpack_fp16(self.packed)[0].half()
+        return self._weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
+
+    @property
+    def packed_bytes(self) -> int:
+        """The bytes of fbgemm's fp16 copy (held outside ``parameters()`` and ``buffers()``)."""
+        return self.in_features * self.out_features * torch.float16.itemsize
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16 (fbgemm-packed)"
@@ -295,7 +305,7 @@ def store_linear_weights(model: nn.Module, weights: str) -> nn.Module:
             replaced = Int4Linear.of(child, only_if_exact=weights == "auto") if four_bit else None
             wanted = torch.float16 if child is head and weights == "bf16" else dtype
             if replaced is None and wanted == torch.float16 and packed_fp16:
-                replaced = PackedFp16Linear(child, keep_weight=child is head)
+                replaced = PackedFp16Linear(child)
             if replaced is None:
                 replaced = SixteenBitLinear(child, wanted)
             setattr(parent, name, replaced)

@@ -24,6 +24,7 @@ from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig, ModelAc
 from kvmemory.compaction.eviction import ScoreEviction
 from kvmemory.compaction.registry import register
 from kvmemory.hardware import cpu_has_native_bf16
+from kvmemory.runtime.weights import SixteenBitLinear
 
 ROW_CHUNK = 192
 
@@ -124,9 +125,8 @@ def _counter_causal_attention(attn_module, hidden, rotary_emb, cache_layer, posi
 
 def _linear(proj: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``proj(x)`` computed in ``dtype`` (the projections are as costly as the attention itself); a layer
-    without a plain weight (int4) runs its own kernel."""
-    weight = getattr(proj, "weight", None)
-    if weight is None or dtype == weight.dtype:
+    whose weight is packed for its own kernel (int4, fbgemm's fp16) runs that kernel."""
+    if type(proj) not in (torch.nn.Linear, SixteenBitLinear) or dtype == proj.weight.dtype:
         return proj(x.to(dtype))
     bias = proj.bias.to(dtype) if proj.bias is not None else None
     return torch.nn.functional.linear(x.to(dtype), proj.weight.to(dtype), bias)
