@@ -6,8 +6,8 @@ per kernel. ``Engine.from_pretrained(weights=...)`` offers:
 
 * ``"fp16"``: each linear layer's weight in fp16 (half fp32's bytes), embeddings, norms, activations and the
   KV cache in fp32. On x86 (fbgemm) the layers run fbgemm's fp16 GEMM (``PackedFp16Linear``), which rounds
-  nothing but the weight: the default model's NLL moves 0.00001 from fp32's. Elsewhere the 16-bit kernel
-  rounds input and output too (0.0006; bf16 0.0017), and its narrower range is guarded where it is cheap: a
+  nothing but the weight (the default model's full-cache NLL 0.0004 from fp32's, the *Weight formats* table).
+  Elsewhere the 16-bit kernel rounds input and output too, and its narrower range is guarded where it is cheap: a
   layer whose fp16 result overflows in a pass over many rows (prefill) switches itself to bf16. The CPU
   default without bf16 dot products.
 * ``"bf16"``: the same in bf16, the output head in fp16 (``store_linear_weights``).
@@ -31,13 +31,14 @@ with bf16 dot products run the bf16 kernel at every row count: 8 rows cost 1.04�
 fp32, so a row's result depends on how many rows share its pass only where the two kernels' summation orders
 round differently (the last place of a few elements).
 
-Measured on a 2-core AVX-512 (bf16, VNNI) machine (the *kernels* table: one token through every linear
-weight of the default model's shapes, output head included): fp32 33 ms, bf16 14, fp16 7.9, and the int8
-and int4 weight-only kernels (``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``, which
-torchao's weight-only configs run on CPU) 6.2 and 6.2 on bf16 activations but 44 and 105 on fp32 ones: they
-are vectorised for bf16 only. In the model, int4 decodes 1.27× and prefills 1.55× as fast as fp16 (the
-*Weight formats* table). int8 weight-only (per-row scales) would suit weights that are not 4-bit; it is not
-offered yet. fbgemm's dynamic int8 also quantises the activations and moved the NLL by more than 0.01.
+Measured on a 2-core AVX-512 (bf16, VNNI) machine (the *kernels* table: one token through every linear weight
+of the default model's shapes, output head included): fp32 33 ms, bf16 14, fp16 7.9, and the int8 and int4
+weight-only kernels (``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``, which torchao's
+weight-only configs run on CPU) 6.2 and 6.2 on bf16 activations but 44 and 105 on fp32 ones: they are
+vectorised for bf16 only. In the model, int4 decodes 1.41× as fast as fp16 and fp16 (fbgemm) prefills 1.49× as
+fast as int4 (the *Weight formats* table). int8 weight-only (per-row scales) would suit weights that are not
+4-bit; it is not offered yet. fbgemm's dynamic int8 also quantises the activations and moved the NLL by more
+than 0.01.
 """
 
 from __future__ import annotations
