@@ -30,6 +30,19 @@ def rounded(x: torch.Tensor, dtype) -> torch.Tensor:
     return x.to(dtype).to(x.dtype)
 
 
+def assert_decodes_as_a_full_forward(engine: Engine, model) -> None:
+    """A session's greedy reply is the tokens a full forward of the model picks at each step."""
+    prompt = list(range(3, 40))
+    session = engine.session()
+    session.append_tokens(prompt)
+    reply = session.generate(params=SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    with torch.no_grad():
+        ids = list(prompt)
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert reply == ids[len(prompt) :]
+
+
 @pytest.mark.parametrize("block_rows", [None, 10])  # 10: the weight is widened in 10 blocks
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_row_gets_the_same_result_alone_or_in_a_large_pass(dtype, block_rows, monkeypatch):
@@ -86,15 +99,7 @@ def test_a_session_on_16_bit_weights_decodes_as_a_full_forward_of_its_model_does
     model = store_linear_weights(tiny_model("llama"), "bf16")
     engine = Engine(model)
     assert engine.weights == "bf16" and Engine(tiny_model("llama")).weights == "fp32"
-    prompt = list(range(3, 40))
-    lone = engine.session()
-    lone.append_tokens(prompt)
-    reply = lone.generate(params=SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
-    with torch.no_grad():  # the same greedy tokens from a full forward of the model each step
-        ids = list(prompt)
-        for _ in range(12):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert reply == ids[len(prompt) :]
+    assert_decodes_as_a_full_forward(engine, model)
 
 
 def test_weight_format_errors_name_the_problem_before_anything_loads():
@@ -153,15 +158,7 @@ def test_fp16_layers_run_side_by_side_and_decode_as_a_full_forward_does():
     engine = Engine(model)
     assert engine.weights == "fp16" and isinstance(engine.batcher.forward, DirectForward)
     assert isinstance(engine.batcher.forward.layers[0].qkv.__self__, SideBySide)  # packed weights do not fuse
-    prompt = list(range(3, 40))
-    session = engine.session()
-    session.append_tokens(prompt)
-    reply = session.generate(params=SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
-    with torch.no_grad():
-        ids = list(prompt)
-        for _ in range(12):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert reply == ids[len(prompt) :]
+    assert_decodes_as_a_full_forward(engine, model)
 
 
 def test_a_layer_whose_fp16_result_overflows_switches_to_bf16():
@@ -252,15 +249,7 @@ def test_a_session_on_int4_weights_decodes_as_a_full_forward_of_its_model_does()
     model = store_linear_weights(four_bit_model(), "int4")
     engine = Engine(model)
     assert engine.weights == "int4" and isinstance(engine.batcher.forward, DirectForward)
-    prompt = list(range(3, 40))
-    lone = engine.session()
-    lone.append_tokens(prompt)
-    reply = lone.generate(params=SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
-    with torch.no_grad():
-        ids = list(prompt)
-        for _ in range(12):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert reply == ids[len(prompt) :]
+    assert_decodes_as_a_full_forward(engine, model)
 
 
 @pytest.mark.parametrize("weights_format", ["int4", "fp16"])

@@ -199,13 +199,18 @@ class ForwardBatcher:
             if not isinstance(error, Exception):  # an interrupt: every waiter gets it, and so does this thread
                 raise
             return
+        interrupt = None
         for request in batch:
             try:
                 if request.after is not None:
                     request.outcome = request.after(request.logits)
             except Exception as error:  # this request's own: the others in the pass are unaffected
                 request.error = error
+            except BaseException as error:  # an interrupt (where the caller's thread runs passes): raised once
+                request.error = interrupt = error  # every request is done, so no waiter is left behind
             request.done = True
+        if interrupt is not None:
+            raise interrupt
 
     def _forward(self, batch: list[ForwardRequest]) -> None:
         cache = PackedCache(batch)
