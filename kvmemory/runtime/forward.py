@@ -1,15 +1,16 @@
 """The model's forward pass as the engine runs it: every decoder layer called straight from its weights.
 
-Decoding one token of a small model on a CPU spends more time in Python than in its kernels when the
-pass goes through transformers' module tree: ~400 module calls per token, each through ``nn.Module``'s
-hook dispatch, keyword plumbing and deprecation wrappers (the default model at 512 tokens: 17.7 ms per
-token in the model's forward, of which 7 ms are matrix products). ``DirectForward`` computes the same
-thing for the architectures kvmemory supports (Llama, Mistral, Qwen2, Qwen3) as one loop over the
-layers: q, k and v come from one matrix product and so do gate and up (``fuse_linears``: the modules'
-weights become views of the fused one), each projection's own ``forward`` runs (so 16-bit weights keep
-their kernels), RMSNorm is torch's ``rms_norm``, and attention goes through ``kvmemory_attention`` exactly
-as on the transformers path (β, ragged heads, packed sessions, query recording). A Session now decodes
-faster than transformers' own decode on the same weights (``python -m benchmarks.speed``).
+Decoding one token of a small model on a CPU spends more time in Python than in its kernels when the pass
+goes through transformers' module tree: ~400 module calls per token, each through ``nn.Module``'s hook
+dispatch, keyword plumbing and deprecation wrappers (the default model at 512 tokens: 17.7 ms per token in
+the model's forward, of which 7 ms are matrix products). ``DirectForward`` computes the same thing for the
+architectures kvmemory supports (Llama, Mistral, Qwen2, Qwen3) as one loop over the layers: q, k and v come
+from one matrix product and so do gate and up (``fuse_linears``: the modules' weights become views of the
+fused one; projections that cannot fuse run ``SideBySide``), each projection's own ``forward`` runs (so
+16-bit weights keep their kernels), RMSNorm is torch's ``rms_norm``, and attention goes through
+``kvmemory_attention`` exactly as on the transformers path (β, ragged heads, packed sessions, query
+recording). A Session now decodes faster than transformers' own decode on the same weights
+(``python -m benchmarks.speed``).
 
 A model laid out any other way (another layer class, or modules with hooks or a replaced ``forward``, as
 accelerate's offloading attaches) runs through transformers' own forward with kvmemory's attention registered

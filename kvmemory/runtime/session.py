@@ -1049,7 +1049,12 @@ class Session:
         return self._forward_then(ids, segment_id, positions_from, all_logits)[0]
 
     def _forward_then(
-        self, ids: list[int], segment_id: int, positions_from: int, all_logits: bool = False, pick=None
+        self,
+        ids: list[int],
+        segment_id: int,
+        positions_from: int,
+        all_logits: bool = False,
+        pick: Callable[[torch.Tensor], int] | None = None,
     ) -> tuple[torch.Tensor, int | None]:
         """``_forward``, and with ``pick`` the next token picked from the last logits. Both that and the
         tokens' surprisal run where the model runs, in the pass's own hand-over (``ForwardRequest.after``)."""

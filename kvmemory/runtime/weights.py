@@ -283,13 +283,14 @@ def weight_format(model: nn.Module) -> str:
 def store_linear_weights(model: nn.Module, weights: str) -> nn.Module:
     """Swap every linear layer of ``model`` for a 16-bit or int4 one when ``weights`` is narrower than the
     activations. The output head is kept in fp16 under bf16 and int4 weights: logits of 10–30 would be
-    rounded to steps of 0.06–0.125 in bf16 (8× finer in fp16, far inside its range); under fp32 activations
-    on an x86 CPU it runs fbgemm's fp16 GEMM, which rounds no logit at all (``PackedFp16Linear``); a tied head
-    gets its own copy. int4 runs on CPU only (its kernel is torch's CPU one); a layer whose inputs do not split into
-    groups of 32 keeps fp16."""
+    rounded to steps of 0.06–0.125 in bf16 (8× finer in fp16, far inside its range); a tied head gets its own
+    copy. fp16 weights, the head's included, run fbgemm's fp16 GEMM under fp32 activations on an x86 CPU
+    (``PackedFp16Linear``: only the weight is rounded). int4 runs on CPU only (its kernel is torch's CPU one);
+    a layer whose inputs do not split into groups of 32 keeps fp16."""
     check_weights(weights)
     activations = next(model.parameters()).dtype
-    if weights in ("int4", "auto") and next(model.parameters()).device.type != "cpu":
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if weights in ("int4", "auto") and not on_cpu:
         raise InvalidArgumentError(f"weights={weights!r} runs torch's CPU int4 kernel; on an accelerator: bf16, fp16")
     dtype = {"fp32": torch.float32, **SIXTEEN_BIT}.get(weights, torch.float16)  # int4, auto: the rest in fp16
     if dtype == activations and weights not in ("int4", "auto"):
@@ -297,7 +298,7 @@ def store_linear_weights(model: nn.Module, weights: str) -> nn.Module:
     if dtype.itemsize > activations.itemsize:
         raise InvalidArgumentError(f"weights={weights!r} is wider than the model's {activations}; pass dtype too")
     head = model.get_output_embeddings()
-    packed_fp16 = activations == torch.float32 and next(model.parameters()).device.type == "cpu" and cpu_has_fbgemm()
+    packed_fp16 = activations == torch.float32 and on_cpu and cpu_has_fbgemm()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
