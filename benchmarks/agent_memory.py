@@ -10,8 +10,9 @@ valid reference) are replayed step by step, as an agent would send them, under e
   ``ClearToolUsesEdit(keep=3)``, then drop-oldest if still over); ``summarization`` (LangChain's
   ``SummarizationMiddleware`` with the same local model as the summariser);
 * kvmemory under a cap of the same KV bytes (``MemoryBudget.max_bytes``), compacting online as the memory
-  manager runs it: the default policy, and its rules switched to Attention Matching, AM under REAL head
-  budgets, TAM, counter-causal surprise or SnapKV.
+  manager runs it: the default policy; the default with its tokens of under 1 nat of surprisal evicted
+  before any line (``default-pruned``: more facts held, in fewer whole lines); and its rules switched to
+  Attention Matching, AM under REAL head budgets, TAM, counter-causal surprise or SnapKV.
 
 Measured at the end of each trace, for each fact (a value the trace mentions exactly once, early): the
 answer's log-probability after the question, as the share of the gain the whole trace gives over no trace,
@@ -44,6 +45,7 @@ from integrations.chat_model import ChatKVMemory, to_chat_dicts
 from kvmemory import Engine, MemoryManager, MemoryPolicy, default_policy
 
 KV_METHODS = {  # condition: (registry name, params) every compacted rule of the default policy switches to
+    "default-pruned": ("selective_context", {"evict_predictable_below": 1.0}),
     "am": ("attention_matching", {}),
     "am-real": ("real", {"inner": "attention_matching"}),
     "tam": ("tam", {}),

@@ -477,6 +477,17 @@ def test_selective_context_keeps_the_lines_of_highest_mean_surprisal():
     assert unknown[2:].tolist() == [2.0] * 6  # a unit with nothing recorded scores the median of the others
 
 
+def test_selective_context_can_evict_predictable_tokens_before_any_line():
+    from kvmemory.compaction.methods.selective_context import keep_order
+
+    scores = torch.tensor([2.0, 2.0, 4.0, 4.0, 4.0, 2.0, 2.0])  # lines [0,1] [2..4] [5,6]
+    surprisal = torch.tensor([1.0, 3.0, 0.1, float("nan"), 0.2, 3.0, 0.3])
+    ends_line = torch.tensor([False, True, False, False, True, False, False])
+    assert keep_order(scores, surprisal, ends_line, None).tolist() == [3, 4, 0, 1, 2, 5, 6]
+    # below 0.5 nats: positions 2 and 6 go last (in line order); the newline at 4 and the unknown at 3 stay
+    assert keep_order(scores, surprisal, ends_line, 0.5).tolist() == [2, 3, 5, 0, 1, 4, 6]
+
+
 def test_selective_context_without_recorded_surprisal_names_the_fix(tiny_engine):
     from tests.test_contract import assert_same_state, state_of
 

@@ -29,6 +29,12 @@ from kvmemory.errors import InvalidArgumentError
 
 class SelectiveContextConfig(MethodConfig):
     max_unit_tokens: int = Field(64, ge=1, description="a line longer than this is ranked in pieces this long")
+    evict_predictable_below: float | None = Field(
+        None,
+        ge=0,
+        description="tokens the model predicted with less surprisal than this (nats) go before any line, "
+        "newlines excepted: more lines keep their surprising tokens (None: lines stay whole)",
+    )
 
 
 def unit_scores(
@@ -57,7 +63,21 @@ def unit_scores(
     return mean[unit]
 
 
-def line_surprisal(span: CacheSpan, max_unit_tokens: int) -> PositionScores:
+def keep_order(
+    scores: torch.Tensor, surprisal: torch.Tensor, ends_line: torch.Tensor, predictable_below: float | None
+) -> torch.Tensor:
+    """Rank of each position in the order of keeping (0 is kept first): by unit score, within a tie the
+    earlier position first; with ``predictable_below``, the predictable tokens (not newlines) rank last."""
+    order = torch.argsort(-scores, stable=True)  # positions ascend: within a tie the earlier token comes first
+    if predictable_below is not None:
+        predictable = (surprisal < predictable_below) & ~ends_line  # NaN (unknown) is never predictable
+        order = order[torch.argsort(predictable[order].int(), stable=True)]
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order))
+    return rank
+
+
+def line_surprisal(span: CacheSpan, max_unit_tokens: int, predictable_below: float | None = None) -> PositionScores:
     """Each span position ranked by the mean surprisal of its unit (higher is kept first; within a unit the
     earlier token first, so a partly kept line keeps its start). Raises if no surprisal was recorded."""
     positions = span_positions(span).cpu()
@@ -74,9 +94,7 @@ def line_surprisal(span: CacheSpan, max_unit_tokens: int) -> PositionScores:
     texts = [span.text_of_token(span.token_of_position.get(p, -1)) for p in positions.tolist()]
     ends_line = torch.tensor(["\n" in text for text in texts], dtype=torch.bool)
     scores = unit_scores(positions, surprisal, ends_line, max_unit_tokens)
-    order = torch.argsort(-scores, stable=True)  # positions ascend: within a tie the earlier token comes first
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(len(order))
+    rank = keep_order(scores, surprisal, ends_line, predictable_below)
     return PositionScores(positions, -rank.float())
 
 
@@ -94,7 +112,7 @@ class SelectiveContext(ScoreEviction):
         return True
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
-        self._scores = line_surprisal(span, self.config.max_unit_tokens)
+        self._scores = line_surprisal(span, self.config.max_unit_tokens, self.config.evict_predictable_below)
         return super().compact(span, budgets)
 
     def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:
