@@ -12,7 +12,10 @@ valid reference) are replayed step by step, as an agent would send them, under e
 * kvmemory under a cap of the same KV bytes (``MemoryBudget.max_bytes``), compacting online as the memory
   manager runs it: the default policy; the default with its tokens of under 1 nat of surprisal evicted
   before any line (``default-pruned``: more facts held, in fewer whole lines); and its rules switched to
-  Attention Matching, AM under REAL head budgets, TAM, counter-causal surprise or SnapKV.
+  Attention Matching, AM under REAL head budgets, TAM, counter-causal surprise or SnapKV;
+* ``-kv16`` conditions (the default, drop-oldest, clear-tool-uses): the same on a cache stored in fp16
+  (``Engine(kv_dtype="float16")``) under the same bytes, so about twice the tokens fit (a text agent on a
+  16-bit cache gets the same), against the same fp32 references.
 
 Measured at the end of each trace, for each fact (a value the trace mentions exactly once, early): the
 answer's log-probability after the question, as the share of the gain the whole trace gives over no trace,
@@ -60,6 +63,8 @@ CONDITIONS = [
     "kvmemory-default",
     *KV_METHODS,
 ]
+KV16 = "-kv16"  # suffix: the condition on a cache stored in fp16 (``Engine(kv_dtype="float16")``), same bytes
+CONDITIONS += [c + KV16 for c in ("drop-oldest", "clear-tool-uses", "kvmemory-default")]
 OPEN_QUESTION = "In two sentences: what was wrong in this task, and what did you change?"
 ANSWER_TOKENS, REPLY_TOKENS, BOOTSTRAP = 16, 48, 2000
 
@@ -250,8 +255,18 @@ def degenerate(reply: str, context: str) -> str | None:
     return None
 
 
+def on_cache_of(engine, condition: str, cap_tokens: int) -> tuple:
+    """(engine, condition, token budget) a condition runs with: a ``-kv16`` one on an fp16 cache of the same
+    model, its budget the tokens that fit in the bytes ``cap_tokens`` cost in the model's own dtype."""
+    if not condition.endswith(KV16):
+        return engine, condition, cap_tokens
+    kv16 = Engine(engine.model, engine.tokenizer, name=engine.name, kv_dtype="float16")
+    return kv16, condition.removesuffix(KV16), cap_tokens * engine.kv_bytes_per_token // kv16.kv_bytes_per_token
+
+
 def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -> dict:
     """Send the trace step by step as ``condition``; measure the last turn's NLL, the facts and free replies."""
+    named, (engine, condition, cap_tokens) = condition, on_cache_of(engine, condition, cap_tokens)
     messages, renderer = trace["messages"], engine.session().renderer
 
     def count_tokens(lc_messages) -> int:
@@ -285,7 +300,7 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
     context = trace_text(messages)
     row = {
         "trace": trace["name"],
-        "condition": condition,
+        "condition": named,
         "cap_tokens": cap_tokens,
         "nll_last_turn": nll,
         "peak_kv_bytes": peak,
@@ -399,7 +414,12 @@ def plot(summary: list[dict], path) -> None:
         highs = [float(r["gain_ci"][1:-1].split(",")[1]) for r in mine]
         values = [r["fact_gain_kept"] for r in mine]
         kv = ("kvmemory", *KV_METHODS)
-        colors = ["tab:blue" if r["condition"].startswith(kv) else "tab:gray" for r in mine]
+        colors = [
+            ("tab:cyan" if r["condition"].endswith(KV16) else "tab:blue")
+            if r["condition"].startswith(kv)
+            else ("silver" if r["condition"].endswith(KV16) else "tab:gray")
+            for r in mine
+        ]
         ax.bar(range(len(mine)), values, color=colors)
         ax.errorbar(
             range(len(mine)),

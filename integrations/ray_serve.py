@@ -114,8 +114,15 @@ class ResidentSession:
 class SessionReplica:
     """One engine and its resident sessions (see the module docstring)."""
 
-    def __init__(self, model: str, sessions: str, max_slots: int = 2048, max_resident_mb: float | None = None):
-        engine = Engine.from_pretrained(model)
+    def __init__(
+        self,
+        model: str,
+        sessions: str,
+        max_slots: int = 2048,
+        max_resident_mb: float | None = None,
+        kv_dtype: str | None = None,
+    ):
+        engine = Engine.from_pretrained(model, kv_dtype=kv_dtype)
         budget = int(max_resident_mb * 2**20) if max_resident_mb else None
         store = SessionStore(engine, sessions, budget)
         self.server = Server(engine, store, default_policy(max_slots=max_slots), save_after_turn=True)
@@ -227,19 +234,27 @@ class OpenAIIngress:
                 await asyncio.sleep(0.5 * (attempt + 1))
 
 
-def build_app(model: str, sessions, replicas: int = 2, max_slots: int = 2048, replica_cpus: float = 1.0):
+def build_app(
+    model: str,
+    sessions,
+    replicas: int = 2,
+    max_slots: int = 2048,
+    replica_cpus: float = 1.0,
+    kv_dtype: str | None = None,
+):
     """The Serve application: ``replicas`` engine replicas sharing the ``sessions`` directory, behind the ingress."""
     Path(sessions).mkdir(parents=True, exist_ok=True)
     engines = SessionReplica.options(num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus}).bind(
-        model, os.fspath(sessions), max_slots
+        model, os.fspath(sessions), max_slots, None, kv_dtype
     )
     return OpenAIIngress.bind(engines, DEFAULT_MODEL_NAME if model == "default" else str(model))
 
 
-def run(model: str, sessions, replicas: int, host: str, port: int, max_slots: int) -> None:
+def run(model: str, sessions, replicas: int, host: str, port: int, max_slots: int, kv_dtype: str | None = None) -> None:
     """Start a local Ray cluster (or join the one in ``RAY_ADDRESS``) and serve until interrupted."""
     import ray
 
     ray.init(ignore_reinit_error=True)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(model, sessions, replicas, max_slots), name="kvmemory", route_prefix="/", blocking=True)
+    app = build_app(model, sessions, replicas, max_slots, kv_dtype=kv_dtype)
+    serve.run(app, name="kvmemory", route_prefix="/", blocking=True)

@@ -53,6 +53,7 @@ from kvmemory import (
 )
 from kvmemory.memory import plot_memory_map
 from kvmemory.runtime.chat import parse_tool_calls, visible_content
+from kvmemory.runtime.engine import KV_DTYPES
 
 
 class ChatRequest(BaseModel):
@@ -452,6 +453,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--sessions", default=None, help="directory where sessions are saved (and spilled)")
     serve.add_argument("--max-resident-mb", type=float, default=None, help="KV of resident sessions, then spill")
     serve.add_argument("--max-slots", type=int, default=2048, help="the default policy's cap per session")
+    serve.add_argument(
+        "--kv-dtype", choices=sorted(KV_DTYPES), default=None, help="KV cache storage (default: the model's dtype)"
+    )
     serve.add_argument("--max-request-mb", type=float, default=32.0, help="larger request bodies get 413")
     serve.add_argument("--save-after-turn", action="store_true", help="save each session after every turn")
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (see integrations/ray_serve.py)")
@@ -462,14 +466,14 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--ray needs --sessions DIR: a directory every replica can read (sessions fail over)")
         from integrations.ray_serve import run
 
-        run(args.model, args.sessions, args.replicas, args.host, args.port, args.max_slots)
+        run(args.model, args.sessions, args.replicas, args.host, args.port, args.max_slots, args.kv_dtype)
         return
     if args.save_after_turn and args.sessions is None:
         parser.error("--save-after-turn needs --sessions DIR")
     import uvicorn
 
     def load() -> FastAPI:
-        engine = Engine.from_pretrained(args.model)
+        engine = Engine.from_pretrained(args.model, kv_dtype=args.kv_dtype)
         budget = int(args.max_resident_mb * 1e6) if args.max_resident_mb else None
         store = SessionStore(engine, args.sessions, budget)
         policy = default_policy(max_slots=args.max_slots)

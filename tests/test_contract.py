@@ -419,6 +419,13 @@ def tiny_chat_engine() -> Engine:
     return Engine(model, tokenizer)
 
 
+@functools.cache
+def tiny_chat_engine_kv16() -> Engine:
+    """The tiny chat engine's model with its cache stored in fp16 (``Engine(kv_dtype=...)``)."""
+    base = tiny_chat_engine()
+    return Engine(base.model, base.tokenizer, kv_dtype="float16")
+
+
 CAP = 320
 
 
@@ -670,6 +677,11 @@ class SessionContractUnderCap(SessionContract):
     with_memory = True
 
 
+class SessionContractKV16UnderCap(SessionContract):
+    with_memory = True
+    make_engine = staticmethod(tiny_chat_engine_kv16)
+
+
 class DefaultModelContractUnderCap(SessionContract):
     with_memory = True
     make_engine = staticmethod(load_default_engine)
@@ -688,5 +700,7 @@ TestSessionContract = pytest.mark.default_model(SessionContract.TestCase)
 TestSessionContract.settings = _settings("300")
 TestSessionContractUnderCap = pytest.mark.default_model(SessionContractUnderCap.TestCase)
 TestSessionContractUnderCap.settings = _settings("300")
+TestSessionContractKV16UnderCap = pytest.mark.default_model(SessionContractKV16UnderCap.TestCase)
+TestSessionContractKV16UnderCap.settings = _settings("100")
 TestDefaultModelContractUnderCap = pytest.mark.default_model(DefaultModelContractUnderCap.TestCase)
 TestDefaultModelContractUnderCap.settings = _settings("20")

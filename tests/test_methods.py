@@ -277,6 +277,22 @@ def test_every_method_runs_on_every_architecture(arch_name, method_name):
     assert all(int(p[-1]) == seg.end - 1 for layer in session.cache.layers for p in layer.head_views("positions"))
 
 
+@pytest.mark.parametrize("method_name", available_methods())
+def test_every_method_compacts_a_16_bit_cache(method_name):
+    engine = Engine(tiny_model("llama"), kv_dtype="float16")
+    session = engine.session()
+    session.record_queries(16, context=32)
+    session.record_last_layer_inputs()
+    session.record_surprisal()
+    session.append_tokens(random_tokens(150))
+    kwargs = {"scores": [[1.0, 2.0], [3.0, 0.5]]} if method_name == "real" else {}
+    compact_span(session, torch.arange(4, 130), get_method(method_name, **kwargs), 24)
+    assert all(layer.slots.values.dtype == torch.float16 for layer in session.cache.layers)
+    assert all(bool(torch.isfinite(layer.slots.values).all()) for layer in session.cache.layers)
+    session.generate(max_new_tokens=3)
+    assert torch.isfinite(session._last_logits).all()
+
+
 def test_reference_query_sources(tiny_engine):
     session = tiny_engine.session()
     session.record_queries(8, context=16)

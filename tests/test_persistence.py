@@ -72,6 +72,25 @@ def test_uneven_layers_and_heads_with_bias_round_trip(tmp_path):
     assert greedy(loaded) == greedy(session)
 
 
+def test_a_16_bit_cache_round_trips_bit_identical_and_loads_widened_into_fp32(tmp_path):
+    model = tiny_model("llama")
+    half = Engine(model, kv_dtype="float16")
+    session = half.session(memory=MemoryManager(capped_policy("attention_matching")))
+    for i in range(6):
+        session.append_tokens(random_tokens(40, seed=i))
+    assert session.cache.compactions > 0
+    path = session.save(tmp_path / "half.kvm")
+    loaded = half.load_session(path)
+    assert_same_state(state_of(loaded), state_of(session))
+    assert greedy(loaded) == greedy(session)
+    widened = Engine(model).load_session(path)  # another KV dtype: the same slots, converted
+    for a, b in zip(widened.cache.layers, session.cache.layers):
+        n = b.length
+        assert a.slots.keys.dtype == torch.float32 and torch.equal(a.keys[:, :, :n], b.keys[:, :, :n].float())
+    probe = random_tokens(20, seed=99)
+    assert torch.allclose(widened.logprobs(probe), session.logprobs(probe), atol=0.02)
+
+
 def test_a_chat_session_keeps_its_conversation(tmp_path, default_engine):
     session = default_engine.session()
     session.set_messages([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True)

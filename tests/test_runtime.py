@@ -13,6 +13,7 @@ from kvmemory import (
     CompactionPlan,
     ContextLengthError,
     Engine,
+    InvalidArgumentError,
     InvalidPlanError,
     InvalidTokenError,
     LayerPlan,
@@ -189,6 +190,33 @@ def test_folded_path_in_a_session_matches(tiny_engine):
             )
         session.cache.restore(snap)
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_cache_costs_half_the_bytes_and_is_read_back_as_the_activations(kv_dtype):
+    model = tiny_model("qwen3")
+    full, half = Engine(model), Engine(model, kv_dtype=kv_dtype)
+    ids = random_tokens(120, seed=4)
+    a, b = full.session(), half.session()
+    a.append_tokens(ids)
+    b.append_tokens(ids)
+    dtype = getattr(torch, kv_dtype)
+    assert all(layer.slots.keys.dtype == layer.slots.values.dtype == dtype for layer in b.cache.layers)
+    # the first layer's keys depend on the embeddings alone: stored, they are the fp32 keys rounded
+    assert torch.equal(b.cache.layers[0].keys, a.cache.layers[0].keys.to(dtype))
+    heads, dim = half.num_kv_heads, half.head_dim
+    assert half.kv_bytes_per_token == half.num_layers * heads * (2 * dim * 2 + 16)
+    assert b.cache.kv_bytes() == 120 * half.kv_bytes_per_token < 0.6 * a.cache.kv_bytes()
+    assert torch.allclose(a._last_logits, b._last_logits, atol=0.05)
+    twin = b.fork()  # a fork stores in the same dtype and goes on the same way
+    assert twin.cache.layers[0].slots.keys.dtype == dtype
+    assert b.generate(max_new_tokens=4).token_ids == twin.generate(max_new_tokens=4).token_ids
+
+
+@pytest.mark.parametrize("bad", ["int8", torch.int8, "fp8", torch.float64])
+def test_a_bad_kv_dtype_is_named(bad):
+    with pytest.raises(InvalidArgumentError, match="kv_dtype"):
+        Engine(tiny_model("llama"), kv_dtype=bad)
 
 
 def test_mistral_sliding_window_does_not_drop_tokens():

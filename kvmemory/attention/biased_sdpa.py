@@ -103,8 +103,8 @@ def flex_ragged(query, layer, scaling):
     block_mask = create_block_mask(visible, 1, query.shape[1], q_len, rows, device=query.device)
     return _flex_attention(query.device.type)(
         query,
-        layer.slots.keys[None, None],
-        layer.slots.values[None, None],
+        layer.slots.keys.to(query.dtype)[None, None],
+        layer.slots.values.to(query.dtype)[None, None],
         score_mod=(lambda score, b, h, q, kv: score + bias[kv]) if layer.biased else None,
         block_mask=block_mask,
         scale=scaling,
@@ -112,10 +112,19 @@ def flex_ragged(query, layer, scaling):
     )
 
 
+def read_as(tensors, dtype: torch.dtype):
+    """Cached keys or values (a tensor, or one per KV head) in the queries' dtype: a cache stored in fewer
+    bits than the activations (``Engine.kv_dtype``) is read back as the activations' dtype."""
+    if isinstance(tensors, list):
+        return [t.to(dtype) for t in tensors]
+    return tensors.to(dtype)
+
+
 def attend(path: str, query, key, value, layer, scaling):
     """One cache layer: even heads in one call, uneven heads (``key`` a list) per KV head or with ``flex``."""
     if path == "flex" and isinstance(key, list):
         return flex_ragged(query, layer, scaling)
+    key, value = read_as(key, query.dtype), read_as(value, query.dtype)
     fn = folded_sdpa if path == "folded" or (path == "flex" and query.is_cuda) else mask_sdpa
     bias = None if layer is None else layer.attention_bias()
     if not isinstance(key, list):

@@ -138,8 +138,9 @@ class CompactLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self):  # the mixin's keys/values attributes are views here (properties below)
+    def __init__(self, storage_dtype: torch.dtype | None = None):  # the mixin's keys/values are views here
         self.is_initialized = False
+        self.storage_dtype = storage_dtype  # None: the dtype of the first keys appended
         self._set(EMPTY_LAYER)
 
     # ---- layout ----------------------------------------------------------------------------------
@@ -213,7 +214,7 @@ class CompactLayer(CacheLayerMixin):
 
     # ---- transformers' layer interface ---------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.dtype, self.device = self.storage_dtype or key_states.dtype, key_states.device
         heads = key_states.shape[1]
         slots = self._allocate((0,) * heads, key_states.shape[-1], value_states.shape[-1])
         self._set(LayerState(slots, (0,) * heads, (0,) * heads, (0,) * heads, (0,) * heads, False))
@@ -265,7 +266,7 @@ class CompactLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__()
+        self.__init__(self.storage_dtype)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("CompactCache holds one sequence; beam search is not supported")
@@ -304,7 +305,7 @@ class CompactLayer(CacheLayerMixin):
 
     def clone(self) -> CompactLayer:
         """An independent copy holding only the live slots (plus headroom)."""
-        twin = CompactLayer()
+        twin = CompactLayer(self.storage_dtype)
         if self.is_initialized:
             twin.restore(self._state())
             twin._relayout(tuple(n + _headroom(n) for n in self.lengths))
@@ -420,8 +421,11 @@ class CompactCache(Cache):
     continue from the logical length, so ``model.generate(cache=CompactCache(...))`` also works.
     """
 
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[CompactLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, storage_dtype: torch.dtype | None = None):
+        """``storage_dtype``: what keys and values are stored in (``Engine.kv_dtype``); None keeps the
+        dtype the model hands over. Attention reads them back in the queries' dtype."""
+        super().__init__(layers=[CompactLayer(storage_dtype) for _ in range(num_layers)])
+        self.storage_dtype = storage_dtype
         self.logical_length = 0
         self.rope_length = 0  # the RoPE position the next token gets (below logical_length after a rebase)
         self.compactions = 0
@@ -488,7 +492,7 @@ class CompactCache(Cache):
 
     def clone(self) -> CompactCache:
         """An independent copy (for forks): live slots copied, nothing shared."""
-        twin = CompactCache(len(self.layers))
+        twin = CompactCache(len(self.layers), self.storage_dtype)
         twin.layers = [layer.clone() for layer in self.layers]
         twin.logical_length, twin.rope_length = self.logical_length, self.rope_length
         twin.compactions, twin.default_segment = self.compactions, self.default_segment

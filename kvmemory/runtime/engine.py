@@ -25,6 +25,21 @@ from kvmemory.runtime.session import Session
 from kvmemory.runtime.weights import check_weights, default_weights, store_linear_weights, weight_format
 
 MAX_LOGICAL_POSITIONS = 2**31 - 1  # the cache stores positions as int32
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_storage_dtype(kv_dtype: torch.dtype | str | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache stores keys and values in: the model's unless ``kv_dtype`` names another.
+
+    A 16-bit cache under fp32 activations costs half the bytes a token costs in fp32 (meta fields aside), so
+    a byte cap holds nearly twice the tokens; attention reads it in the activations' dtype. fp16 keeps three
+    more mantissa bits than bf16 at the range keys and values have."""
+    if kv_dtype is None:
+        return model_dtype
+    dtype = KV_DTYPES.get(kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+    if dtype not in KV_DTYPES.values():
+        raise InvalidArgumentError(f"kv_dtype must be one of {sorted(KV_DTYPES)} (or None), got {kv_dtype!r}")
+    return dtype
 
 
 class Engine:
@@ -45,9 +60,11 @@ class Engine:
         rebase_at: int | None = None,
         max_batch_tokens: int = 2048,
         attention_path: str | None = None,
+        kv_dtype: torch.dtype | str | None = None,
     ):
         if attention_path not in ATTENTION_PATHS:
             raise InvalidArgumentError(f"attention_path must be one of {ATTENTION_PATHS}, got {attention_path!r}")
+        self.kv_dtype = kv_storage_dtype(kv_dtype, next(model.parameters()).dtype)
         check_architecture(model.config)
         keep_every_token(model.config)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -126,7 +143,7 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """Cache bytes one token costs across all layers and KV heads (keys, values, β, position, segment)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
         return self.num_layers * self.num_kv_heads * (2 * self.head_dim * element + 16)
 
     @property

@@ -217,7 +217,7 @@ def load_session(engine, path, session_id: str | None = None):
     queries = state["queries"]
     if queries is not None:
         session.record_queries(queries["window"], context=queries["context_tokens"]).groups = queries["groups"]
-    layers = [_layer_state(meta, i, tensor) for i, meta in enumerate(state["cache"]["layers"])]
+    layers = [_layer_state(meta, i, tensor, engine.kv_dtype) for i, meta in enumerate(state["cache"]["layers"])]
     saved_cache = state["cache"]
     session.compaction_log = list(state["compaction_log"])
     session.restore(
@@ -250,11 +250,13 @@ def load_session(engine, path, session_id: str | None = None):
     return session
 
 
-def _layer_state(meta: dict, i: int, tensor) -> LayerState:
-    """One layer of a saved cache (version 1 files held it padded to the longest head: the padding goes)."""
+def _layer_state(meta: dict, i: int, tensor, kv_dtype: torch.dtype) -> LayerState:
+    """One layer of a saved cache, its keys and values in the engine's ``kv_dtype`` (bit for bit when the
+    file holds that dtype; version 1 files held the layer padded to the longest head: the padding goes)."""
     if not meta["initialized"]:
         return EMPTY_LAYER
     keys, values, bias, positions, rope, segments = (tensor(f"layer.{i}.{name}") for name in FIELDS)
+    keys, values = keys.to(kv_dtype), values.to(kv_dtype)
     if "lengths" not in meta:
         return LayerState.from_padded(Slots.of(keys[0], values[0], bias[0], positions, rope, segments))
     slots = Slots.of(keys, values, bias, positions, rope, segments)

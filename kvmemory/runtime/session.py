@@ -141,7 +141,7 @@ class Session:
     ):
         self.engine = engine
         self.id = session_id or f"session-{id(self):x}"
-        self.cache = CompactCache(engine.num_layers)
+        self.cache = CompactCache(engine.num_layers, engine.kv_dtype)
         self.tokens: list[int] = []  # the logical transcript: tokens[i] sits at position i
         self.segments: list[Segment] = []
         self._messages: list[dict] = []
@@ -319,7 +319,7 @@ class Session:
         with self._lock:
             self.closed = True
             self.hidden_recorder = self.surprisal_recorder = None
-            self.cache = CompactCache(self.engine.num_layers)
+            self.cache = CompactCache(self.engine.num_layers, self.engine.kv_dtype)
             self._last_logits = None
 
     # ---- properties ----------------------------------------------------------------------------
