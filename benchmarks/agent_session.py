@@ -7,7 +7,9 @@ through a Session on the default model:
 * kvmemory policies under the cap: the default policy (TAM), Attention Matching under REAL head budgets,
   SnapKV eviction (every compacted rule switched to that method);
 * text baselines under the same token budget: drop the oldest messages; clear old tool outputs
-  (placeholder, as LangChain's ContextEditingMiddleware does) and then drop the oldest if still over.
+  (placeholder, as LangChain's ContextEditingMiddleware does) and then drop the oldest if still over;
+* the default policy on a cache stored in fp16 (``kvmemory-default-kv16``) under the bytes the cap costs
+  in fp32, so about twice the slots.
 Afterwards the session is asked about facts it read along the way (answer log-probability and greedy
 exact match). Reports peak KV bytes, recall and wall time; writes a memory-map PNG of the default policy.
 
@@ -183,11 +185,14 @@ def main() -> None:
             "kvmemory-snapkv",
             "text-drop-oldest",
             "text-clear-tool-outputs",
+            "kvmemory-default-kv16",
         ],
     )
     args = parser.parse_args()
     base = Engine.from_pretrained("default")
     unbounded = Engine(base.model, base.tokenizer, name=base.name, max_context=4 * base.config.max_position_embeddings)
+    kv16 = Engine(base.model, base.tokenizer, name=base.name, kv_dtype="float16")
+    kv16_cap = args.cap * base.kv_bytes_per_token // kv16.kv_bytes_per_token  # the slots the same bytes hold
     configs = {
         "uncompacted": (unbounded, None, None),
         "kvmemory-default": (base, lambda: MemoryManager(policy_with(None, args.cap)), None),
@@ -199,6 +204,7 @@ def main() -> None:
         "kvmemory-snapkv": (base, lambda: MemoryManager(policy_with("snapkv", args.cap)), None),
         "text-drop-oldest": (base, None, drop_oldest),
         "text-clear-tool-outputs": (base, None, clear_old_tool_outputs),
+        "kvmemory-default-kv16": (kv16, lambda: MemoryManager(policy_with(None, kv16_cap)), None),
     }
     rows = []
     for label in args.runs:

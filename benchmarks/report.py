@@ -76,6 +76,17 @@ def speed_section(d: dict) -> str:
             f"{r['plain prefill tok/s']:.0f} without ({r['prefill cost']:+.0%} time), decode "
             f"{r['surprisal recorded decode tok/s']:.1f} vs {r['plain decode tok/s']:.1f} tok/s."
         )
+    if "kv_dtype" in d:
+        k = d["kv_dtype"]
+        text += (
+            f"\n\nThe cache stored in 16 bits (`kv_dtype`) at {k['context']} tokens (medians of {k['repeats']}): "
+            + ", ".join(
+                f"{r['kv_dtype']} {r['kv_bytes_per_token'] / 1024:.1f} KiB per token, prefill "
+                f"{r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s"
+                for r in k["rows"]
+            )
+            + "."
+        )
     if "weights" in d:
         weights = [
             [
@@ -241,7 +252,8 @@ def agent_section(d: dict) -> str:
         f"finished session under the same cap. `+ recall tool`: the same replay, but before each question the agent "
         f"re-reads the tool output whose transcript text best matches it (`Session.search`, BM25, then "
         f"`Session.recall`). The text baselines trim what they send, so what they dropped is out of the model's view; "
-        f"a text agent that kept its whole message list could run the same search.\n\n"
+        f"a text agent that kept its whole message list could run the same search. `kvmemory-default-kv16`: the "
+        f"default policy on a cache stored in fp16, capped at the bytes the cap costs in fp32.\n\n"
         + md(
             rows,
             [
@@ -282,7 +294,9 @@ def agent_memory_section(d: dict) -> str:
         f"{fact_range} single-mention facts each, asked at the end; {d.get('weights', 'fp32')} weights), "
         "replayed step by step under a cap of 1/N of each trace; kvmemory conditions at equal KV bytes, text "
         "baselines at the same token budget; *default-pruned* is the default policy with the tokens it predicted "
-        "at under 1 nat evicted before any line (`evict_predictable_below=1.0`). *Fact gain kept*: "
+        "at under 1 nat evicted before any line (`evict_predictable_below=1.0`); *-kv16* rows run on a cache "
+        'stored in fp16 (`Engine(kv_dtype="float16")`) under the same bytes, so about twice the tokens fit, the '
+        "text baselines included, against the same fp32 references. *Fact gain kept*: "
         "the share of the answer log-probability gain that the whole trace gives over no trace (1 = as good as "
         "uncompacted); *answers held*: the share of that gain whose answer the memory still holds at the end "
         "(its first token, in the KV heads that keep it; – where not measured); *degenerate*: empty, repetitive or "

@@ -12,6 +12,8 @@ plain transformers, per weight format, and decode after compaction.
   worker thread (how a script, a server and an async API call a Session).
 * ``recording``: prefill and decode at 2,048 tokens with each token's surprisal recorded (what the default
   policy's selective context reads) against without.
+* ``kv_dtype``: prefill and decode at 2,048 tokens with the cache stored in fp32, fp16 and bf16
+  (``Engine(kv_dtype=...)``, the same model), and the KV bytes a token costs in each.
 * ``compacted``: decode after compacting the longest context to 400 slots per head (even, and uneven heads
   of the same total) against the same session uncompacted and llama.cpp at that context, taking turns.
 * ``kernels``: one token through every linear weight of a model of the default model's shapes, per kernel
@@ -43,8 +45,8 @@ from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, PackedFp16Linear, q
 
 WEIGHT_FORMATS = ["fp32", "bf16", "fp16", "int4"]
 QUALITY_METHODS = ["snapkv", "am_real", "tam"]
-SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted"]
-ENGINE_SECTIONS = ["callers", "recording", "contexts", "compacted"]  # run on the default engine's weights
+SECTIONS = ["kernels", "weights", "callers", "recording", "kv_dtype", "contexts", "compacted"]
+ENGINE_SECTIONS = ["callers", "recording", "kv_dtype", "contexts", "compacted"]  # run on the default engine's weights
 
 
 # ---- runners: each returns (prefill seconds, decode seconds) for ``ids`` then ``n`` greedy tokens ----------
@@ -221,6 +223,23 @@ def recording_section(engine, text_ids, n_dec, repeats):
     row["prefill cost"] = row["plain prefill tok/s"] / row["surprisal recorded prefill tok/s"] - 1
     print(table([row], list(row)), flush=True)
     return row
+
+
+def kv_dtype_section(engine, text_ids, n_dec, repeats):
+    """What storing the cache in 16 bits costs a session in time (attention reads it back as fp32)."""
+    engines = {kv: Engine(engine.model, engine.tokenizer, kv_dtype=kv) for kv in ("float32", "float16", "bfloat16")}
+    medians = alternate({kv: session_runner(e) for kv, e in engines.items()}, text_ids[:2048], n_dec, repeats)
+    rows = [
+        {
+            "kv_dtype": kv,
+            "kv_bytes_per_token": engines[kv].kv_bytes_per_token,
+            "prefill_tok_s": 2048 / prefill,
+            "decode_tok_s": n_dec / decode,
+        }
+        for kv, (prefill, decode) in medians.items()
+    ]
+    print(table(rows, list(rows[0])), flush=True)
+    return {"context": 2048, "repeats": repeats, "rows": rows}
 
 
 def transformers_plain(model):
@@ -412,6 +431,8 @@ def main() -> None:
         out["callers"] = callers_section(engine, text_ids, n_dec, args.repeats)
     if "recording" in run:
         out["recording"] = recording_section(engine, text_ids, n_dec, args.repeats)
+    if "kv_dtype" in run:
+        out["kv_dtype"] = kv_dtype_section(engine, text_ids, n_dec, args.repeats)
     if "contexts" in run:
         out["contexts"] = contexts_section(engine, text_ids, args.contexts, n_dec, args.repeats)
     if "compacted" in run:

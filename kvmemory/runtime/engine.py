@@ -46,7 +46,8 @@ class Engine:
     """A local causal LM ready to serve kvmemory sessions.
 
     Use ``Engine.from_pretrained("default")`` for the embedded SmolLM2 model, any HF id or directory,
-    or a ``.gguf`` file; ``Engine(model, tokenizer)`` wraps a model already in memory.
+    or a ``.gguf`` file; ``Engine(model, tokenizer)`` wraps a model already in memory. ``kv_dtype``
+    ("float16", "bfloat16") stores every session's keys and values in 16 bits (``kv_storage_dtype``).
     """
 
     def __init__(
@@ -93,10 +94,11 @@ class Engine:
     def from_pretrained(
         cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None, **limits
     ) -> Engine:
-        """``dtype``: activations and KV cache (fp32 on CPU, bf16 on CUDA); ``weights``: how the linear layers'
-        weights are stored ("fp32", "bf16", "fp16", "int4", or "auto": int4 for weights that are 4-bit already,
-        such as the default model's, fp16 for the rest; the default under fp32 activations on a CPU with bf16
-        dot products, else fp16 there: see ``kvmemory.runtime.weights``)."""
+        """``dtype``: activations, and the KV cache unless ``kv_dtype`` stores it in fewer bits (fp32 on CPU,
+        bf16 on CUDA); ``weights``: how the linear layers' weights are stored ("fp32", "bf16", "fp16", "int4",
+        or "auto": int4 for weights that are 4-bit already, such as the default model's, fp16 for the rest; the
+        default under fp32 activations on a CPU with bf16 dot products, else fp16 there: see
+        ``kvmemory.runtime.weights``)."""
         device, dtype = pick_device_and_dtype(device, dtype)
         weights = weights or default_weights(device, dtype)
         if weights is not None:
