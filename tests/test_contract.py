@@ -448,7 +448,7 @@ def contract_policy(engine: Engine) -> MemoryPolicy:
                 {"name": "user", "match": {"role": "user"}, "method": "selective_context"},
             ],
             "default": {"method": "snapkv", "ratio": 2},
-            "budget": {"max_slots": CAP, "recent_tokens": 16, "sink_tokens": 4},
+            "budget": {"max_slots": CAP, "recent_tokens": 16, "sink_tokens": 4, "close_gaps": True},
         }
     )
 

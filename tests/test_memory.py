@@ -384,3 +384,19 @@ def test_a_cap_pass_ranks_every_segment_on_one_scale():
     surprisal = session.surprisal_recorder.values
     ranked = sorted(compactable, key=lambda p: -float(surprisal[p]))
     assert len(held) == 80 - 12 and sorted(ranked[: len(held)]) == held
+
+
+@pytest.mark.parametrize("close_gaps", [True, False])
+def test_the_default_policy_closes_the_gaps_its_compactions_leave(tiny_engine, close_gaps):
+    policy = default_policy(max_slots=64, recent_tokens=8)
+    policy.budget.close_gaps = close_gaps
+    session = tiny_engine.session(memory=MemoryManager(policy))
+    for i in range(6):
+        session.append_tokens(random_tokens(40, seed=i), kind="text")
+    assert session.cache.compactions > 0 and session.cache.physical_length <= 64
+    for layer in session.cache.layers:
+        for rope, positions in zip(layer.head_views("rope"), layer.head_views("positions")):
+            consecutive = torch.equal(rope.long(), torch.arange(len(rope)))
+            assert consecutive == close_gaps  # the kept slots sit side by side, or at their original distances
+            assert positions[-1] == 239 and bool((positions[1:] > positions[:-1]).all())  # true positions stay
+    assert torch.isfinite(session.logprobs(random_tokens(5, seed=99))).all()

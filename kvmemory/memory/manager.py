@@ -190,6 +190,8 @@ class MemoryManager:
                 SpanJob(span.positions, method, slots, span.rule.query_source if method.uses_queries else "window")
             )
         records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
+        if records and self.policy.budget.close_gaps and session.engine.rebase_positions:
+            session._rebase()  # in the transaction: undone with the compaction if anything later fails
         for span, _, forced in items:
             for segment in span.segments:
                 segment.cap_forced += forced

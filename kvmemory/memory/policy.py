@@ -148,6 +148,12 @@ class MemoryBudget(BaseModel):
         0.75, gt=0, le=1, description="a cap-triggered compaction aims this far below the cap"
     )
     window: int = Field(64, ge=1, description="R: selector-window queries recorded for compaction")
+    close_gaps: bool = Field(
+        False,
+        description="after each compaction, re-rotate the kept slots to consecutive RoPE positions "
+        "(Session.rebase_positions): the model reads its memory as one shorter text, as text agents' trimmed "
+        "prompts read; best where every head keeps the same tokens",
+    )
 
 
 class MemoryPolicy(BaseModel):
@@ -207,13 +213,15 @@ def default_policy(max_slots: int | None = None, recent_tokens: int = 128) -> Me
     until the cap requires it, then keep the lines of highest surprisal across everything else
     (``selective_context``), just as many as the cap allows. On real agent traces
     (``benchmarks/agent_memory.py``) this keeps single-mention facts (names, ports, buckets) that selectors
-    ranking by the attention of recent queries (SnapKV, TAM, Attention Matching) lose. Without ``max_slots``
-    the cap is the model's context."""
+    ranking by the attention of recent queries (SnapKV, TAM, Attention Matching) lose. Every head keeps the
+    same lines, so the gaps they leave are closed after each compaction (``close_gaps``): a fact then sits as
+    near the question as in a trimmed prompt, which this model answers from far better than across thousands
+    of positions. Without ``max_slots`` the cap is the model's context."""
     return MemoryPolicy(
         rules=[
             CompactionRule(name="system", match=SegmentMatch(kind=["system", "tool_schema"]), protected=True),
             CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
         ],
         default=CompactionRule(name="context", method="selective_context"),
-        budget=MemoryBudget(max_slots=max_slots, recent_tokens=recent_tokens, target_fraction=0.9),
+        budget=MemoryBudget(max_slots=max_slots, recent_tokens=recent_tokens, target_fraction=0.9, close_gaps=True),
     )
