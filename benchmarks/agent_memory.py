@@ -10,10 +10,10 @@ valid reference) are replayed step by step, as an agent would send them, under e
   ``ClearToolUsesEdit(keep=3)``, then drop-oldest if still over); ``summarization`` (LangChain's
   ``SummarizationMiddleware`` with the same local model as the summariser);
 * kvmemory under a cap of the same KV bytes (``MemoryBudget.max_bytes``), compacting online as the memory
-  manager runs it: the default policy; the default with its tokens of under 1 nat of surprisal evicted
-  before any line (``default-pruned``: more facts held, in fewer whole lines); and its rules switched to
+  manager runs it: the default policy (selective context, its tokens of under 1 nat of surprisal evicted
+  before any line, gaps closed); the same keeping whole lines (``whole-lines``); and its rules switched to
   Attention Matching, AM under REAL head budgets, TAM, counter-causal surprise or SnapKV;
-* ``-kv16`` conditions (the default, drop-oldest, clear-tool-uses): the same on a cache stored in fp16
+* ``-kv16`` conditions (the default, whole-lines, drop-oldest, clear-tool-uses): the same on a cache stored in fp16
   (``Engine(kv_dtype="float16")``) under the same bytes, so about twice the tokens fit (a text agent on a
   16-bit cache gets the same), against the same fp32 references.
 
@@ -48,7 +48,7 @@ from integrations.chat_model import ChatKVMemory, to_chat_dicts
 from kvmemory import Engine, MemoryManager, MemoryPolicy, default_policy
 
 KV_METHODS = {  # condition: (registry name, params) every compacted rule of the default policy switches to
-    "default-pruned": ("selective_context", {"evict_predictable_below": 1.0}),
+    "whole-lines": ("selective_context", {}),  # the default without evicting predictable tokens first
     "am": ("attention_matching", {}),
     "am-real": ("real", {"inner": "attention_matching"}),
     "tam": ("tam", {}),
@@ -64,15 +64,19 @@ CONDITIONS = [
     *KV_METHODS,
 ]
 KV16 = "-kv16"  # suffix: the condition on a cache stored in fp16 (``Engine(kv_dtype="float16")``), same bytes
-CONDITIONS += [c + KV16 for c in ("drop-oldest", "clear-tool-uses", "kvmemory-default")]
+CONDITIONS += [c + KV16 for c in ("drop-oldest", "clear-tool-uses", "kvmemory-default", "whole-lines")]
 OPEN_QUESTION = "In two sentences: what was wrong in this task, and what did you change?"
 ANSWER_TOKENS, REPLY_TOKENS, BOOTSTRAP = 16, 48, 2000
 
 
 def capped_policy(max_bytes: int, method: str | None = None, params: dict | None = None) -> MemoryPolicy:
-    """The default policy under a byte cap; with ``method``, every compacted rule switched to it."""
+    """The default policy under a byte cap; with ``method``, every compacted rule switched to it. Gaps are
+    closed only where every head keeps the same tokens (selective context): a per-head selection would have
+    each head's distances changed differently."""
     policy = default_policy()
-    policy = policy.model_copy(update={"budget": policy.budget.model_copy(update={"max_bytes": max_bytes})})
+    close_gaps = policy.budget.close_gaps and method in (None, "selective_context")
+    budget = policy.budget.model_copy(update={"max_bytes": max_bytes, "close_gaps": close_gaps})
+    policy = policy.model_copy(update={"budget": budget})
     if method is None:
         return policy
     switch = {"method": method, "params": params or {}}

@@ -4,8 +4,8 @@ The scripted session (32 real tool calls over the sample project, their outputs 
 ``python -m benchmarks.agent_traces``; model-generated replies) is replayed
 through a Session on the default model:
 * uncompacted: every token stays in the cache (attention over the full history);
-* kvmemory policies under the cap: the default policy (TAM), Attention Matching under REAL head budgets,
-  SnapKV eviction (every compacted rule switched to that method);
+* kvmemory policies under the cap: the default policy (selective context, gaps closed), Attention Matching
+  under REAL head budgets, SnapKV eviction (every compacted rule switched to that method, gaps kept);
 * text baselines under the same token budget: drop the oldest messages; clear old tool outputs
   (placeholder, as LangChain's ContextEditingMiddleware does) and then drop the oldest if still over;
 * the default policy on a cache stored in fp16 (``kvmemory-default-kv16``) under the bytes the cap costs
@@ -35,9 +35,12 @@ PLACEHOLDER = "[old tool output cleared to save context]"
 
 
 def policy_with(method: str | None, cap: int, params: dict | None = None):
+    """The default policy under ``cap``, its compacted rules switched to ``method`` (which keeps the gaps: a
+    per-head selection would have each head's distances changed differently)."""
     policy = default_policy(max_slots=cap)
     if method is None:
         return policy
+    policy.budget.close_gaps = False
     rules = [
         r if r.protected else r.model_copy(update={"method": method, "params": params or {}}) for r in policy.rules
     ]

@@ -253,7 +253,8 @@ def agent_section(d: dict) -> str:
         f"re-reads the tool output whose transcript text best matches it (`Session.search`, BM25, then "
         f"`Session.recall`). The text baselines trim what they send, so what they dropped is out of the model's view; "
         f"a text agent that kept its whole message list could run the same search. `kvmemory-default-kv16`: the "
-        f"default policy on a cache stored in fp16, capped at the bytes the cap costs in fp32.\n\n"
+        f"default policy on a cache stored in fp16, capped at the bytes the cap costs in fp32. These runs predate "
+        f"`close_gaps` (the default policy's gaps were kept).\n\n"
         + md(
             rows,
             [
@@ -293,8 +294,10 @@ def agent_memory_section(d: dict) -> str:
         f"({', '.join(d['traces'])}; {min(tokens):.1f}k-{max(tokens):.1f}k tokens, "
         f"{fact_range} single-mention facts each, asked at the end; {d.get('weights', 'fp32')} weights), "
         "replayed step by step under a cap of 1/N of each trace; kvmemory conditions at equal KV bytes, text "
-        "baselines at the same token budget; *default-pruned* is the default policy with the tokens it predicted "
-        "at under 1 nat evicted before any line (`evict_predictable_below=1.0`); *-kv16* rows run on a cache "
+        "baselines at the same token budget; the default policy evicts the tokens it predicted at under 1 nat "
+        "before any line (`evict_predictable_below=1.0`) and closes the gaps its compactions leave "
+        "(`close_gaps`), *whole-lines* is the same keeping whole lines; the other kvmemory rows switch its rules "
+        "to that method and keep the gaps (they were measured before gaps were closed); *-kv16* rows run on a cache "
         'stored in fp16 (`Engine(kv_dtype="float16")`) under the same bytes, so about twice the tokens fit, the '
         "text baselines included, against the same fp32 references. *Fact gain kept*: "
         "the share of the answer log-probability gain that the whole trace gives over no trace (1 = as good as "

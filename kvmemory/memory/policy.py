@@ -211,7 +211,8 @@ class MemoryPolicy(BaseModel):
 def default_policy(max_slots: int | None = None, recent_tokens: int = 128) -> MemoryPolicy:
     """Good out of the box for agents: protect the system prompt, the task and tool schemas; compact nothing
     until the cap requires it, then keep the lines of highest surprisal across everything else
-    (``selective_context``), just as many as the cap allows. On real agent traces
+    (``selective_context``), just as many as the cap allows, the tokens the model predicted at under 1 nat
+    evicted first (so more lines keep their surprising values). On real agent traces
     (``benchmarks/agent_memory.py``) this keeps single-mention facts (names, ports, buckets) that selectors
     ranking by the attention of recent queries (SnapKV, TAM, Attention Matching) lose. Every head keeps the
     same lines, so the gaps they leave are closed after each compaction (``close_gaps``): a fact then sits as
@@ -222,6 +223,6 @@ def default_policy(max_slots: int | None = None, recent_tokens: int = 128) -> Me
             CompactionRule(name="system", match=SegmentMatch(kind=["system", "tool_schema"]), protected=True),
             CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
         ],
-        default=CompactionRule(name="context", method="selective_context"),
+        default=CompactionRule(name="context", method="selective_context", params={"evict_predictable_below": 1.0}),
         budget=MemoryBudget(max_slots=max_slots, recent_tokens=recent_tokens, target_fraction=0.9, close_gaps=True),
     )
