@@ -425,7 +425,6 @@ class CompactCache(Cache):
         """``storage_dtype``: what keys and values are stored in (``Engine.kv_dtype``); None keeps the
         dtype the model hands over. Attention reads them back in the queries' dtype."""
         super().__init__(layers=[CompactLayer(storage_dtype) for _ in range(num_layers)])
-        self.storage_dtype = storage_dtype
         self.logical_length = 0
         self.rope_length = 0  # the RoPE position the next token gets (below logical_length after a rebase)
         self.compactions = 0
@@ -492,8 +491,8 @@ class CompactCache(Cache):
 
     def clone(self) -> CompactCache:
         """An independent copy (for forks): live slots copied, nothing shared."""
-        twin = CompactCache(len(self.layers), self.storage_dtype)
-        twin.layers = [layer.clone() for layer in self.layers]
+        twin = CompactCache(len(self.layers))
+        twin.layers = [layer.clone() for layer in self.layers]  # each keeps its storage dtype
         twin.logical_length, twin.rope_length = self.logical_length, self.rope_length
         twin.compactions, twin.default_segment = self.compactions, self.default_segment
         return twin
