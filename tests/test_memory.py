@@ -400,3 +400,26 @@ def test_the_default_policy_closes_the_gaps_its_compactions_leave(tiny_engine, c
             assert consecutive == close_gaps  # the kept slots sit side by side, or at their original distances
             assert positions[-1] == 239 and bool((positions[1:] > positions[:-1]).all())  # true positions stay
     assert torch.isfinite(session.logprobs(random_tokens(5, seed=99))).all()
+
+
+@pytest.mark.parametrize("cap", [40, 64, 96])
+def test_uneven_head_budgets_never_grow_a_head_past_the_models_context(cap):
+    """REAL gives its pool to the heads its profile scores high; compacted again and again, such a head kept
+    everything it held until it attended over more positions than the model was trained on (a 25k-token
+    agent session ended in ContextLengthError). The manager bounds each head at context/cap × a span's mean
+    budget, which keeps every head within the context however the cap's mean moves (at a cap of the whole
+    context, no head may keep more than the mean)."""
+    engine = Engine(tiny_model("llama", max_position_embeddings=96))
+    skewed = [[1.0, 0.0], [0.0, 0.0]]  # one of the four KV heads gets the whole pool
+    policy = small_policy(max_slots=cap, recent=8)
+    policy = policy.model_copy(
+        update={"default": policy.default.model_copy(update={"method": "real", "params": {"scores": skewed}})}
+    )
+    session = engine.session(memory=MemoryManager(policy), prefill_chunk_size=8)
+    for i in range(40):  # 800 tokens, over 8× the context
+        session.append_tokens(random_tokens(20, seed=i), kind="text")
+        assert session.cache.longest_layer <= engine.max_context
+        assert session.cache.physical_length <= cap
+    uneven = session.cache.longest_layer > session.cache.physical_length
+    assert uneven == (cap < engine.max_context)  # a cap at the context leaves no head room above the mean
+    assert torch.isfinite(session.logprobs(random_tokens(8, seed=99))).all()

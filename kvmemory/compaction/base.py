@@ -111,6 +111,12 @@ class CacheSpan:
     protected_positions: set[int] = field(default_factory=set)  # positions a method must keep verbatim
     surprisal: torch.Tensor | None = None  # each token's surprisal by logical position (NaN unknown), if recorded
     query_group_size: int = 1  # G: reference query rows per token and KV head
+    head_limit: int | None = None  # the most slots one head may keep of the span (methods that move budgets)
+
+    def head_capacity(self) -> torch.Tensor:
+        """(L, H) slots each head may keep: what it holds of the span, within ``head_limit``."""
+        capacity = torch.stack([layer.valid.sum(1) for layer in self.layers])
+        return capacity if self.head_limit is None else capacity.clamp_max(self.head_limit)
 
 
 @dataclass

@@ -6,6 +6,7 @@ This is the one place that connects the runtime (session, cache, model) to the p
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -53,6 +54,8 @@ class SpanJob:
     slots: int | torch.Tensor
     query_source: str | list[str] = "window"
     protected_positions: set[int] | None = None
+    # uneven head budgets: no head keeps more than this many times the span's mean budget (None: no bound)
+    max_head_ratio: float | None = None
 
 
 def compact_span(
@@ -123,12 +126,17 @@ def _select(session, positions, method, job: SpanJob, measure_error: bool):
         budgets = uniform_budgets(job.slots * capacity.numel(), capacity)
     else:
         budgets = torch.minimum(job.slots.long(), capacity)
+    head_limit = None
+    if job.max_head_ratio is not None:
+        head_limit = max(1, math.floor(job.max_head_ratio * float(budgets.float().mean())))
+        budgets = budgets.clamp_max(head_limit)
     queries = reference_queries(session, job.query_source, positions) if method.uses_queries or measure_error else None
     span = extract_span(cache, per_head, queries, engine.head_dim**-0.5)
     span.token_of_position = {p: session.tokens[p] for p in positions.tolist()}
     span.text_of_token = token_texts(engine.tokenizer)
     span.model = ModelAccess.from_session(session)
     span.protected_positions = set(job.protected_positions or ())
+    span.head_limit = head_limit
     if session.surprisal_recorder is not None:
         span.surprisal = session.surprisal_recorder.values
     span.query_group_size = engine.config.num_attention_heads // engine.num_kv_heads

@@ -109,6 +109,14 @@ class MemoryManager:
             caps.append(budget.max_bytes // self.session.engine.kv_bytes_per_token)
         return min(caps)
 
+    def max_head_ratio(self) -> float:
+        """How many times a span's mean budget one head may keep (uneven head budgets, as REAL's).
+
+        Appends grow every head alike, and the cap bounds the mean, so a head holding r × the mean m after a
+        compaction holds r·m + (cap − m) at most before the next one. r = context / cap keeps that within
+        the model's context for any m ≤ cap: no head ever attends over more positions than it was trained on."""
+        return self.session.engine.max_context / self.slot_cap()
+
     def check_fits(self, n_new: int, new_segments: list[Segment]) -> None:
         """Raise MemoryCapError, before anything changes, if the append cannot fit even after compaction.
 
@@ -186,9 +194,8 @@ class MemoryManager:
         jobs = []
         for span, slots, _ in items:
             method = self._method(span.rule)
-            jobs.append(
-                SpanJob(span.positions, method, slots, span.rule.query_source if method.uses_queries else "window")
-            )
+            source = span.rule.query_source if method.uses_queries else "window"
+            jobs.append(SpanJob(span.positions, method, slots, source, max_head_ratio=self.max_head_ratio()))
         records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
         if records and self.policy.budget.close_gaps and session.engine.rebase_positions:
             session._rebase()  # in the transaction: undone with the compaction if anything later fails

@@ -67,7 +67,7 @@ class REAL(CompactionMethod):
         return self._scores
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
-        capacity = torch.stack([layer.valid.sum(1) for layer in span.layers])
+        capacity = span.head_capacity()
         scores = self.head_scores(span)
         if tuple(scores.shape) != tuple(capacity.shape):
             raise ValueError(
