@@ -49,6 +49,8 @@ from kvmemory import Engine, MemoryManager, MemoryPolicy, default_policy
 
 KV_METHODS = {  # condition: (registry name, params) every compacted rule of the default policy switches to
     "whole-lines": ("selective_context", {}),  # the default without evicting predictable tokens first
+    # the default's ranking under REAL's head budgets (what continuation NLL on single texts favours)
+    "lines-real": ("real", {"inner": "selective_context", "inner_params": {"evict_predictable_below": 1.0}}),
     "am": ("attention_matching", {}),
     "am-real": ("real", {"inner": "attention_matching"}),
     "tam": ("tam", {}),
@@ -69,12 +71,17 @@ OPEN_QUESTION = "In two sentences: what was wrong in this task, and what did you
 ANSWER_TOKENS, REPLY_TOKENS, BOOTSTRAP = 16, 48, 2000
 
 
-def capped_policy(max_bytes: int, method: str | None = None, params: dict | None = None) -> MemoryPolicy:
-    """The default policy under a byte cap; with ``method``, every compacted rule switched to it. Gaps are
-    closed only where every head keeps the same tokens (selective context): a per-head selection would have
-    each head's distances changed differently."""
+CLOSE_GAPS = {"kvmemory-default", "whole-lines", "lines-real"}  # the default's ranking; the others keep their gaps
+
+
+def capped_policy(
+    max_bytes: int, method: str | None = None, params: dict | None = None, close_gaps: bool = True
+) -> MemoryPolicy:
+    """The default policy under a byte cap; with ``method``, every compacted rule switched to it; gaps closed
+    as the default closes them unless ``close_gaps`` is False (the per-head selectors were measured with
+    their gaps kept)."""
     policy = default_policy()
-    close_gaps = policy.budget.close_gaps and method in (None, "selective_context")
+    close_gaps = policy.budget.close_gaps and close_gaps
     budget = policy.budget.model_copy(update={"max_bytes": max_bytes, "close_gaps": close_gaps})
     policy = policy.model_copy(update={"budget": budget})
     if method is None:
@@ -285,7 +292,9 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
         view = Summarization(count_tokens, cap_tokens, engine)
     elif condition != "uncompacted":
         method, params = KV_METHODS.get(condition, (None, None))
-        memory = MemoryManager(capped_policy(cap_tokens * engine.kv_bytes_per_token, method, params))
+        memory = MemoryManager(
+            capped_policy(cap_tokens * engine.kv_bytes_per_token, method, params, condition in CLOSE_GAPS)
+        )
     session = engine.session(memory=memory)
     started, peak = time.perf_counter(), 0
     step_ends = list(range(5, len(messages) + 1, 3))  # after each (tool call, tool output, note)

@@ -10,8 +10,11 @@ through a Session on the default model:
   (placeholder, as LangChain's ContextEditingMiddleware does) and then drop the oldest if still over;
 * the default policy on a cache stored in fp16 (``kvmemory-default-kv16``) under the bytes the cap costs
   in fp32, so about twice the slots.
-Afterwards the session is asked about facts it read along the way (answer log-probability and greedy
-exact match). Reports peak KV bytes, recall and wall time; writes a memory-map PNG of the default policy.
+Afterwards the session is asked about facts it read along the way: answer log-probability, its gain over the
+same question asked with no session at all (the uncompacted run is no reference here: 25k tokens lie past the
+model's 8,192 trained positions) and greedy exact match. Fluency: the share of degenerate replies (empty,
+repetitive or off-topic, as ``benchmarks.agent_memory`` judges them) among the replies of the last eight steps
+and among the answers. Reports peak KV bytes and wall time; writes a memory-map PNG of the default policy.
 
     python -m benchmarks.agent_session [--cap 2048] [--reply-tokens 12]
 """
@@ -19,19 +22,21 @@ exact match). Reports peak KV bytes, recall and wall time; writes a memory-map P
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
-from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
-from agents.coding_agent.scripted_session import STEPS, fact_questions, replay
-from benchmarks.agent_memory import DropOldest
-from benchmarks.agent_traces import scripted_session_tools
+from agents.coding_agent.scripted_session import STEPS, SYSTEM_PROMPT, fact_questions, replay
+from benchmarks.agent_memory import DropOldest, degenerate
+from benchmarks.agent_traces import scripted_session_tools, trace_text
 from benchmarks.common import RESULTS, save, table
 from integrations.chat_model import to_chat_dicts
 from kvmemory import Engine
 from kvmemory.memory import MemoryManager, default_policy, plot_memory_map
 
 PLACEHOLDER = "[old tool output cleared to save context]"
+LATE_REPLIES = 8  # the replies judged for fluency: those of the last steps, after many compactions
 
 
 def policy_with(method: str | None, cap: int, params: dict | None = None):
@@ -101,6 +106,8 @@ def run(
     start = time.perf_counter()
     messages = replay(scripted_session_tools(), respond, steps, on_step)
     seconds = time.perf_counter() - start
+    context = transcript_text(messages)
+    late = [m.content for m in messages if isinstance(m, AIMessage) and not m.tool_calls][-LATE_REPLIES:]
     base = {
         "run": label,
         "tool_calls": len(steps),
@@ -108,10 +115,12 @@ def run(
         "compactions": session.cache.compactions,
         "seconds": seconds,
         "answer_tokens": answer_tokens,
+        "late_replies": [{"text": t, "degenerate": degenerate(t, context)} for t in late],
     }
     rows = []
     for recall_first in [False, True] if recall_tool else [False]:
         recall = ask_facts(engine, session, messages, transform, cap, answer_tokens, recall_first)
+        recall["answer_judgments"] = {k: degenerate(a, context) for k, a in recall["answers"].items()}
         peak_slots = max(peak[0], recall.pop("probe_peak_slots"), memory.peak_slots if memory is not None else 0)
         rows.append(
             {
@@ -134,13 +143,41 @@ def run(
     return rows
 
 
+def transcript_text(messages) -> str:
+    return trace_text(to_chat_dicts(messages))
+
+
+def no_session_logprobs(engine) -> dict[str, float]:
+    """Each answer's log-probability asked with only the system prompt: what no memory at all gives."""
+    out = {}
+    for key, question, answer in fact_questions():
+        session = engine.session()
+        asked = [SystemMessage(SYSTEM_PROMPT), HumanMessage(f"{question} Answer with the value only.")]
+        session.set_messages(to_chat_dicts(asked), add_generation_prompt=True)
+        out[key] = float(session.logprobs(engine.tokenizer.encode(answer, add_special_tokens=False)).sum())
+        session.close()
+    return out
+
+
+def fluency(row: dict) -> dict:
+    """Shares of degenerate late replies and answers (rows saved before these were judged have none)."""
+    if "answer_judgments" not in row:
+        return {}
+    replies = [r["degenerate"] for r in row["late_replies"]]
+    answers = list(row["answer_judgments"].values())
+    return {
+        "degenerate_replies": sum(r is not None for r in replies) / len(replies),
+        "degenerate_answers": sum(a is not None for a in answers) / len(answers),
+    }
+
+
 def ask_facts(engine, session, messages, transform, cap, answer_tokens: int, recall_first: bool = False):
     """Ask each fact question in a fork of the finished session (under the same memory manager and cap).
 
     ``recall_first``: before the question, re-insert the tool output whose transcript text best matches it,
     as an agent calling the recall tool would."""
     tok = engine.tokenizer
-    logps, hits, answers, peak = [], 0, {}, 0
+    logps, hits, answers, peak = {}, 0, {}, 0
     for key, question, answer in fact_questions():
         probe = session.fork(with_memory=True)
         asked = messages + [HumanMessage(f"{question} Answer with the value only.")]
@@ -153,14 +190,15 @@ def ask_facts(engine, session, messages, transform, cap, answer_tokens: int, rec
         else:
             shown = transform(probe, asked, cap) if transform else asked
             probe.set_messages(to_chat_dicts(shown), add_generation_prompt=True)
-        logps.append(float(probe.logprobs(tok.encode(answer, add_special_tokens=False)).sum()))
+        logps[key] = float(probe.logprobs(tok.encode(answer, add_special_tokens=False)).sum())
         text = probe.generate(max_new_tokens=answer_tokens).text
         peak = max(peak, probe.cache.physical_length, probe.memory.peak_slots if probe.memory is not None else 0)
         answers[key] = text.strip()
         hits += answer.lower() in text.lower()
         probe.close()
     return {
-        "answer_logprob": sum(logps) / len(logps),
+        "answer_logprob": sum(logps.values()) / len(logps),
+        "answer_logprobs": logps,
         "exact_match": hits / len(logps),
         "answers": answers,
         "probe_peak_slots": peak,
@@ -209,7 +247,8 @@ def main() -> None:
         "text-clear-tool-outputs": (base, None, clear_old_tool_outputs),
         "kvmemory-default-kv16": (kv16, lambda: MemoryManager(policy_with(None, kv16_cap)), None),
     }
-    rows = []
+    no_session = no_session_logprobs(base)
+    print(f"no session: answer log-probability {sum(no_session.values()) / len(no_session):.2f}", flush=True)
     for label in args.runs:
         engine, memory, transform = configs[label]
         print(f"run {label}", flush=True)
@@ -227,43 +266,59 @@ def main() -> None:
         print(
             table(mine, ["run", "peak_slots", "peak_kv_bytes", "answer_logprob", "exact_match", "seconds"]), flush=True
         )
-        rows += mine
-    previous = RESULTS / "agent_session.json"
-    if set(args.runs) != set(configs) and previous.is_file():  # a partial rerun replaces only its own rows
-        import json
+        result = save_rows(mine, label, list(configs), args, no_session)  # after every run: a later crash keeps it
+    print()
+    print(table(result["rows"], COLUMNS))
+    print(f"saved {RESULTS / 'agent_session.json'}")
 
+
+COLUMNS = [
+    "run",
+    "history_tokens",
+    "peak_slots",
+    "peak_kv_bytes",
+    "peak_kv_vs_uncompacted",
+    "compactions",
+    "answer_logprob",
+    "gain_over_no_session",
+    "exact_match",
+    "degenerate_replies",
+    "degenerate_answers",
+    "seconds",
+]
+
+
+def config_of(row: dict) -> str:
+    """The run a row comes from ("kvmemory-default + recall tool" from "kvmemory-default")."""
+    return row["run"].split(" + ")[0]
+
+
+def save_rows(rows: list[dict], label: str, configs: list[str], args, no_session: dict) -> dict:
+    """Save the rows of run ``label`` in place of its saved ones, beside the saved rows of every other run of
+    the same cap and steps."""
+    previous = RESULTS / "agent_session.json"
+    if previous.is_file():
         old = json.loads(previous.read_text())
         if old.get("cap") == args.cap and old.get("steps") == args.steps:
-
-            def config_of(row):  # "kvmemory-default + recall tool" comes from the "kvmemory-default" run
-                return row["run"].split(" + ")[0]
-
-            rows = [r for r in old["rows"] if config_of(r) not in args.runs and config_of(r) in configs] + rows
-            rows.sort(key=lambda r: list(configs).index(config_of(r)))  # stable: a recall row stays after its run
+            rows = [r for r in old["rows"] if config_of(r) != label and config_of(r) in configs] + rows
+    rows.sort(key=lambda r: configs.index(config_of(r)))  # stable: a recall row stays after its run
     full = next((r for r in rows if r["run"] == "uncompacted"), None)
+    none = sum(no_session.values()) / len(no_session)
     for r in rows:
+        r["gain_over_no_session"] = r["answer_logprob"] - none
+        r.update(fluency(r))
         if full:
             r["peak_kv_vs_uncompacted"] = r["peak_kv_bytes"] / full["peak_kv_bytes"]
-            r["recall_vs_uncompacted"] = r["exact_match"] / full["exact_match"] if full["exact_match"] else None
-    print()
-    print(
-        table(
-            rows,
-            [
-                "run",
-                "history_tokens",
-                "peak_slots",
-                "peak_kv_bytes",
-                "peak_kv_vs_uncompacted",
-                "compactions",
-                "answer_logprob",
-                "exact_match",
-                "seconds",
-            ],
-        )
-    )
-    result = {"cap": args.cap, "reply_tokens": args.reply_tokens, "steps": args.steps, "rows": rows}
-    print(f"saved {save('agent_session', result)}")
+    result = {
+        "cap": args.cap,
+        "reply_tokens": args.reply_tokens,
+        "steps": args.steps,
+        "late_replies": LATE_REPLIES,
+        "no_session_logprobs": no_session,
+        "rows": rows,
+    }
+    save("agent_session", result)
+    return result
 
 
 if __name__ == "__main__":

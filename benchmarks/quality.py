@@ -3,7 +3,9 @@ probes on planted facts, and milliseconds per compaction.
 
 For every text kind and method, an N-token context is compacted to exactly N/ratio slots per head (the
 first 4 tokens and the last 32 are kept verbatim by every method), then the next 256 tokens are scored
-teacher-forced, and the KV bytes the compacted cache holds are reported beside the slots; each kind is
+teacher-forced, and the KV bytes the compacted cache holds are reported beside the slots (``default`` is the
+default policy's rule, its gaps closed afterwards as the memory manager does; ``default_real`` the same
+ranking under REAL's head budgets); each kind is
 measured on several disjoint windows of its text and the tables give means (with one window per kind,
 single texts decided which method won). Retrieval: facts planted in long pytest
 logs; after compaction the question is appended and the answer's log-probability and greedy exact match
@@ -24,10 +26,12 @@ import torch
 from benchmarks.common import RESULTS, save, table
 from benchmarks.texts import TEXT_KINDS, log_text, plant_facts
 from kvmemory import Engine, get_method
+from kvmemory.memory import default_policy
 
 SINKS, RECENT, WINDOW, CONTINUATION = 4, 32, 128, 256
 CONTEXT_QUERIES = 256  # context-prefill queries kept per segment (as the memory manager keeps them)
 CONTEXT = ["window", "context"]  # selector window + the span's own prefill queries
+DEFAULT_RULE = default_policy().default  # "default": what the default policy compacts unprotected segments with
 METHODS = {  # label: (registry name, params, reference-query sources)
     "streaming_llm": ("streaming_llm", {}, "window"),
     "h2o": ("h2o", {}, "window"),
@@ -46,7 +50,11 @@ METHODS = {  # label: (registry name, params, reference-query sources)
     "tam": ("tam", {"length_exponent": 1.0}, "window"),
     "tam_sqrt_wn": ("tam", {"length_exponent": 0.5}, "window"),
     "selective_context": ("selective_context", {}, "window"),
+    "default": (DEFAULT_RULE.method, DEFAULT_RULE.params, "window"),
+    "default_real": ("real", {"inner": DEFAULT_RULE.method, "inner_params": DEFAULT_RULE.params}, "window"),
 }
+# as the memory manager does under the default policy
+CLOSES_GAPS = {"default", "default_real"} if default_policy().budget.close_gaps else set()
 EVICTION = (
     "streaming_llm",
     "h2o",
@@ -57,6 +65,8 @@ EVICTION = (
     "counter_causal",
     "real",
     "selective_context",
+    "default",
+    "default_real",
 )
 PROBES = [
     (
@@ -96,6 +106,8 @@ def compact_context(base, n_context: int, label: str, ratio: float):
         query_source=source,
         measure_error=False,
     )
+    if label in CLOSES_GAPS:
+        session.rebase_positions()
     return session, record
 
 
@@ -267,7 +279,7 @@ def update_last_run(last: dict, out: dict, methods: list[str], skipped: list[str
     if "quality_segments" in out:
         merged["quality"] = mean_over_segments(merged["quality_segments"])
         plot(merged["quality"], RESULTS / "quality.png")
-    merged["methods"] = last.get("methods", out["methods"])
+    merged["methods"] = {**last.get("methods", {}), **out["methods"]}  # the rows of a method new to the last run show
     merged["seconds"] = last.get("seconds", 0.0)
     rerun = {"methods": methods, "skip": skipped, "seconds": out["seconds"]}
     merged["partial_reruns"] = last.get("partial_reruns", []) + [rerun]

@@ -129,8 +129,16 @@ def quality_section(d: dict) -> str:
         f"(first {d['sinks']} and last {d['recent']} tokens verbatim for every method; reference queries: the last "
         f"{d['window']} tokens; `*_context` add {d.get('context_queries', 256)} tokens' context-prefill "
         "queries, `am_repeat` "
-        f"repeat-prefill; `am_real*` is Attention Matching under REAL's profiled head budgets). "
-        f"Lower is better; the best per column in bold."
+        f"repeat-prefill; `am_real*` is Attention Matching under REAL's profiled head budgets"
+        + (
+            f"; `default` is the default policy's rule (`{d['methods']['default'][0]}` with "
+            + ", ".join(f"`{k}={v}`" for k, v in d["methods"]["default"][1].items())
+            + ") followed, as the memory manager runs it, by closing the gaps it leaves, "
+            "and `default_real` the same under REAL's head budgets"
+            if "default" in d["methods"]
+            else ""
+        )
+        + "). Lower is better; the best per column in bold."
         + "".join(
             f" Rows of {', '.join(f'`{m}`' for m in run['methods'])} were remeasured later "
             f"(`python -m benchmarks.quality --methods {' '.join(run['methods'])} "
@@ -230,6 +238,11 @@ def head_budgets_section(d: dict) -> str:
 
 
 def agent_section(d: dict) -> str:
+    none = sum(d["no_session_logprobs"].values()) / len(d["no_session_logprobs"])
+
+    def share(row, key):  # rows saved before fluency was judged have none
+        return f"{row[key]:.0%}" if key in row else "—"
+
     rows = [
         [
             r["run"],
@@ -239,8 +252,10 @@ def agent_section(d: dict) -> str:
             f"{r.get('peak_kv_vs_uncompacted', 1):.0%}",
             r["compactions"],
             f"{r['answer_logprob']:.2f}",
+            f"{r['answer_logprob'] - none:+.2f}",
             f"{r['exact_match']:.0%}",
-            r["answer_tokens"],
+            share(r, "degenerate_replies"),
+            share(r, "degenerate_answers"),
             f"{r['seconds']:.0f}",
         ]
         for r in d["rows"]
@@ -253,8 +268,11 @@ def agent_section(d: dict) -> str:
         f"re-reads the tool output whose transcript text best matches it (`Session.search`, BM25, then "
         f"`Session.recall`). The text baselines trim what they send, so what they dropped is out of the model's view; "
         f"a text agent that kept its whole message list could run the same search. `kvmemory-default-kv16`: the "
-        f"default policy on a cache stored in fp16, capped at the bytes the cap costs in fp32. These runs predate "
-        f"`close_gaps` (the default policy's gaps were kept).\n\n"
+        f"default policy on a cache stored in fp16, capped at the bytes the cap costs in fp32. *Gain*: the mean "
+        f"answer log-probability minus the {none:.2f} the same questions get with no session at all (the uncompacted "
+        f"run is no reference: it runs past the model's 8,192 trained positions). *Degenerate*: empty, repetitive "
+        f"or off-topic (as *Agent memory* judges them) among the replies of the last {d['late_replies']} steps and "
+        f"among the answers; — for a run saved before they were judged.\n\n"
         + md(
             rows,
             [
@@ -265,8 +283,10 @@ def agent_section(d: dict) -> str:
                 "vs uncompacted",
                 "compactions",
                 "answer log-prob",
+                "gain",
                 "exact match",
-                "answer tokens",
+                "degenerate replies",
+                "degenerate answers",
                 "seconds",
             ],
         )
@@ -296,7 +316,8 @@ def agent_memory_section(d: dict) -> str:
         "replayed step by step under a cap of 1/N of each trace; kvmemory conditions at equal KV bytes, text "
         "baselines at the same token budget; the default policy evicts the tokens it predicted at under 1 nat "
         "before any line (`evict_predictable_below=1.0`) and closes the gaps its compactions leave "
-        "(`close_gaps`), *whole-lines* is the same keeping whole lines; the other kvmemory rows switch its rules "
+        "(`close_gaps`), *whole-lines* is the same keeping whole lines, *lines-real* the same ranking under REAL's "
+        "head budgets (gaps closed per head); the other kvmemory rows switch its rules "
         "to that method and keep the gaps (they were measured before gaps were closed); *-kv16* rows run on a cache "
         'stored in fp16 (`Engine(kv_dtype="float16")`) under the same bytes, so about twice the tokens fit, the '
         "text baselines included, against the same fp32 references. *Fact gain kept*: "
