@@ -28,7 +28,7 @@ import time
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
 from agents.coding_agent.scripted_session import STEPS, SYSTEM_PROMPT, fact_questions, replay
-from benchmarks.agent_memory import DropOldest, degenerate
+from benchmarks.agent_memory import DropOldest, degenerate, no_trace_logprobs
 from benchmarks.agent_traces import scripted_session_tools, trace_text
 from benchmarks.common import RESULTS, save, table
 from integrations.chat_model import to_chat_dicts
@@ -106,7 +106,7 @@ def run(
     start = time.perf_counter()
     messages = replay(scripted_session_tools(), respond, steps, on_step)
     seconds = time.perf_counter() - start
-    context = transcript_text(messages)
+    context = trace_text(to_chat_dicts(messages))
     late = [m.content for m in messages if isinstance(m, AIMessage) and not m.tool_calls][-LATE_REPLIES:]
     base = {
         "run": label,
@@ -143,20 +143,11 @@ def run(
     return rows
 
 
-def transcript_text(messages) -> str:
-    return trace_text(to_chat_dicts(messages))
-
-
 def no_session_logprobs(engine) -> dict[str, float]:
     """Each answer's log-probability asked with only the system prompt: what no memory at all gives."""
-    out = {}
-    for key, question, answer in fact_questions():
-        session = engine.session()
-        asked = [SystemMessage(SYSTEM_PROMPT), HumanMessage(f"{question} Answer with the value only.")]
-        session.set_messages(to_chat_dicts(asked), add_generation_prompt=True)
-        out[key] = float(session.logprobs(engine.tokenizer.encode(answer, add_special_tokens=False)).sum())
-        session.close()
-    return out
+    facts = fact_questions()
+    alone = {"messages": to_chat_dicts([SystemMessage(SYSTEM_PROMPT)]), "facts": [(q, a) for _, q, a in facts]}
+    return {key: lp for (key, _, _), lp in zip(facts, no_trace_logprobs(engine, alone))}
 
 
 def fluency(row: dict) -> dict:

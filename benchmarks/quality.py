@@ -31,7 +31,8 @@ from kvmemory.memory import default_policy
 SINKS, RECENT, WINDOW, CONTINUATION = 4, 32, 128, 256
 CONTEXT_QUERIES = 256  # context-prefill queries kept per segment (as the memory manager keeps them)
 CONTEXT = ["window", "context"]  # selector window + the span's own prefill queries
-DEFAULT_RULE = default_policy().default  # "default": what the default policy compacts unprotected segments with
+DEFAULT_POLICY = default_policy()
+DEFAULT_RULE = DEFAULT_POLICY.default  # "default": what the default policy compacts unprotected segments with
 METHODS = {  # label: (registry name, params, reference-query sources)
     "streaming_llm": ("streaming_llm", {}, "window"),
     "h2o": ("h2o", {}, "window"),
@@ -54,7 +55,7 @@ METHODS = {  # label: (registry name, params, reference-query sources)
     "default_real": ("real", {"inner": DEFAULT_RULE.method, "inner_params": DEFAULT_RULE.params}, "window"),
 }
 # as the memory manager does under the default policy
-CLOSES_GAPS = {"default", "default_real"} if default_policy().budget.close_gaps else set()
+CLOSES_GAPS = {"default", "default_real"} if DEFAULT_POLICY.budget.close_gaps else set()
 EVICTION = (
     "streaming_llm",
     "h2o",

@@ -191,11 +191,11 @@ class MemoryManager:
 
     def _compact(self, session, trigger: str, goal_slots: int | None) -> list[CompactionRecord]:
         items = self._budgets(goal_slots)
-        jobs = []
+        jobs, head_ratio = [], self.max_head_ratio()
         for span, slots, _ in items:
             method = self._method(span.rule)
             source = span.rule.query_source if method.uses_queries else "window"
-            jobs.append(SpanJob(span.positions, method, slots, source, max_head_ratio=self.max_head_ratio()))
+            jobs.append(SpanJob(span.positions, method, slots, source, max_head_ratio=head_ratio))
         records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
         if records and self.policy.budget.close_gaps and session.engine.rebase_positions:
             session._rebase()  # in the transaction: undone with the compaction if anything later fails
