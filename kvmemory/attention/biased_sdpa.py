@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from kvmemory.attention import decode_kernel
+
 ATTENTION_NAME = "kvmemory"
 ATTENTION_PATHS = (None, "mask", "folded", "flex")  # None: "folded" on CUDA, "mask" elsewhere
 FOLD_PAD = 8  # extra head dims for the folded bias: keeps head_dim a multiple of 8 for fast kernels
@@ -144,21 +146,33 @@ def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, 
 
     Two ways in: one sequence whose cache is passed as ``compact_cache`` (its β is added), or a packed pass
     of several sessions (``packed_cache``, see ``kvmemory.runtime.batching``): then ``key`` and ``value``
-    are lists, one per session, and each session's queries attend to its own cache only.
+    are lists, one per session, and each session's queries attend to its own cache only. With no path
+    chosen, a decode step on the CPU (one query per session) runs every session in one call of
+    ``kvmemory.attention.decode_kernel`` where it is available.
     """
-    path = kwargs.get("attention_path") or ("folded" if query.is_cuda else "mask")
+    chosen = kwargs.get("attention_path")
+    path = chosen or ("folded" if query.is_cuda else "mask")
     packed = kwargs.get("packed_cache")
     if packed is None:
         cache = kwargs.get("compact_cache")
-        out = attend(path, query, key, value, None if cache is None else cache.layers[module.layer_idx], scaling)
-    else:
-        pieces = []
-        for (start, end, layer, recorder), k, v in zip(packed.attention_parts(module.layer_idx), key, value):
-            q = query[:, :, start:end]
-            if recorder is not None:
-                recorder.record(module.layer_idx, q)
-            pieces.append(attend(path, q, k, v, layer, scaling))
-        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+        layer = None if cache is None else cache.layers[module.layer_idx]
+        if chosen is None and query.shape[2] == 1 and decode_kernel.usable(query):
+            bias = None if layer is None else layer.attention_bias()
+            return decode_kernel.decode_attention(query, [(key, value, bias)], scaling), None
+        out = attend(path, query, key, value, layer, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    parts = packed.attention_parts(module.layer_idx)
+    for start, end, _, recorder in parts:
+        if recorder is not None:
+            recorder.record(module.layer_idx, query[:, :, start:end])
+    if chosen is None and query.shape[2] == len(parts) and decode_kernel.usable(query):
+        sessions = [(k, v, layer.attention_bias()) for (_, _, layer, _), k, v in zip(parts, key, value)]
+        return decode_kernel.decode_attention(query, sessions, scaling), None
+    pieces = [
+        attend(path, query[:, :, start:end], k, v, layer, scaling)
+        for (start, end, layer, _), k, v in zip(parts, key, value)
+    ]
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,0 +1,286 @@
+// One decode step's attention on the CPU, for every session and KV head of a layer in one parallel loop.
+// See decode_kernel.py for why it exists and when it runs.
+//
+// A work item is one KV head of one session: its G query rows (the query heads sharing that KV head), its
+// keys and values (S, D) as stored (fp32, fp16 or bf16; any row stride) and optionally its slots' bias
+// beta (S,). Each item reads its keys once for all G queries, then its values once, a block of slots at a
+// time so that a block is still in L1 while every query uses it; sums run in fp32. D must be a multiple of
+// 8 (the vector width used here, 8 floats).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+constexpr int64_t kLanes = 8;
+constexpr int64_t kBlock = 32;  // slots per block: 32 x D values in L1 while every query reads them
+
+template <typename T>
+inline f8 load8(const T* p);
+
+template <>
+inline f8 load8<float>(const float* p) {
+  f8 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+template <>
+inline f8 load8<at::BFloat16>(const at::BFloat16* p) {  // bf16 is the top half of an fp32
+#if defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (f8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  f8 r;
+  std::memcpy(&r, &w, sizeof r);
+  return r;
+#endif
+}
+
+template <>
+inline f8 load8<at::Half>(const at::Half* p) {
+#if defined(__F16C__)
+  return (f8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  f8 r;
+  for (int i = 0; i < kLanes; ++i) r[i] = static_cast<float>(p[i]);
+  return r;
+#endif
+}
+
+inline float sum8(f8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// exp on 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative
+// error < 2e-7), 2^n built in the exponent bits. Inputs are max-subtracted scores, so x <= 0; below -87
+// the result flushes to 0 (as expf underflows), and -inf gives 0.
+inline f8 exp8(f8 x) {
+  const f8 lo = f8{} - 87.0f;
+  x = x < lo ? lo : x;
+  f8 n = x * 1.44269504088896341f;
+  n = __builtin_convertvector(__builtin_convertvector(n + (n < 0 ? -0.5f : 0.5f), i8), f8);  // round
+  f8 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;  // ln2 split for an exact product
+  f8 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
+  f8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  f8 out = p * scale;
+  return x <= lo ? f8{} : out;
+}
+
+template <typename T>
+struct Item {
+  const float* query;  // (G, D), already multiplied by the softmax scale
+  const T* keys;
+  const T* values;
+  int64_t key_stride, value_stride, slots;
+  const float* bias;  // beta of slot s at bias[s * bias_stride], or null
+  int64_t bias_stride;
+  float* out;  // (G, Dv)
+};
+
+// Eight dot products' lanes summed into one vector: lane j holds the sum of a[j]'s lanes.
+inline f8 sum8x8(const f8* a) {
+#if defined(__AVX__)
+  const __m256 h01 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), h23 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  const __m256 h45 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), h67 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);  // per 128-bit half: 0-3 | 4-7
+  const __m256 mixed = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+  return (f8)mixed;
+#else
+  f8 r;
+  for (int j = 0; j < kLanes; ++j) r[j] = sum8(a[j]);
+  return r;
+#endif
+}
+
+// scores[g][s] = q_g . k_s (+ beta_s): per query, eight slots at a time (eight independent sums) over a
+// block of slots that stays in L1 while every query reads it
+template <typename T>
+void score(const Item<T>& item, int64_t groups, int64_t dim, float* scores) {
+  const int64_t chunks = dim / kLanes, S = item.slots, stride = item.key_stride;
+  for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
+    const int64_t s1 = s0 + kBlock < S ? s0 + kBlock : S;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* q = item.query + g * dim;
+      float* row = scores + g * S;
+      int64_t s = s0;
+      for (; s + kLanes <= s1; s += kLanes) {
+        const T* k = item.keys + s * stride;
+        f8 acc[kLanes] = {};
+        for (int64_t c = 0; c < chunks; ++c) {
+          const f8 qc = load8(q + c * kLanes);
+#pragma GCC unroll 8
+          for (int j = 0; j < kLanes; ++j) acc[j] += qc * load8(k + j * stride + c * kLanes);
+        }
+        f8 sums = sum8x8(acc);
+        std::memcpy(row + s, &sums, sizeof sums);
+      }
+      for (; s < s1; ++s) {
+        const T* k = item.keys + s * stride;
+        f8 a{};
+        for (int64_t c = 0; c < chunks; ++c) a += load8(q + c * kLanes) * load8(k + c * kLanes);
+        row[s] = sum8(a);
+      }
+      if (item.bias) {
+        for (s = s0; s < s1; ++s) row[s] += item.bias[s * item.bias_stride];
+      }
+    }
+  }
+}
+
+// scores[g][:] = softmax(scores[g][:]) in place
+void softmax(float* scores, int64_t groups, int64_t S) {
+  for (int64_t g = 0; g < groups; ++g) {
+    float* row = scores + g * S;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < S; ++s) top = row[s] > top ? row[s] : top;
+    float total = 0.0f;
+    int64_t s = 0;
+    f8 sums{};
+    for (; s + kLanes <= S; s += kLanes) {
+      f8 e = exp8(load8(row + s) - top);
+      std::memcpy(row + s, &e, sizeof e);
+      sums += e;
+    }
+    total = sum8(sums);
+    for (; s < S; ++s) {
+      row[s] = std::exp(row[s] - top);
+      total += row[s];
+    }
+    const float inv = 1.0f / total;
+    for (s = 0; s < S; ++s) row[s] *= inv;
+  }
+}
+
+// o[0:W chunks] += sum over the block's slots of p[s] v_s[0:W chunks], W accumulators in registers
+template <int W, typename T>
+inline void mix_chunks(const T* values, int64_t stride, const float* p, int64_t s0, int64_t s1, float* o) {
+  f8 acc[W] = {};
+  for (int64_t s = s0; s < s1; ++s) {
+    const T* v = values + s * stride;
+    const float w = p[s];
+#pragma GCC unroll 8
+    for (int c = 0; c < W; ++c) acc[c] += w * load8(v + c * kLanes);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < W; ++c) {
+    const f8 sum = load8(o + c * kLanes) + acc[c];
+    std::memcpy(o + c * kLanes, &sum, sizeof sum);
+  }
+}
+
+// out[g] = sum_s p[g][s] v_s, eight value chunks (64 floats) of one query at a time over a block of slots
+template <typename T>
+void mix(const Item<T>& item, int64_t groups, int64_t value_dim, const float* weights) {
+  const int64_t chunks = value_dim / kLanes, S = item.slots, stride = item.value_stride;
+  std::memset(item.out, 0, sizeof(float) * groups * value_dim);
+  for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
+    const int64_t s1 = s0 + kBlock < S ? s0 + kBlock : S;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* p = weights + g * S;
+      float* o = item.out + g * value_dim;
+      int64_t c = 0;
+      for (; c + kLanes <= chunks; c += kLanes) mix_chunks<kLanes>(item.values + c * kLanes, stride, p, s0, s1, o + c * kLanes);
+      for (; c < chunks; ++c) mix_chunks<1>(item.values + c * kLanes, stride, p, s0, s1, o + c * kLanes);
+    }
+  }
+}
+
+// A slot bias as the kernel reads it: beta of slot s is data[s * stride] (a column of the cache's metadata)
+struct Bias {
+  const float* data;
+  int64_t stride;
+};
+
+template <typename T>
+void run_items(const at::Tensor& queries, at::TensorList keys, at::TensorList values, const std::vector<Bias>& biases,
+               at::Tensor& out) {
+  const int64_t items = queries.size(0), groups = queries.size(1), dim = queries.size(2);
+  const int64_t value_dim = out.size(2);
+  const float* q = queries.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const at::Tensor& k = keys[i];
+      const at::Tensor& v = values[i];
+      Item<T> item{q + i * groups * dim, k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0),
+                   k.size(0),           biases[i].data, biases[i].stride,  o + i * groups * value_dim};
+      scores.resize(groups * item.slots);
+      score(item, groups, dim, scores.data());
+      softmax(scores.data(), groups, item.slots);
+      mix(item, groups, value_dim, scores.data());
+    }
+  });
+}
+
+// queries (items, G, D) fp32, already scaled; keys[i] (S_i, D) and values[i] (S_i, Dv) with contiguous rows,
+// all fp32, fp16 or bf16; biases[i] an fp32 (S_i,) tensor or None. Returns (items, G, Dv) fp32.
+at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
+                            const c10::List<std::optional<at::Tensor>>& biases) {
+  TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
+              "queries must be a contiguous float32 (items, groups, dim) tensor");
+  const int64_t items = queries.size(0);
+  TORCH_CHECK(items > 0 && static_cast<int64_t>(keys.size()) == items &&
+                  static_cast<int64_t>(values.size()) == items && static_cast<int64_t>(biases.size()) == items,
+              "one key, value and bias entry per item");
+  const int64_t dim = queries.size(2), value_dim = values[0].size(-1);
+  TORCH_CHECK(dim % kLanes == 0 && value_dim % kLanes == 0, "head dims must be multiples of 8");
+  const auto dtype = keys[0].scalar_type();
+  std::vector<Bias> bias(items, Bias{nullptr, 0});
+  for (int64_t i = 0; i < items; ++i) {
+    const at::Tensor& k = keys[i];
+    const at::Tensor& v = values[i];
+    TORCH_CHECK(k.dim() == 2 && v.dim() == 2 && k.size(0) == v.size(0) && k.size(0) > 0, "item ", i,
+                ": keys and values must be (S, D) with the same S > 0");
+    TORCH_CHECK(k.size(1) == dim && v.size(1) == value_dim, "item ", i, ": head dims differ");
+    TORCH_CHECK(k.stride(1) == 1 && v.stride(1) == 1, "item ", i, ": rows must be contiguous");
+    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "item ", i, ": mixed cache dtypes");
+    const std::optional<at::Tensor> b = biases.get(i);
+    if (b.has_value()) {
+      TORCH_CHECK(b->dim() == 1 && b->size(0) == k.size(0) && b->scalar_type() == at::kFloat, "item ", i,
+                  ": bias must be a float32 (S,) tensor");
+      bias[i] = Bias{b->data_ptr<float>(), b->stride(0)};
+    }
+  }
+  at::Tensor out = at::empty({items, queries.size(1), value_dim}, queries.options());
+  if (dtype == at::kFloat) {
+    run_items<float>(queries, keys, values, bias, out);
+  } else if (dtype == at::kHalf) {
+    run_items<at::Half>(queries, keys, values, bias, out);
+  } else if (dtype == at::kBFloat16) {
+    run_items<at::BFloat16>(queries, keys, values, bias, out);
+  } else {
+    TORCH_CHECK(false, "keys and values must be float32, float16 or bfloat16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvmemory, m) {
+  m.def("decode_attention(Tensor queries, Tensor[] keys, Tensor[] values, Tensor?[] biases) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+}

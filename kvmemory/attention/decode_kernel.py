@@ -1,0 +1,109 @@
+"""A CPU kernel for one decode step's attention over every session of a packed pass at once.
+
+Decoding a token reads each session's cached keys and values once per layer, so with several sessions
+batched (``kvmemory.runtime.batching``) attention, not the weights, becomes most of a pass. torch's CPU
+``scaled_dot_product_attention`` serves one session per call and a KV head once per query head of its group,
+and reaches a fraction of the machine's memory bandwidth on these shapes; a cache stored in 16 bits
+(``Engine(kv_dtype=...)``) was first copied to fp32. ``decode_attention.cpp`` runs all sessions' KV heads of a
+layer in one parallel loop; each reads its keys once for its whole query group and its values once, in the
+stored dtype (fp32, fp16, bf16), adds β, and sums in fp32. Same results as sdpa within float rounding
+(tests/test_decode_kernel.py); ``python -m benchmarks.concurrency`` measures what it buys.
+
+The kernel is built on first use by ``torch.utils.cpp_extension`` (the C++ compiler torch's extensions use,
+once per machine: about a minute, then cached under ``TORCH_EXTENSIONS_DIR``) for x86-64 CPUs with AVX2 and
+FMA. Where it cannot be built, or with ``KVMEMORY_DECODE_KERNEL=0``, attention stays on sdpa.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # x86-64-v3: every AVX2 machine runs it
+ENV_SWITCH = "KVMEMORY_DECODE_KERNEL"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "op": the loaded op, or None once a build failed or it is switched off
+
+
+def _build():
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    from torch.utils.cpp_extension import load
+
+    log.info("building kvmemory's CPU decode attention kernel (once per machine, about a minute)")
+    try:
+        load(
+            "kvmemory_decode_attention",
+            [str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as error:  # no compiler, missing headers: attention stays on sdpa, said once
+        log.warning("kvmemory's CPU decode attention kernel could not be built (%s); using sdpa", error)
+        return None
+    return torch.ops.kvmemory.decode_attention
+
+
+def decode_op():
+    """The kernel's op, built on first call; None where it is unavailable (see the module docstring)."""
+    if "op" not in _state:
+        with _lock:
+            if "op" not in _state:
+                _state["op"] = _build()
+    return _state["op"]
+
+
+def usable(query: torch.Tensor) -> bool:
+    """Whether a decode step with these queries (B, Hq, Q, D) can run on the kernel: fp32 on a CPU, one
+    query per session, head dims in whole vectors, and the kernel available."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and query.shape[-1] % 8 == 0
+        and decode_op() is not None
+    )
+
+
+def per_head(tensors) -> list[torch.Tensor]:
+    """A layer's keys or values as (S, D) per KV head: a (1, H, S, D) tensor's heads, or ragged heads' rows."""
+    if isinstance(tensors, list):
+        return [t[0, 0] for t in tensors]
+    return list(tensors[0].unbind(0))
+
+
+def bias_per_head(bias, heads: int) -> list[torch.Tensor | None]:
+    """β per KV head: None for all when the layer has none, rows of a (1, H, S) tensor, or the ragged list."""
+    if bias is None:
+        return [None] * heads
+    if isinstance(bias, list):
+        return bias
+    return list(bias[0].unbind(0))
+
+
+def decode_attention(query: torch.Tensor, sessions, scaling: float | None) -> torch.Tensor:
+    """One decode token per session: ``query`` (1, Hq, N, D), ``sessions`` N (keys, values, bias) of one
+    layer as ``CompactLayer.update`` and ``attention_bias`` give them. Returns (1, N, Hq, Dv), the layout
+    transformers' attention functions return."""
+    heads_q, count, dim = query.shape[1], query.shape[2], query.shape[3]
+    keys, values, biases = [], [], []
+    for key, value, bias in sessions:
+        head_keys = per_head(key)
+        keys += head_keys
+        values += per_head(value)
+        biases += bias_per_head(bias, len(head_keys))
+    kv_heads = len(keys) // count
+    scale = scaling if scaling is not None else dim**-0.5
+    queries = (query[0].transpose(0, 1) * scale).reshape(count * kv_heads, heads_q // kv_heads, dim).contiguous()
+    out = decode_op()(queries, keys, values, biases)
+    return out.view(1, count, heads_q, -1)

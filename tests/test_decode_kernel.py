@@ -1,0 +1,139 @@
+"""The CPU decode attention kernel computes what attention defines, on every cache shape and storage dtype,
+and a session decodes the same with it as on sdpa, alone and batched."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmemory import Engine
+from kvmemory.attention import decode_kernel
+from tests.conftest import random_tokens, tiny_model
+from tests.test_batching import KINDS, build, run_together, slow_passes
+
+CAN_BUILD = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("c++") is not None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if not CAN_BUILD:
+        pytest.skip("the kernel needs an x86-64 CPU with AVX2 and a C++ compiler")
+    assert decode_kernel.decode_op() is not None, "the kernel should build here"
+
+
+def reference(query, sessions, scale):
+    """softmax(scale·q·k + β)·v per query head in fp64, from the keys and values as stored."""
+    out = []
+    for i, (keys, values, bias) in enumerate(sessions):
+        groups = query.shape[1] // len(keys)
+        heads = []
+        for h, (k, v) in enumerate(zip(keys, values)):
+            q = query[0, h * groups : (h + 1) * groups, i].double()
+            logits = scale * q @ k.double().T
+            if bias is not None:
+                logits = logits + bias[h].double()
+            heads.append(logits.softmax(-1) @ v.double())
+        out.append(torch.cat(heads))
+    return torch.stack(out)[None].float()
+
+
+@st.composite
+def layers(draw):
+    """Sessions of one layer: per KV head its own length (ragged or even), a storage dtype, β or none."""
+    kv_heads, groups = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    dim = draw(st.sampled_from([8, 16, 64]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    count = draw(st.integers(1, 4))
+    seed = draw(st.integers(0, 2**16))
+    shapes = [
+        [draw(st.integers(1, 300))] * kv_heads
+        if draw(st.booleans())
+        else draw(st.lists(st.integers(1, 300), min_size=kv_heads, max_size=kv_heads))
+        for _ in range(count)
+    ]
+    biased = [draw(st.booleans()) for _ in range(count)]
+    return kv_heads, groups, dim, dtype, shapes, biased, seed
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers())
+def test_the_kernel_computes_attention_on_every_cache_shape(layer):
+    kv_heads, groups, dim, dtype, shapes, biased, seed = layer
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, kv_heads * groups, len(shapes), dim, generator=generator)
+    sessions, as_given = [], []
+    for lengths, has_bias in zip(shapes, biased):
+        keys = [torch.randn(n, dim, generator=generator).to(dtype) for n in lengths]
+        values = [torch.randn(n, dim, generator=generator).to(dtype) for n in lengths]
+        # β as the cache holds it: a strided fp32 column, fitted values and large negative ones
+        bias = [torch.randn(n, 4, generator=generator)[:, 0] * 3 for n in lengths] if has_bias else None
+        sessions.append((keys, values, bias))
+        if len(set(lengths)) == 1:  # even heads: one (1, H, S, D) tensor, β (1, H, S)
+            bias_whole = None if bias is None else torch.stack(bias)[None]
+            as_given.append((torch.stack(keys)[None], torch.stack(values)[None], bias_whole))
+        else:  # ragged heads: one (1, 1, S_h, D) tensor per head, β per head
+            as_given.append(([k[None, None] for k in keys], [v[None, None] for v in values], bias))
+    out = decode_kernel.decode_attention(query, as_given, dim**-0.5)
+    expected = reference(query, sessions, dim**-0.5)
+    assert out.shape == (1, len(shapes), kv_heads * groups, dim)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_bad_input_is_refused_before_any_work():
+    op = decode_kernel.decode_op()
+    queries = torch.randn(1, 2, 8)
+    with pytest.raises(RuntimeError, match="same S"):
+        op(queries, [torch.randn(5, 8)], [torch.randn(4, 8)], [None])
+    with pytest.raises(RuntimeError, match="mixed cache dtypes"):
+        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8).half()], [None])
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        op(torch.randn(1, 2, 6), [torch.randn(5, 6)], [torch.randn(5, 6)], [None])
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list:
+    """Counts the kernel's calls, so a test knows the engine really decoded on it."""
+    calls, attention = [], decode_kernel.decode_attention
+
+    def counted(*args):
+        calls.append(len(args[1]))
+        return attention(*args)
+
+    monkeypatch.setattr(decode_kernel, "decode_attention", counted)
+    return calls
+
+
+def paired_engines(kv_dtype=None) -> tuple[Engine, Engine]:
+    """(kernel decode, sdpa everywhere) over the same weights."""
+    model = tiny_model("qwen2", eos_token_id=None)
+    return Engine(model, kv_dtype=kv_dtype), Engine(model, attention_path="mask", kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("shape", KINDS)
+def test_a_session_decodes_the_same_on_the_kernel_as_on_sdpa(shape, kv_dtype, kernel_calls):
+    results = []
+    for engine in paired_engines(kv_dtype):
+        kernel_calls.clear()
+        session = build(engine, shape)
+        reply = session.generate(max_new_tokens=12)
+        results.append((reply.token_ids, session.logprobs(random_tokens(6, seed=7))))
+        assert bool(kernel_calls) == (engine.batcher.attention_path is None)
+    (kernel_ids, kernel_scores), (sdpa_ids, sdpa_scores) = results
+    assert kernel_ids == sdpa_ids
+    torch.testing.assert_close(kernel_scores, sdpa_scores, atol=1e-5, rtol=0)
+
+
+def test_batched_sessions_decode_the_same_on_the_kernel_as_on_sdpa(kernel_calls):
+    replies = []
+    for engine in paired_engines():
+        sessions = [build(engine, kind) for kind in KINDS]
+        slow_passes(engine)
+        replies.append(run_together(sessions, lambda s: s.generate(max_new_tokens=10).token_ids))
+        assert engine.batcher.stats.largest > 1
+    assert max(kernel_calls) > 1  # sessions shared a kernel call
+    assert replies[0] == replies[1]
