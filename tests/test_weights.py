@@ -137,16 +137,17 @@ def test_the_default_model_on_its_default_weights_scores_text_as_fp32_does(defau
 
 
 @pytest.mark.skipif(not cpu_has_fbgemm(), reason="fbgemm's fp16 GEMM is x86 only")
-def test_packed_fp16_rounds_only_its_weight_and_a_row_alone_gets_the_same_bits():
+def test_packed_fp16_rounds_only_its_weight_alone_or_with_other_rows():
     torch.manual_seed(0)
     linear = nn.Linear(64, 300)
     packed = PackedFp16Linear(linear)
     x = torch.randn(9, 64) * 40  # products far past fp16's range: the input and the output stay fp32
     many = packed(x)
     alone = torch.cat([packed(x[i : i + 1]) for i in range(len(x))])
-    assert many.dtype == torch.float32 and torch.equal(many, alone)
+    assert many.dtype == alone.dtype == torch.float32
     expected = F.linear(x.double(), linear.weight.half().double(), linear.bias.double())
-    torch.testing.assert_close(many.double(), expected, rtol=1e-6, atol=1e-4)
+    for out in (many, alone):  # fp32 sums of fp16 weights: only the order of the sums may differ
+        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-4)
     assert packed._weight is None  # held once, in fbgemm's layout, until a reader asks for the weight
     assert torch.equal(packed.weight, linear.weight.detach().half()) and torch.equal(packed(x), many)
 

@@ -105,8 +105,10 @@ class SixteenBitLinear(nn.Module):
 
 class PackedFp16Linear(nn.Module):
     """An fp16 weight run by fbgemm's fp16 GEMM (``quantized::linear_dynamic_fp16``, x86): the kernel widens
-    the weight in registers, so input, accumulation and output stay fp32. Nothing but the weight is rounded,
-    nothing can overflow, and a row gets the same bits whatever rows share its pass. For the default model's
+    the weight in registers, so input, accumulation and output stay fp32. Nothing but the weight is rounded and
+    nothing can overflow; a row's last bits can depend on how many rows share its pass (fbgemm picks its
+    kernel by row count: on a 2-core AVX2 CPU, passes of 1, 2 or 7 rows sum in another order than 3 to 6),
+    which is why exactness tests run fp32 weights. For the default model's
     output head (49152 × 576, 2-core AVX-512) one row takes 1.2 ms and eight 1.3 ms, against 1.6 and 10 ms in
     the fp16 kernel and 7-20 ms widened; 512 rows 158 ms against 343 widened (fp32's own GEMM: 220).
 
