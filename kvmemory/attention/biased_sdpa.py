@@ -4,7 +4,9 @@ Logits to a compacted slot get +β (Attention Matching's mass correction); paddi
 New tokens attend causally to each other (bottom-right aligned: the cache's S slots end with the Q new
 ones). GQA is never expanded in memory (``enable_gqa``).
 
-Two code paths:
+With no path chosen, a decode step on the CPU (one new token per session) runs on ``decode_kernel`` where
+it is available: every session of a packed pass in one call, the cache read in its stored dtype. Otherwise,
+two sdpa paths:
 
 * ``mask`` (default, CPU): β and the causal part become one additive float mask. With no compaction
   yet and a single query this is plain sdpa with no mask at all.

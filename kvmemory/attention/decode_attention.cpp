@@ -7,13 +7,14 @@
 // time so that a block is still in L1 while every query uses it; sums run in fp32. D must be a multiple of
 // 8 (the vector width used here, 8 floats).
 
-#include <ATen/Parallel.h>
+#include <ATen/Parallel.h>  // at::get_num_threads
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -221,9 +222,14 @@ void run_items(const at::Tensor& queries, at::TensorList keys, at::TensorList va
   const int64_t value_dim = out.size(2);
   const float* q = queries.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // OpenMP directly, not at::parallel_for: its inline lazy thread setup, compiled into this library, would
+  // reset the calling thread's team to the last torch.set_num_threads of any thread (the callers' 1)
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), items));
+#pragma omp parallel num_threads(threads)
+  {
     std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; ++i) {
       const at::Tensor& k = keys[i];
       const at::Tensor& v = values[i];
       Item<T> item{q + i * groups * dim, k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0),
@@ -233,7 +239,7 @@ void run_items(const at::Tensor& queries, at::TensorList keys, at::TensorList va
       softmax(scores.data(), groups, item.slots);
       mix(item, groups, value_dim, scores.data());
     }
-  });
+  }
 }
 
 // queries (items, G, D) fp32, already scaled; keys[i] (S_i, D) and values[i] (S_i, Dv) with contiguous rows,

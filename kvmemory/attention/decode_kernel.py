@@ -1,17 +1,18 @@
 """A CPU kernel for one decode step's attention over every session of a packed pass at once.
 
-Decoding a token reads each session's cached keys and values once per layer, so with several sessions
-batched (``kvmemory.runtime.batching``) attention, not the weights, becomes most of a pass. torch's CPU
-``scaled_dot_product_attention`` serves one session per call and a KV head once per query head of its group,
-and reaches a fraction of the machine's memory bandwidth on these shapes; a cache stored in 16 bits
-(``Engine(kv_dtype=...)``) was first copied to fp32. ``decode_attention.cpp`` runs all sessions' KV heads of a
-layer in one parallel loop; each reads its keys once for its whole query group and its values once, in the
-stored dtype (fp32, fp16, bf16), adds β, and sums in fp32. Same results as sdpa within float rounding
-(tests/test_decode_kernel.py); ``python -m benchmarks.concurrency`` measures what it buys.
+Decoding a token reads each session's cached keys and values once per layer: when sessions are batched
+(``kvmemory.runtime.batching``) the weights are read once per pass but attention grows with every session.
+torch's CPU ``scaled_dot_product_attention`` takes one session per call and on these shapes read the cache at
+about 6 GB/s on a 2-core machine that streams 20; a cache stored in 16 bits (``Engine(kv_dtype=...)``) was
+first copied to fp32. ``decode_attention.cpp`` runs all sessions' KV heads of a layer in one parallel loop:
+each reads its keys once for its whole query group and its values once, in the stored dtype (fp32, fp16,
+bf16), adds β, and sums in fp32. Same results as sdpa within float rounding (tests/test_decode_kernel.py);
+``python -m benchmarks.concurrency`` measures what it buys.
 
-The kernel is built on first use by ``torch.utils.cpp_extension`` (the C++ compiler torch's extensions use,
-once per machine: about a minute, then cached under ``TORCH_EXTENSIONS_DIR``) for x86-64 CPUs with AVX2 and
-FMA. Where it cannot be built, or with ``KVMEMORY_DECODE_KERNEL=0``, attention stays on sdpa.
+It is built by ``torch.utils.cpp_extension`` with the C++ compiler torch's extensions use, once per machine
+when the first CPU engine is made (about 25 s on 2 cores; then cached under ``TORCH_EXTENSIONS_DIR``), for
+x86-64 CPUs with AVX2 and FMA. Where it cannot be built, or with ``KVMEMORY_DECODE_KERNEL=0``, attention
+stays on sdpa.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _build():
         return None
     from torch.utils.cpp_extension import load
 
-    log.info("building kvmemory's CPU decode attention kernel (once per machine, about a minute)")
+    log.info("building kvmemory's CPU decode attention kernel (once per machine, about 25 s)")
     try:
         load(
             "kvmemory_decode_attention",

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import torch
 
-from kvmemory.attention import ATTENTION_NAME, ATTENTION_PATHS
+from kvmemory.attention import ATTENTION_NAME, ATTENTION_PATHS, decode_kernel
 from kvmemory.errors import InvalidArgumentError
 from kvmemory.runtime import compute
 from kvmemory.runtime.batching import ForwardBatcher
@@ -87,6 +87,8 @@ class Engine:
         # Concurrent sessions' forwards run as packed passes over their own caches, one pass at a time.
         # ``attention_path``: None picks per device (kvmemory.attention); "flex" reads uneven heads in one call.
         self.batcher = ForwardBatcher(self.model, max_tokens=max_batch_tokens, attention_path=attention_path)
+        if attention_path is None and self.device.type == "cpu":
+            decode_kernel.decode_op()  # built here, once per machine, rather than in a session's first step
         self._renderer: ChatRenderer | None = None
         self.sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every session made on this engine
 
