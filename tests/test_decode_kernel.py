@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvmemory import Engine
 from kvmemory.attention import decode_kernel
+from kvmemory.cache.compact_cache import Slots
 from tests.conftest import random_tokens, tiny_model
 from tests.test_batching import KINDS, build, run_together, slow_passes
 
@@ -26,18 +27,18 @@ def kernel():
 
 
 def reference(query, sessions, scale):
-    """softmax(scale·q·k + β)·v per query head in fp64, from the keys and values as stored."""
+    """softmax(scale·q·k + β)·v per query head in fp64, from each head's keys, values and β as stored."""
     out = []
-    for i, (keys, values, bias) in enumerate(sessions):
-        groups = query.shape[1] // len(keys)
-        heads = []
-        for h, (k, v) in enumerate(zip(keys, values)):
+    for i, heads in enumerate(sessions):
+        groups = query.shape[1] // len(heads)
+        rows = []
+        for h, (k, v, bias) in enumerate(heads):
             q = query[0, h * groups : (h + 1) * groups, i].double()
             logits = scale * q @ k.double().T
             if bias is not None:
-                logits = logits + bias[h].double()
-            heads.append(logits.softmax(-1) @ v.double())
-        out.append(torch.cat(heads))
+                logits = logits + bias.double()
+            rows.append(logits.softmax(-1) @ v.double())
+        out.append(torch.cat(rows))
     return torch.stack(out)[None].float()
 
 
@@ -49,14 +50,37 @@ def layers(draw):
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     count = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**16))
+    lengths = st.integers(1, 300)
     shapes = [
-        [draw(st.integers(1, 300))] * kv_heads
+        [draw(lengths)] * kv_heads
         if draw(st.booleans())
-        else draw(st.lists(st.integers(1, 300), min_size=kv_heads, max_size=kv_heads))
+        else draw(st.lists(lengths, min_size=kv_heads, max_size=kv_heads))
         for _ in range(count)
     ]
     biased = [draw(st.booleans()) for _ in range(count)]
     return kv_heads, groups, dim, dtype, shapes, biased, seed
+
+
+class Layer:
+    """A cache layer as ``CompactLayer`` lays it out: each head's rows at its start, spare rows after them."""
+
+    def __init__(self, keys, values, bias, spare: int):
+        dim, dtype = keys[0].shape[-1], keys[0].dtype
+        self.lengths = tuple(len(k) for k in keys)
+        self.starts = tuple(sum(n + spare for n in self.lengths[:h]) for h in range(len(keys)))
+        rows = sum(self.lengths) + spare * len(keys)
+        storage = Slots(
+            torch.zeros(rows, dim, dtype=dtype),
+            torch.zeros(rows, dim, dtype=dtype),
+            torch.zeros(rows, 4, dtype=torch.int32),
+        )
+        for h, start in enumerate(self.starts):
+            n = self.lengths[h]
+            storage.keys[start : start + n] = keys[h]
+            storage.values[start : start + n] = values[h]
+            if bias is not None:
+                storage.bias[start : start + n] = bias[h]
+        self.slots, self.biased, self.num_heads = storage, bias is not None, len(keys)
 
 
 @settings(max_examples=60, deadline=None)
@@ -65,33 +89,27 @@ def test_the_kernel_computes_attention_on_every_cache_shape(layer):
     kv_heads, groups, dim, dtype, shapes, biased, seed = layer
     generator = torch.Generator().manual_seed(seed)
     query = torch.randn(1, kv_heads * groups, len(shapes), dim, generator=generator)
-    sessions, as_given = [], []
-    for lengths, has_bias in zip(shapes, biased):
+    cache_layers, heads = [], []
+    for i, (lengths, has_bias) in enumerate(zip(shapes, biased)):
         keys = [torch.randn(n, dim, generator=generator).to(dtype) for n in lengths]
         values = [torch.randn(n, dim, generator=generator).to(dtype) for n in lengths]
-        # β as the cache holds it: a strided fp32 column, fitted values and large negative ones
-        bias = [torch.randn(n, 4, generator=generator)[:, 0] * 3 for n in lengths] if has_bias else None
-        sessions.append((keys, values, bias))
-        if len(set(lengths)) == 1:  # even heads: one (1, H, S, D) tensor, β (1, H, S)
-            bias_whole = None if bias is None else torch.stack(bias)[None]
-            as_given.append((torch.stack(keys)[None], torch.stack(values)[None], bias_whole))
-        else:  # ragged heads: one (1, 1, S_h, D) tensor per head, β per head
-            as_given.append(([k[None, None] for k in keys], [v[None, None] for v in values], bias))
-    out = decode_kernel.decode_attention(query, as_given, dim**-0.5)
-    expected = reference(query, sessions, dim**-0.5)
+        bias = [torch.randn(n, generator=generator) * 3 for n in lengths] if has_bias else None  # fitted β
+        cache_layers.append(Layer(keys, values, bias, spare=i * 5))
+        heads.append([(k, v, None if bias is None else bias[h]) for h, (k, v) in enumerate(zip(keys, values))])
+    out = decode_kernel.decode_attention(query, cache_layers, dim**-0.5)
     assert out.shape == (1, len(shapes), kv_heads * groups, dim)
-    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out, reference(query, heads, dim**-0.5), atol=2e-6, rtol=1e-5)
 
 
 def test_bad_input_is_refused_before_any_work():
     op = decode_kernel.decode_op()
     queries = torch.randn(1, 2, 8)
-    with pytest.raises(RuntimeError, match="same S"):
-        op(queries, [torch.randn(5, 8)], [torch.randn(4, 8)], [None])
+    with pytest.raises(RuntimeError, match="not inside its storage"):
+        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8)], [None], [3, 4])
     with pytest.raises(RuntimeError, match="mixed cache dtypes"):
-        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8).half()], [None])
+        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8).half()], [None], [0, 5])
     with pytest.raises(RuntimeError, match="multiples of 8"):
-        op(torch.randn(1, 2, 6), [torch.randn(5, 6)], [torch.randn(5, 6)], [None])
+        op(torch.randn(1, 2, 6), [torch.randn(5, 6)], [torch.randn(5, 6)], [None], [0, 5])
 
 
 @pytest.fixture

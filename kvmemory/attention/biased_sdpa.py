@@ -158,9 +158,8 @@ def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, 
     if packed is None:
         cache = kwargs.get("compact_cache")
         layer = None if cache is None else cache.layers[module.layer_idx]
-        if chosen is None and query.shape[2] == 1 and decode_kernel.usable(query):
-            bias = None if layer is None else layer.attention_bias()
-            return decode_kernel.decode_attention(query, [(key, value, bias)], scaling), None
+        if chosen is None and layer is not None and query.shape[2] == 1 and decode_kernel.usable(query):
+            return decode_kernel.decode_attention(query, [layer], scaling), None
         out = attend(path, query, key, value, layer, scaling)
         return out.transpose(1, 2).contiguous(), None
     parts = packed.attention_parts(module.layer_idx)
@@ -168,8 +167,7 @@ def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, 
         if recorder is not None:
             recorder.record(module.layer_idx, query[:, :, start:end])
     if chosen is None and query.shape[2] == len(parts) and decode_kernel.usable(query):
-        sessions = [(k, v, layer.attention_bias()) for (_, _, layer, _), k, v in zip(parts, key, value)]
-        return decode_kernel.decode_attention(query, sessions, scaling), None
+        return decode_kernel.decode_attention(query, [layer for _, _, layer, _ in parts], scaling), None
     pieces = [
         attend(path, query[:, :, start:end], k, v, layer, scaling)
         for (start, end, layer, _), k, v in zip(parts, key, value)

@@ -1,11 +1,12 @@
 // One decode step's attention on the CPU, for every session and KV head of a layer in one parallel loop.
 // See decode_kernel.py for why it exists and when it runs.
 //
-// A work item is one KV head of one session: its G query rows (the query heads sharing that KV head), its
-// keys and values (S, D) as stored (fp32, fp16 or bf16; any row stride) and optionally its slots' bias
-// beta (S,). Each item reads its keys once for all G queries, then its values once, a block of slots at a
-// time so that a block is still in L1 while every query uses it; sums run in fp32. D must be a multiple of
-// 8 (the vector width used here, 8 floats).
+// Each session's layer comes as its cache stores it (kvmemory.cache.CompactLayer): flat key and value rows
+// grouped by KV head, with an int32 metadata row per slot whose first column holds beta's fp32 bits. A work
+// item is one KV head of one session: its G query rows (the query heads sharing that KV head) against its
+// rows [start, start + length). Each item reads its keys once for all G queries, then its values once, a
+// block of slots at a time so that a block is still in L1 while every query uses it; sums run in fp32.
+// Head dims must be multiples of 8 (the vector width used here, 8 floats).
 
 #include <ATen/Parallel.h>  // at::get_num_threads
 #include <ATen/core/Tensor.h>
@@ -209,17 +210,19 @@ void mix(const Item<T>& item, int64_t groups, int64_t value_dim, const float* we
   }
 }
 
-// A slot bias as the kernel reads it: beta of slot s is data[s * stride] (a column of the cache's metadata)
-struct Bias {
-  const float* data;
-  int64_t stride;
+// One work item as the caller hands it over: rows [start, start + slots) of a session's flat storage
+struct Span {
+  const void* keys;
+  const void* values;
+  const int32_t* meta;  // the storage's int32 metadata rows, beta's fp32 bits in column 0; null: no beta
+  int64_t key_stride, value_stride, meta_stride;  // elements from one row to the next
+  int64_t start, slots;
 };
 
 template <typename T>
-void run_items(const at::Tensor& queries, at::TensorList keys, at::TensorList values, const std::vector<Bias>& biases,
+void run_items(const at::Tensor& queries, const std::vector<Span>& spans, int64_t dim, int64_t value_dim,
                at::Tensor& out) {
-  const int64_t items = queries.size(0), groups = queries.size(1), dim = queries.size(2);
-  const int64_t value_dim = out.size(2);
+  const int64_t items = queries.size(0), groups = queries.size(1);
   const float* q = queries.data_ptr<float>();
   float* o = out.data_ptr<float>();
   // OpenMP directly, not at::parallel_for: its inline lazy thread setup, compiled into this library, would
@@ -230,10 +233,18 @@ void run_items(const at::Tensor& queries, at::TensorList keys, at::TensorList va
     std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
-      const at::Tensor& k = keys[i];
-      const at::Tensor& v = values[i];
-      Item<T> item{q + i * groups * dim, k.data_ptr<T>(), v.data_ptr<T>(), k.stride(0), v.stride(0),
-                   k.size(0),           biases[i].data, biases[i].stride,  o + i * groups * value_dim};
+      const Span& span = spans[i];
+      const float* bias =
+          span.meta ? reinterpret_cast<const float*>(span.meta + span.start * span.meta_stride) : nullptr;
+      Item<T> item{q + i * groups * dim,
+                   static_cast<const T*>(span.keys) + span.start * span.key_stride,
+                   static_cast<const T*>(span.values) + span.start * span.value_stride,
+                   span.key_stride,
+                   span.value_stride,
+                   span.slots,
+                   bias,
+                   span.meta_stride,
+                   o + i * groups * value_dim};
       scores.resize(groups * item.slots);
       score(item, groups, dim, scores.data());
       softmax(scores.data(), groups, item.slots);
@@ -242,42 +253,58 @@ void run_items(const at::Tensor& queries, at::TensorList keys, at::TensorList va
   }
 }
 
-// queries (items, G, D) fp32, already scaled; keys[i] (S_i, D) and values[i] (S_i, Dv) with contiguous rows,
-// all fp32, fp16 or bf16; biases[i] an fp32 (S_i,) tensor or None. Returns (items, G, Dv) fp32.
+// One decode token per session over its cache layer as stored (kvmemory.cache.CompactLayer): keys[i] (N_i, D)
+// and values[i] (N_i, Dv) with contiguous rows, all fp32, fp16 or bf16; metas[i] the (N_i, 4) int32 slot metadata when
+// the layer has beta, else None; heads: per session and KV head its start row and length, flattened. queries
+// (sessions x KV heads, G, D) fp32, already scaled. Returns (sessions x KV heads, G, Dv) fp32.
 at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
-                            const c10::List<std::optional<at::Tensor>>& biases) {
+                            const c10::List<std::optional<at::Tensor>>& metas, at::IntArrayRef heads) {
   TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
               "queries must be a contiguous float32 (items, groups, dim) tensor");
-  const int64_t items = queries.size(0);
-  TORCH_CHECK(items > 0 && static_cast<int64_t>(keys.size()) == items &&
-                  static_cast<int64_t>(values.size()) == items && static_cast<int64_t>(biases.size()) == items,
-              "one key, value and bias entry per item");
-  const int64_t dim = queries.size(2), value_dim = values[0].size(-1);
+  const int64_t sessions = static_cast<int64_t>(keys.size()), items = queries.size(0);
+  TORCH_CHECK(sessions > 0 && static_cast<int64_t>(values.size()) == sessions &&
+                  static_cast<int64_t>(metas.size()) == sessions,
+              "one keys, values and metas entry per session");
+  TORCH_CHECK(items % sessions == 0 && static_cast<int64_t>(heads.size()) == 2 * items,
+              "one (start, length) pair per session and KV head, and one query group each");
+  const int64_t kv_heads = items / sessions, dim = queries.size(2), value_dim = values[0].size(-1);
   TORCH_CHECK(dim % kLanes == 0 && value_dim % kLanes == 0, "head dims must be multiples of 8");
   const auto dtype = keys[0].scalar_type();
-  std::vector<Bias> bias(items, Bias{nullptr, 0});
-  for (int64_t i = 0; i < items; ++i) {
+  std::vector<Span> spans(items);
+  for (int64_t i = 0; i < sessions; ++i) {
     const at::Tensor& k = keys[i];
     const at::Tensor& v = values[i];
-    TORCH_CHECK(k.dim() == 2 && v.dim() == 2 && k.size(0) == v.size(0) && k.size(0) > 0, "item ", i,
-                ": keys and values must be (S, D) with the same S > 0");
-    TORCH_CHECK(k.size(1) == dim && v.size(1) == value_dim, "item ", i, ": head dims differ");
-    TORCH_CHECK(k.stride(1) == 1 && v.stride(1) == 1, "item ", i, ": rows must be contiguous");
-    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "item ", i, ": mixed cache dtypes");
-    const std::optional<at::Tensor> b = biases.get(i);
-    if (b.has_value()) {
-      TORCH_CHECK(b->dim() == 1 && b->size(0) == k.size(0) && b->scalar_type() == at::kFloat, "item ", i,
-                  ": bias must be a float32 (S,) tensor");
-      bias[i] = Bias{b->data_ptr<float>(), b->stride(0)};
+    TORCH_CHECK(k.dim() == 2 && v.dim() == 2 && k.size(0) == v.size(0) && k.stride(1) == 1 && v.stride(1) == 1,
+                "session ", i, ": keys and values must be (N, D) with the same N and contiguous rows");
+    TORCH_CHECK(k.size(1) == dim && v.size(1) == value_dim, "session ", i, ": head dims differ");
+    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "session ", i, ": mixed cache dtypes");
+    const std::optional<at::Tensor> meta = metas.get(i);
+    if (meta.has_value()) {
+      TORCH_CHECK(meta->dim() == 2 && meta->size(0) == k.size(0) && meta->scalar_type() == at::kInt &&
+                      meta->stride(1) == 1,
+                  "session ", i, ": metas must be (N, 4) int32 with contiguous rows");
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t item = i * kv_heads + h, start = heads[2 * item], slots = heads[2 * item + 1];
+      TORCH_CHECK(start >= 0 && slots > 0 && start + slots <= k.size(0), "session ", i, " head ", h,
+                  ": rows [", start, ", ", start + slots, ") are not inside its storage of ", k.size(0));
+      spans[item] = Span{k.data_ptr(),
+                         v.data_ptr(),
+                         meta.has_value() ? meta->data_ptr<int32_t>() : nullptr,
+                         k.stride(0),
+                         v.stride(0),
+                         meta.has_value() ? meta->stride(0) : 0,
+                         start,
+                         slots};
     }
   }
   at::Tensor out = at::empty({items, queries.size(1), value_dim}, queries.options());
   if (dtype == at::kFloat) {
-    run_items<float>(queries, keys, values, bias, out);
+    run_items<float>(queries, spans, dim, value_dim, out);
   } else if (dtype == at::kHalf) {
-    run_items<at::Half>(queries, keys, values, bias, out);
+    run_items<at::Half>(queries, spans, dim, value_dim, out);
   } else if (dtype == at::kBFloat16) {
-    run_items<at::BFloat16>(queries, keys, values, bias, out);
+    run_items<at::BFloat16>(queries, spans, dim, value_dim, out);
   } else {
     TORCH_CHECK(false, "keys and values must be float32, float16 or bfloat16");
   }
@@ -287,6 +314,7 @@ at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::
 }  // namespace
 
 TORCH_LIBRARY(kvmemory, m) {
-  m.def("decode_attention(Tensor queries, Tensor[] keys, Tensor[] values, Tensor?[] biases) -> Tensor");
+  m.def(
+      "decode_attention(Tensor queries, Tensor[] keys, Tensor[] values, Tensor?[] metas, int[] heads) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
 }

@@ -17,8 +17,10 @@ stays on sdpa.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -41,6 +43,7 @@ def _build():
         return None
     from torch.utils.cpp_extension import load
 
+    put_ninja_on_path()
     log.info("building kvmemory's CPU decode attention kernel (once per machine, about 25 s)")
     try:
         load(
@@ -54,6 +57,15 @@ def _build():
         log.warning("kvmemory's CPU decode attention kernel could not be built (%s); using sdpa", error)
         return None
     return torch.ops.kvmemory.decode_attention
+
+
+def put_ninja_on_path() -> None:
+    """torch builds extensions with ninja, found on PATH: the ``ninja`` wheel's binary where none is there."""
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def decode_op():
@@ -76,35 +88,20 @@ def usable(query: torch.Tensor) -> bool:
     )
 
 
-def per_head(tensors) -> list[torch.Tensor]:
-    """A layer's keys or values as (S, D) per KV head: a (1, H, S, D) tensor's heads, or ragged heads' rows."""
-    if isinstance(tensors, list):
-        return [t[0, 0] for t in tensors]
-    return list(tensors[0].unbind(0))
-
-
-def bias_per_head(bias, heads: int) -> list[torch.Tensor | None]:
-    """β per KV head: None for all when the layer has none, rows of a (1, H, S) tensor, or the ragged list."""
-    if bias is None:
-        return [None] * heads
-    if isinstance(bias, list):
-        return bias
-    return list(bias[0].unbind(0))
-
-
-def decode_attention(query: torch.Tensor, sessions, scaling: float | None) -> torch.Tensor:
-    """One decode token per session: ``query`` (1, Hq, N, D), ``sessions`` N (keys, values, bias) of one
-    layer as ``CompactLayer.update`` and ``attention_bias`` give them. Returns (1, N, Hq, Dv), the layout
-    transformers' attention functions return."""
+def decode_attention(query: torch.Tensor, layers, scaling: float | None) -> torch.Tensor:
+    """One decode token per session: ``query`` (1, Hq, N, D) and ``layers`` the N sessions' cache layers
+    (``CompactLayer``, their new token already appended), read as stored: no view or copy is made per
+    session. Returns (1, N, Hq, Dv), the layout transformers' attention functions return."""
     heads_q, count, dim = query.shape[1], query.shape[2], query.shape[3]
-    keys, values, biases = [], [], []
-    for key, value, bias in sessions:
-        head_keys = per_head(key)
-        keys += head_keys
-        values += per_head(value)
-        biases += bias_per_head(bias, len(head_keys))
-    kv_heads = len(keys) // count
+    kv_heads = layers[0].num_heads
+    spans = [n for layer in layers for head in zip(layer.starts, layer.lengths) for n in head]
     scale = scaling if scaling is not None else dim**-0.5
     queries = (query[0].transpose(0, 1) * scale).reshape(count * kv_heads, heads_q // kv_heads, dim).contiguous()
-    out = decode_op()(queries, keys, values, biases)
+    out = decode_op()(
+        queries,
+        [layer.slots.keys for layer in layers],
+        [layer.slots.values for layer in layers],
+        [layer.slots.meta if layer.biased else None for layer in layers],
+        spans,
+    )
     return out.view(1, count, heads_q, -1)
