@@ -78,8 +78,8 @@ def decode_op():
 
 
 def usable(query: torch.Tensor) -> bool:
-    """Whether a decode step with these queries (B, Hq, Q, D) can run on the kernel: fp32 on a CPU, one
-    query per session, head dims in whole vectors, and the kernel available."""
+    """Whether a decode step with these queries (B, Hq, Q, D) can run on the kernel: fp32 on a CPU, head
+    dims in whole vectors, and the kernel available (the caller checks that each session has one query)."""
     return (
         query.device.type == "cpu"
         and query.dtype == torch.float32
