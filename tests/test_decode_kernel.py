@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvmemory import Engine
 from kvmemory.attention import decode_kernel
-from kvmemory.cache.compact_cache import Slots
+from kvmemory.cache.compact_cache import CompactLayer, LayerState, Slots
 from tests.conftest import random_tokens, tiny_model
 from tests.test_batching import KINDS, build, run_together, slow_passes
 
@@ -61,26 +61,25 @@ def layers(draw):
     return kv_heads, groups, dim, dtype, shapes, biased, seed
 
 
-class Layer:
-    """A cache layer as ``CompactLayer`` lays it out: each head's rows at its start, spare rows after them."""
-
-    def __init__(self, keys, values, bias, spare: int):
-        dim, dtype = keys[0].shape[-1], keys[0].dtype
-        self.lengths = tuple(len(k) for k in keys)
-        self.starts = tuple(sum(n + spare for n in self.lengths[:h]) for h in range(len(keys)))
-        rows = sum(self.lengths) + spare * len(keys)
-        storage = Slots(
-            torch.zeros(rows, dim, dtype=dtype),
-            torch.zeros(rows, dim, dtype=dtype),
-            torch.zeros(rows, 4, dtype=torch.int32),
-        )
-        for h, start in enumerate(self.starts):
-            n = self.lengths[h]
-            storage.keys[start : start + n] = keys[h]
-            storage.values[start : start + n] = values[h]
-            if bias is not None:
-                storage.bias[start : start + n] = bias[h]
-        self.slots, self.biased, self.num_heads = storage, bias is not None, len(keys)
+def cache_layer(keys, values, bias, spare: int) -> CompactLayer:
+    """A real cache layer holding these heads, each followed by ``spare`` unused rows (headroom)."""
+    lengths = tuple(len(k) for k in keys)
+    capacities = tuple(n + spare for n in lengths)
+    starts = tuple(sum(capacities[:h]) for h in range(len(keys)))
+    rows, dim, dtype = sum(capacities), keys[0].shape[-1], keys[0].dtype
+    slots = Slots(
+        torch.zeros(rows, dim, dtype=dtype),
+        torch.zeros(rows, dim, dtype=dtype),
+        torch.zeros(rows, 4, dtype=torch.int32),
+    )
+    for h, (start, n) in enumerate(zip(starts, lengths)):
+        slots.keys[start : start + n] = keys[h]
+        slots.values[start : start + n] = values[h]
+        if bias is not None:
+            slots.bias[start : start + n] = bias[h]
+    layer = CompactLayer()
+    layer.restore(LayerState(slots, starts, capacities, lengths, (0,) * len(keys), bias is not None))
+    return layer
 
 
 @settings(max_examples=60, deadline=None)
@@ -94,7 +93,7 @@ def test_the_kernel_computes_attention_on_every_cache_shape(layer):
         keys = [torch.randn(n, dim, generator=generator).to(dtype) for n in lengths]
         values = [torch.randn(n, dim, generator=generator).to(dtype) for n in lengths]
         bias = [torch.randn(n, generator=generator) * 3 for n in lengths] if has_bias else None  # fitted β
-        cache_layers.append(Layer(keys, values, bias, spare=i * 5))
+        cache_layers.append(cache_layer(keys, values, bias, spare=i * 5))
         heads.append([(k, v, None if bias is None else bias[h]) for h, (k, v) in enumerate(zip(keys, values))])
     out = decode_kernel.decode_attention(query, cache_layers, dim**-0.5)
     assert out.shape == (1, len(shapes), kv_heads * groups, dim)

@@ -13,9 +13,9 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -204,7 +204,9 @@ void mix(const Item<T>& item, int64_t groups, int64_t value_dim, const float* we
       const float* p = weights + g * S;
       float* o = item.out + g * value_dim;
       int64_t c = 0;
-      for (; c + kLanes <= chunks; c += kLanes) mix_chunks<kLanes>(item.values + c * kLanes, stride, p, s0, s1, o + c * kLanes);
+      for (; c + kLanes <= chunks; c += kLanes) {
+        mix_chunks<kLanes>(item.values + c * kLanes, stride, p, s0, s1, o + c * kLanes);
+      }
       for (; c < chunks; ++c) mix_chunks<1>(item.values + c * kLanes, stride, p, s0, s1, o + c * kLanes);
     }
   }
@@ -254,9 +256,9 @@ void run_items(const at::Tensor& queries, const std::vector<Span>& spans, int64_
 }
 
 // One decode token per session over its cache layer as stored (kvmemory.cache.CompactLayer): keys[i] (N_i, D)
-// and values[i] (N_i, Dv) with contiguous rows, all fp32, fp16 or bf16; metas[i] the (N_i, 4) int32 slot metadata when
-// the layer has beta, else None; heads: per session and KV head its start row and length, flattened. queries
-// (sessions x KV heads, G, D) fp32, already scaled. Returns (sessions x KV heads, G, Dv) fp32.
+// and values[i] (N_i, Dv) with contiguous rows, all fp32, fp16 or bf16; metas[i] the (N_i, 4) int32 slot
+// metadata when the layer has beta, else None; heads: per session and KV head its start row and length,
+// flattened. queries (sessions x KV heads, G, D) fp32, already scaled. Returns (sessions x KV heads, G, Dv) fp32.
 at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
                             const c10::List<std::optional<at::Tensor>>& metas, at::IntArrayRef heads) {
   TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
