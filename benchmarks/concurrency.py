@@ -13,7 +13,11 @@ no two sessions hold the same context. Each session runs under the default memor
 Side by side in one run, on the same contexts, the decode phases of every session count and condition
 taking turns, ``--repeats`` rounds of them (medians; a session's context grows by ``--tokens`` a round):
 
-* ``kvmemory``: the engine batches the sessions' forwards (``ForwardBatcher``);
+* ``kvmemory``: the engine batches the sessions' forwards (``ForwardBatcher``); on a CPU its decode steps
+  attend in kvmemory's decode kernel (``kvmemory.attention.decode_kernel``), which also writes their rows;
+* ``kvmemory fp16 cache``: the same with keys and values stored in fp16 (``kv_dtype="float16"``; the
+  kernel reads them in place), under the same slot cap, so half the bytes;
+* ``kvmemory sdpa``: the same with attention on torch's sdpa, one call per session (``attention_path="mask"``);
 * ``kvmemory unbatched``: one session per forward (``max_batch_tokens=1``), as an engine without batching;
 * ``transformers``: ``model.generate`` over the contexts left-padded into one batch (DynamicCache, sdpa,
   no compaction): decode tokens/s from a full run minus a prefill-only run.
@@ -181,6 +185,8 @@ def plot(rows: list[dict], path) -> None:
     counts = [r["sessions"] for r in rows]
     for key, label in (
         ("kvmemory_tok_s", "kvmemory (batched)"),
+        ("kv16_tok_s", "kvmemory, fp16 cache"),
+        ("sdpa_tok_s", "kvmemory, attention on sdpa"),
         ("unbatched_tok_s", "kvmemory, one session per forward"),
         ("transformers_tok_s", "transformers generate, padded batch"),
     ):
@@ -205,8 +211,13 @@ def main() -> None:
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, help="default: the engine's default")
     args = parser.parse_args()
     engine = Engine.from_pretrained("default", weights=args.weights)
-    unbatched = Engine(engine.model, engine.tokenizer, name=engine.name, max_batch_tokens=1)
-    engines = {"kvmemory": engine, "unbatched": unbatched}
+    same = dict(model=engine.model, tokenizer=engine.tokenizer, name=engine.name)
+    engines = {
+        "kvmemory": engine,
+        "kv16": Engine(**same, kv_dtype="float16"),
+        "sdpa": Engine(**same, attention_path="mask"),
+        "unbatched": Engine(**same, max_batch_tokens=1),
+    }
     reference = copy.deepcopy(engine.model)
     reference.set_attn_implementation("sdpa")
     # every condition of every session count opens first; then each round runs all their decode phases in
@@ -226,7 +237,7 @@ def main() -> None:
             padded[count].append(generate.decode_tok_s())
     rows = []
     for count, chosen, ids, opened, generate in setups:
-        kv = sum(s.cache.allocated_bytes() for s in opened["kvmemory"])
+        kv = {name: sum(s.cache.allocated_bytes() for s in opened[name]) / 2**20 for name in ("kvmemory", "kv16")}
         result = {name: summary(phases[count, name], turn_phase(opened[name], chosen, args.tokens)) for name in engines}
         for sessions in opened.values():
             for s in sessions:
@@ -239,12 +250,15 @@ def main() -> None:
                 "kvmemory_tok_s": batched["decode_tok_s"],
                 "per_session_tok_s": batched["per_session_tok_s"],
                 "sessions_per_pass": batched["sessions_per_pass"],
+                "kv16_tok_s": result["kv16"]["decode_tok_s"],
+                "sdpa_tok_s": result["sdpa"]["decode_tok_s"],
                 "unbatched_tok_s": alone["decode_tok_s"],
                 "transformers_tok_s": statistics.median(padded[count]),
                 "ttft_median_s": batched["ttft_median_s"],
                 "ttft_max_s": batched["ttft_max_s"],
                 "unbatched_ttft_median_s": alone["ttft_median_s"],
-                "kv_mb": kv / 2**20,
+                "kv_mb": kv["kvmemory"],
+                "kv16_kv_mb": kv["kv16"],
                 "transformers_kv_mb": generate.kv_bytes / 2**20,
             }
         )

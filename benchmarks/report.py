@@ -387,6 +387,7 @@ def serve_section(d: dict) -> str:
 
 
 def concurrency_section(d: dict) -> str:
+    side_by_side = "kv16_tok_s" in d["rows"][0]  # runs before these conditions were added lack them
     rows = [
         [
             r["sessions"],
@@ -394,10 +395,11 @@ def concurrency_section(d: dict) -> str:
             f"{r['speedup_vs_one']:.1f}×",
             f"{r['sessions_per_pass']:.1f}",
             f"{r['per_session_tok_s']:.1f}",
+            *([f"{r['kv16_tok_s']:.1f}", f"{r['sdpa_tok_s']:.1f}"] if side_by_side else []),
             f"{r['unbatched_tok_s']:.1f}",
             f"{r['transformers_tok_s']:.1f}",
             f"{r['ttft_median_s']:.2f} / {r['unbatched_ttft_median_s']:.2f}",
-            f"{r['kv_mb']:.0f} / {r['transformers_kv_mb']:.0f}",
+            " / ".join(f"{r[k]:.0f}" for k in ("kv_mb", "kv16_kv_mb", "transformers_kv_mb") if k in r),
         ]
         for r in d["rows"]
     ]
@@ -407,10 +409,11 @@ def concurrency_section(d: dict) -> str:
         "vs 1 session",
         "sessions per pass",
         "per session tok/s",
+        *(["fp16 cache tok/s", "sdpa tok/s"] if side_by_side else []),
         "unbatched tok/s",
         "transformers tok/s",
         "TTFT s batched / unbatched",
-        "KV MiB kvmemory / transformers",
+        "KV MiB kvmemory / " + ("fp16 cache / " if side_by_side else "") + "transformers",
     ]
     return (
         f"**Many agents at once** (`python -m benchmarks.concurrency`, {d.get('weights', 'bf16')} weights{on_cpu(d)}): "
@@ -420,7 +423,14 @@ def concurrency_section(d: dict) -> str:
         f"`{d.get('default_method', 'tam')}`), decode {d['tokens']} greedy tokens at once (aggregate decode "
         f"tokens/s, median of {d.get('repeats', 1)}), then append their "
         "next tool result and stream a reply (time to first token). Side by side: the engine batching the sessions' "
-        "forwards, the same engine one session per forward, and transformers `generate` over the same contexts "
+        "forwards"
+        + (
+            " (on CPU attending in kvmemory's decode kernel), the same with the cache stored in fp16 (half the "
+            "bytes), the same with attention on torch's sdpa"
+            if side_by_side
+            else ""
+        )
+        + ", the same engine one session per forward, and transformers `generate` over the same contexts "
         "left-padded into one batch.\n\n" + md(rows, columns)
     )
 

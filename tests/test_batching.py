@@ -140,10 +140,10 @@ def test_one_sessions_failure_leaves_it_unchanged_and_the_others_running():
     healthy, broken = build(engine, "plain"), build(engine, "uneven")
     before = state_of(broken)
 
-    def record(layer, query):
+    def store(queries):
         raise RuntimeError("recorder failed")
 
-    broken.query_recorder.record = record
+    broken.query_recorder.store = store
     slow_passes(engine)
     results = run_together([healthy, broken], greedy(12))
     assert results[0] == expected

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from kvmemory import Engine
 from kvmemory.attention import decode_kernel
-from kvmemory.cache.compact_cache import CompactLayer, LayerState, Slots
+from kvmemory.cache.compact_cache import CompactCache, CompactLayer, LayerState, Slots
+from kvmemory.runtime import batching
 from tests.conftest import random_tokens, tiny_model
 from tests.test_batching import KINDS, build, run_together, slow_passes
 
@@ -44,7 +45,8 @@ def reference(query, sessions, scale):
 
 @st.composite
 def layers(draw):
-    """Sessions of one layer: per KV head its own length (ragged or even), a storage dtype, β or none."""
+    """Sessions of one layer: per KV head its own length (ragged or even), a storage dtype, β or none, and
+    whether the kernel writes each head's last row itself (a decode step's new token)."""
     kv_heads, groups = draw(st.integers(1, 3)), draw(st.integers(1, 4))
     dim = draw(st.sampled_from([8, 16, 64]))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
@@ -58,7 +60,7 @@ def layers(draw):
         for _ in range(count)
     ]
     biased = [draw(st.booleans()) for _ in range(count)]
-    return kv_heads, groups, dim, dtype, shapes, biased, seed
+    return kv_heads, groups, dim, dtype, shapes, biased, draw(st.booleans()), seed
 
 
 def cache_layer(keys, values, bias, spare: int) -> CompactLayer:
@@ -82,33 +84,56 @@ def cache_layer(keys, values, bias, spare: int) -> CompactLayer:
     return layer
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(layers())
 def test_the_kernel_computes_attention_on_every_cache_shape(layer):
-    kv_heads, groups, dim, dtype, shapes, biased, seed = layer
+    kv_heads, groups, dim, dtype, shapes, biased, writes, seed = layer
     generator = torch.Generator().manual_seed(seed)
     query = torch.randn(1, kv_heads * groups, len(shapes), dim, generator=generator)
+    new_keys = torch.randn(1, kv_heads, len(shapes), dim, generator=generator)  # fp32, as the model hands them
+    new_values = torch.randn(1, kv_heads, len(shapes), dim, generator=generator)
+    new_meta = torch.randint(0, 2**20, (len(shapes), 4), generator=generator, dtype=torch.int32)
+    new_meta[:, 0] = 0  # a new token's β
     cache_layers, heads = [], []
     for i, (lengths, has_bias) in enumerate(zip(shapes, biased)):
         keys = [torch.randn(n, dim, generator=generator).to(dtype) for n in lengths]
         values = [torch.randn(n, dim, generator=generator).to(dtype) for n in lengths]
         bias = [torch.randn(n, generator=generator) * 3 for n in lengths] if has_bias else None  # fitted β
-        cache_layers.append(cache_layer(keys, values, bias, spare=i * 5))
+        if writes:  # the last row of each head comes from the new token, written by the kernel
+            keys = [torch.cat([k[:-1], new_keys[0, h, i, None].to(dtype)]) for h, k in enumerate(keys)]
+            values = [torch.cat([v[:-1], new_values[0, h, i, None].to(dtype)]) for h, v in enumerate(values)]
+            bias = None if bias is None else [torch.cat([b[:-1], torch.zeros(1)]) for b in bias]
+            held = cache_layer([k[:-1] for k in keys], [v[:-1] for v in values], bias and [b[:-1] for b in bias], i)
+            held.claim(1)  # grows the storage where there is no spare row (i = 0)
+        else:
+            held = cache_layer(keys, values, bias, spare=i * 5)
+        cache_layers.append(held)
         heads.append([(k, v, None if bias is None else bias[h]) for h, (k, v) in enumerate(zip(keys, values))])
-    out = decode_kernel.decode_attention(query, cache_layers, dim**-0.5)
+    new_rows = (new_keys, new_values, new_meta) if writes else None
+    out = decode_kernel.decode_attention(query, cache_layers, dim**-0.5, new_rows)
     assert out.shape == (1, len(shapes), kv_heads * groups, dim)
     torch.testing.assert_close(out, reference(query, heads, dim**-0.5), atol=2e-6, rtol=1e-5)
+    if writes:  # exactly the rows copy_ would have written: keys and values rounded to the storage dtype
+        for i, held in enumerate(cache_layers):
+            for h, (start, n) in enumerate(zip(held.starts, held.lengths)):
+                assert torch.equal(held.slots.keys[start + n - 1], heads[i][h][0][-1])
+                assert torch.equal(held.slots.values[start + n - 1], heads[i][h][1][-1])
+                assert torch.equal(held.slots.meta[start + n - 1], new_meta[i])
 
 
 def test_bad_input_is_refused_before_any_work():
     op = decode_kernel.decode_op()
-    queries = torch.randn(1, 2, 8)
+    queries, meta, rows = torch.randn(1, 2, 8), [torch.zeros(5, 4, dtype=torch.int32)], torch.randn(1, 8)
     with pytest.raises(RuntimeError, match="not inside its storage"):
-        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8)], [None], [3, 4])
+        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8)], meta, [False], [3, 4])
     with pytest.raises(RuntimeError, match="mixed cache dtypes"):
-        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8).half()], [None], [0, 5])
+        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8).half()], meta, [False], [0, 5])
     with pytest.raises(RuntimeError, match="multiples of 8"):
-        op(torch.randn(1, 2, 6), [torch.randn(5, 6)], [torch.randn(5, 6)], [None], [0, 5])
+        op(torch.randn(1, 2, 6), [torch.randn(5, 6)], [torch.randn(5, 6)], meta, [False], [0, 5])
+    with pytest.raises(RuntimeError, match="come together"):
+        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8)], meta, [False], [0, 5], rows)
+    with pytest.raises(RuntimeError, match="new_meta must be"):
+        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8)], meta, [False], [0, 5], rows, rows, meta[0])
 
 
 @pytest.fixture
@@ -154,3 +179,33 @@ def test_batched_sessions_decode_the_same_on_the_kernel_as_on_sdpa(kernel_calls)
         assert engine.batcher.stats.largest > 1
     assert max(kernel_calls) > 1  # sessions shared a kernel call
     assert replies[0] == replies[1]
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
+def test_the_kernel_writes_a_decode_step_as_the_cache_would(monkeypatch, kv_dtype):
+    """A decode step's rows written by the kernel (``PackedCache.kernel_writes``) leave every cache shape
+    bit-identical to rows written by ``CompactLayer.update`` and then read by the same kernel. Sessions run
+    one after another: batched, a row's linear layers could round differently with the pass's row count
+    (several sessions per kernel call are checked bit for bit in the property test above)."""
+    model, runs, claims = tiny_model("qwen2", eos_token_id=None), [], []
+    claim, made = CompactCache.claim, batching.PackedCache.__init__
+    monkeypatch.setattr(CompactCache, "claim", lambda self, *a: claims.append(1) or claim(self, *a))
+
+    def updates_instead(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.kernel_writes = False
+
+    for writes in (True, False):
+        if not writes:
+            monkeypatch.setattr(batching.PackedCache, "__init__", updates_instead)
+        engine = Engine(model, kv_dtype=kv_dtype)
+        sessions = [build(engine, kind) for kind in KINDS]
+        claims.clear()
+        replies = [s.generate(max_new_tokens=10).token_ids for s in sessions]
+        assert bool(claims) == writes
+        runs.append((replies, [[layer.snapshot().live() for layer in s.cache.layers] for s in sessions]))
+    (replies, caches), (expected_replies, expected_caches) = runs
+    assert replies == expected_replies
+    for layers, expected in zip(caches, expected_caches):
+        for live, want in zip(layers, expected):
+            assert all(torch.equal(a, b) for a, b in zip(live, want))

@@ -515,31 +515,27 @@ def test_selective_context_without_recorded_surprisal_names_the_fix(tiny_engine)
     assert_same_state(state_of(session), before)
 
 
-def test_queries_recorded_per_pass_equal_those_recorded_layer_by_layer():
-    """The batcher stores a pass's queries of all layers at once (``end_pass``); the window, the context and a
-    capture hold exactly what recording each layer's queries as they come gives, and what the window means:
-    the last R tokens' queries, grouped by KV head, token-major."""
-    from kvmemory.runtime.recorders import QueryRecorder
+def test_queries_stored_per_pass_are_the_window_the_capture_and_the_context():
+    """The batcher hands a recorder each pass's queries of all layers at once (``store``): the window holds
+    the last R tokens' queries, grouped by KV head, token-major; a capture every query; and the context the
+    same whether a segment's tokens come in one pass or several."""
+    from kvmemory.runtime.recorders import QueryRecorder, group_queries
 
     layers, kv_heads, groups, dim, window = 3, 2, 2, 4, 5
     g = torch.Generator().manual_seed(0)
-    passes = [torch.randn(layers, 1, kv_heads * groups, t, dim, generator=g) for t in (7, 1, 1, 3, 1, 1, 1, 1, 1, 1)]
-    batched, single = (QueryRecorder(layers, kv_heads, window, context=4) for _ in range(2))
-    for recorder in (batched, single):
+    passes = [torch.randn(layers, kv_heads * groups, t, dim, generator=g) for t in (7, 1, 1, 3, 1, 1, 1, 1, 1, 1)]
+    stepwise, at_once = (QueryRecorder(layers, kv_heads, window, context=40) for _ in range(2))
+    for recorder in (stepwise, at_once):
         recorder.current_segment = 0
         recorder.start_capture()
     for queries in passes:
-        batched.begin_pass()
-        for layer in range(layers):
-            batched.record(layer, queries[layer])
-            single.record(layer, queries[layer])
-        batched.end_pass()
+        stepwise.store(queries)
+    everything = torch.cat(passes, dim=2)  # (L, Hq, T, D)
+    at_once.store(everything)
     for layer in range(layers):
-        everything = torch.cat([q[layer, 0] for q in passes], dim=1)  # (Hq, T, D)
-        expected = everything[:, -window:].view(kv_heads, groups, window, dim).transpose(1, 2)
-        assert torch.equal(batched.window_queries(layer), expected.reshape(kv_heads, window * groups, dim))
-        assert torch.equal(batched.window_queries(layer), single.window_queries(layer))
-    for a, b in zip(batched.context_queries([0]), single.context_queries([0])):
+        expected = everything[layer, :, -window:].view(kv_heads, groups, window, dim).transpose(1, 2)
+        assert torch.equal(stepwise.window_queries(layer), expected.reshape(kv_heads, window * groups, dim))
+    for a, b in zip(stepwise.context_queries([0]), at_once.context_queries([0])):
         assert torch.equal(a, b)
-    for a, b in zip(batched.stop_capture(), single.stop_capture()):
-        assert torch.equal(a, b)
+    for layer, captured in enumerate(stepwise.stop_capture()):
+        assert torch.equal(captured, group_queries(everything, kv_heads)[layer])

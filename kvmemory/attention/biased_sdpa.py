@@ -162,16 +162,17 @@ def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, 
             return decode_kernel.decode_attention(query, [layer], scaling), None
         out = attend(path, query, key, value, layer, scaling)
         return out.transpose(1, 2).contiguous(), None
+    packed.record_queries(module.layer_idx, query)
     parts = packed.attention_parts(module.layer_idx)
-    for start, end, _, recorder in parts:
-        if recorder is not None:
-            recorder.record(module.layer_idx, query[:, :, start:end])
+    layers = [layer for _, _, layer in parts]
+    if packed.new_rows is not None:  # the kernel writes this decode step's rows (``PackedCache``)
+        layer_idx, *new_rows = packed.new_rows
+        assert layer_idx == module.layer_idx, "attention must follow its own layer's cache update"
+        packed.new_rows = None
+        return decode_kernel.decode_attention(query, layers, scaling, new_rows), None
     if chosen is None and query.shape[2] == len(parts) and decode_kernel.usable(query):
-        return decode_kernel.decode_attention(query, [layer for _, _, layer, _ in parts], scaling), None
-    pieces = [
-        attend(path, query[:, :, start:end], k, v, layer, scaling)
-        for (start, end, layer, _), k, v in zip(parts, key, value)
-    ]
+        return decode_kernel.decode_attention(query, layers, scaling), None
+    pieces = [attend(path, query[:, :, s:e], k, v, layer, scaling) for (s, e, layer), k, v in zip(parts, key, value)]
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

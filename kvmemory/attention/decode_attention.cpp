@@ -214,16 +214,31 @@ void mix(const Item<T>& item, int64_t groups, int64_t value_dim, const float* we
 
 // One work item as the caller hands it over: rows [start, start + slots) of a session's flat storage
 struct Span {
-  const void* keys;
-  const void* values;
-  const int32_t* meta;  // the storage's int32 metadata rows, beta's fp32 bits in column 0; null: no beta
+  void* keys;
+  void* values;
+  int32_t* meta;  // the storage's int32 metadata rows, beta's fp32 bits in column 0
+  bool biased;    // whether to add beta
   int64_t key_stride, value_stride, meta_stride;  // elements from one row to the next
   int64_t start, slots;
 };
 
+// The token a decode step appends, when the kernel writes it: per item its key and value (fp32), per
+// session its metadata row; each item writes row start + slots - 1 of its span before reading the span.
+struct NewRows {
+  const float* keys;    // (items, D)
+  const float* values;  // (items, Dv)
+  const int32_t* meta;  // (sessions, 4)
+  int64_t kv_heads;
+};
+
 template <typename T>
-void run_items(const at::Tensor& queries, const std::vector<Span>& spans, int64_t dim, int64_t value_dim,
-               at::Tensor& out) {
+inline void write_row(T* to, const float* from, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) to[j] = static_cast<T>(from[j]);  // round to nearest even, as copy_ does
+}
+
+template <typename T>
+void run_items(const at::Tensor& queries, const std::vector<Span>& spans, const NewRows* fresh, int64_t dim,
+               int64_t value_dim, at::Tensor& out) {
   const int64_t items = queries.size(0), groups = queries.size(1);
   const float* q = queries.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -236,8 +251,14 @@ void run_items(const at::Tensor& queries, const std::vector<Span>& spans, int64_
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
       const Span& span = spans[i];
+      if (fresh) {
+        const int64_t row = span.start + span.slots - 1;
+        write_row(static_cast<T*>(span.keys) + row * span.key_stride, fresh->keys + i * dim, dim);
+        write_row(static_cast<T*>(span.values) + row * span.value_stride, fresh->values + i * value_dim, value_dim);
+        std::memcpy(span.meta + row * span.meta_stride, fresh->meta + (i / fresh->kv_heads) * 4, 4 * sizeof(int32_t));
+      }
       const float* bias =
-          span.meta ? reinterpret_cast<const float*>(span.meta + span.start * span.meta_stride) : nullptr;
+          span.biased ? reinterpret_cast<const float*>(span.meta + span.start * span.meta_stride) : nullptr;
       Item<T> item{q + i * groups * dim,
                    static_cast<const T*>(span.keys) + span.start * span.key_stride,
                    static_cast<const T*>(span.values) + span.start * span.value_stride,
@@ -257,20 +278,37 @@ void run_items(const at::Tensor& queries, const std::vector<Span>& spans, int64_
 
 // One decode token per session over its cache layer as stored (kvmemory.cache.CompactLayer): keys[i] (N_i, D)
 // and values[i] (N_i, Dv) with contiguous rows, all fp32, fp16 or bf16; metas[i] the (N_i, 4) int32 slot
-// metadata when the layer has beta, else None; heads: per session and KV head its start row and length,
-// flattened. queries (sessions x KV heads, G, D) fp32, already scaled. Returns (sessions x KV heads, G, Dv) fp32.
+// metadata, whose beta is added where biased[i]; heads: per session and KV head its start row and length,
+// flattened. queries (sessions x KV heads, G, D) fp32, already scaled. With new_keys (sessions x KV heads, D),
+// new_values (sessions x KV heads, Dv) fp32 and new_meta (sessions, 4) int32, each head's last row is first
+// written from them (the token being decoded). Returns (sessions x KV heads, G, Dv) fp32.
 at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
-                            const c10::List<std::optional<at::Tensor>>& metas, at::IntArrayRef heads) {
+                            at::TensorList metas, c10::List<bool> biased, at::IntArrayRef heads,
+                            const std::optional<at::Tensor>& new_keys, const std::optional<at::Tensor>& new_values,
+                            const std::optional<at::Tensor>& new_meta) {
   TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
               "queries must be a contiguous float32 (items, groups, dim) tensor");
   const int64_t sessions = static_cast<int64_t>(keys.size()), items = queries.size(0);
   TORCH_CHECK(sessions > 0 && static_cast<int64_t>(values.size()) == sessions &&
-                  static_cast<int64_t>(metas.size()) == sessions,
-              "one keys, values and metas entry per session");
+                  static_cast<int64_t>(metas.size()) == sessions && static_cast<int64_t>(biased.size()) == sessions,
+              "one keys, values, metas and biased entry per session");
   TORCH_CHECK(items % sessions == 0 && static_cast<int64_t>(heads.size()) == 2 * items,
               "one (start, length) pair per session and KV head, and one query group each");
   const int64_t kv_heads = items / sessions, dim = queries.size(2), value_dim = values[0].size(-1);
   TORCH_CHECK(dim % kLanes == 0 && value_dim % kLanes == 0, "head dims must be multiples of 8");
+  NewRows fresh{nullptr, nullptr, nullptr, kv_heads};
+  if (new_keys.has_value() || new_values.has_value() || new_meta.has_value()) {
+    TORCH_CHECK(new_keys.has_value() && new_values.has_value() && new_meta.has_value(),
+                "new_keys, new_values and new_meta come together");
+    auto rows_of = [](const at::Tensor& t, int64_t n, int64_t width, at::ScalarType type) {
+      return t.dim() == 2 && t.size(0) == n && t.size(1) == width && t.scalar_type() == type && t.is_contiguous();
+    };
+    TORCH_CHECK(rows_of(*new_keys, items, dim, at::kFloat) && rows_of(*new_values, items, value_dim, at::kFloat),
+                "new_keys and new_values must be contiguous float32 (sessions x KV heads, head dim)");
+    TORCH_CHECK(rows_of(*new_meta, sessions, 4, at::kInt), "new_meta must be contiguous int32 (sessions, 4)");
+    fresh = NewRows{new_keys->data_ptr<float>(), new_values->data_ptr<float>(), new_meta->data_ptr<int32_t>(),
+                    kv_heads};
+  }
   const auto dtype = keys[0].scalar_type();
   std::vector<Span> spans(items);
   for (int64_t i = 0; i < sessions; ++i) {
@@ -280,33 +318,25 @@ at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::
                 "session ", i, ": keys and values must be (N, D) with the same N and contiguous rows");
     TORCH_CHECK(k.size(1) == dim && v.size(1) == value_dim, "session ", i, ": head dims differ");
     TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "session ", i, ": mixed cache dtypes");
-    const std::optional<at::Tensor> meta = metas.get(i);
-    if (meta.has_value()) {
-      TORCH_CHECK(meta->dim() == 2 && meta->size(0) == k.size(0) && meta->scalar_type() == at::kInt &&
-                      meta->stride(1) == 1,
-                  "session ", i, ": metas must be (N, 4) int32 with contiguous rows");
-    }
+    const at::Tensor& meta = metas[i];
+    TORCH_CHECK(meta.dim() == 2 && meta.size(0) == k.size(0) && meta.size(1) == 4 && meta.scalar_type() == at::kInt &&
+                    meta.stride(1) == 1,
+                "session ", i, ": metas must be (N, 4) int32 with contiguous rows");
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t item = i * kv_heads + h, start = heads[2 * item], slots = heads[2 * item + 1];
       TORCH_CHECK(start >= 0 && slots > 0 && start + slots <= k.size(0), "session ", i, " head ", h,
                   ": rows [", start, ", ", start + slots, ") are not inside its storage of ", k.size(0));
-      spans[item] = Span{k.data_ptr(),
-                         v.data_ptr(),
-                         meta.has_value() ? meta->data_ptr<int32_t>() : nullptr,
-                         k.stride(0),
-                         v.stride(0),
-                         meta.has_value() ? meta->stride(0) : 0,
-                         start,
-                         slots};
+      spans[item] = Span{k.data_ptr(), v.data_ptr(), meta.data_ptr<int32_t>(), biased.get(i), k.stride(0),
+                         v.stride(0),     meta.stride(0), start, slots};
     }
   }
   at::Tensor out = at::empty({items, queries.size(1), value_dim}, queries.options());
   if (dtype == at::kFloat) {
-    run_items<float>(queries, spans, dim, value_dim, out);
+    run_items<float>(queries, spans, fresh.keys ? &fresh : nullptr, dim, value_dim, out);
   } else if (dtype == at::kHalf) {
-    run_items<at::Half>(queries, spans, dim, value_dim, out);
+    run_items<at::Half>(queries, spans, fresh.keys ? &fresh : nullptr, dim, value_dim, out);
   } else if (dtype == at::kBFloat16) {
-    run_items<at::BFloat16>(queries, spans, dim, value_dim, out);
+    run_items<at::BFloat16>(queries, spans, fresh.keys ? &fresh : nullptr, dim, value_dim, out);
   } else {
     TORCH_CHECK(false, "keys and values must be float32, float16 or bfloat16");
   }
@@ -317,6 +347,7 @@ at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::
 
 TORCH_LIBRARY(kvmemory, m) {
   m.def(
-      "decode_attention(Tensor queries, Tensor[] keys, Tensor[] values, Tensor?[] metas, int[] heads) -> Tensor");
+      "decode_attention(Tensor queries, Tensor[] keys, Tensor[] values, Tensor[] metas, bool[] biased, int[] heads, "
+      "Tensor? new_keys=None, Tensor? new_values=None, Tensor? new_meta=None) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
 }

@@ -227,8 +227,7 @@ class CompactLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
-        if not self._room_for(q):
-            self._relayout(tuple(max(c, n + q + _headroom(n + q)) for c, n in zip(self.capacities, self.lengths)))
+        self._make_room(q)
         if self.uniform:
             views, n = self._views, self.lengths[0]
             end = n + q
@@ -247,6 +246,16 @@ class CompactLayer(CacheLayerMixin):
             [k[None, None] for k in self.head_views("keys")],
             [v[None, None] for v in self.head_views("values")],
         )
+
+    def claim(self, q: int) -> None:
+        """Count ``q`` more rows per head as live without writing them: the caller writes each head's new rows
+        (the CPU decode kernel writes a decoded token's key, value and metadata as it attends)."""
+        self._make_room(q)
+        self.lengths = tuple(n + q for n in self.lengths)
+
+    def _make_room(self, q: int) -> None:
+        if not self._room_for(q):
+            self._relayout(tuple(max(c, n + q + _headroom(n + q)) for c, n in zip(self.capacities, self.lengths)))
 
     def _room_for(self, q: int) -> bool:
         """Whether every head can take ``q`` more rows in place: within its capacity, and past every row a
@@ -442,15 +451,29 @@ class CompactCache(Cache):
         return AppendRows(meta.to(torch.int32), int(positions.max()) + 1, int(rope.max()) + 1)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        q = key_states.shape[2]
+        meta = self._pending_meta(key_states.shape[2], key_states.device)
+        keys, values = self.layers[layer_idx].update(key_states, value_states, meta)
+        self._layer_done(layer_idx)
+        return keys, values
+
+    def claim(self, q: int, layer_idx: int) -> torch.Tensor:
+        """``update`` without the writes (``CompactLayer.claim``): returns the (q, 4) metadata rows the caller
+        writes with the keys and values. The layer must hold storage already."""
+        meta = self._pending_meta(q, self.layers[layer_idx].device)
+        self.layers[layer_idx].claim(q)
+        self._layer_done(layer_idx)
+        return meta
+
+    def _pending_meta(self, q: int, device) -> torch.Tensor:
         if self._pending is None or self._pending.meta.shape[0] != q:
-            positions = torch.arange(self.logical_length, self.logical_length + q, device=key_states.device)
+            positions = torch.arange(self.logical_length, self.logical_length + q, device=device)
             self._pending = self.append_rows(positions, self.default_segment)
-        keys, values = self.layers[layer_idx].update(key_states, value_states, self._pending.meta)
+        return self._pending.meta
+
+    def _layer_done(self, layer_idx: int) -> None:
         if layer_idx == len(self.layers) - 1:
             self.logical_length, self.rope_length = self._pending.logical_length, self._pending.rope_length
             self._pending = None
-        return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.logical_length

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from kvmemory.attention import decode_kernel
 from kvmemory.cache import CompactCache
 from kvmemory.runtime import compute
 from kvmemory.runtime.forward import forward_for
@@ -64,19 +65,37 @@ class ForwardRequest:
 
 class PackedCache(Cache):
     """The caches of one packed pass: each request's slice of the new keys and values goes to its own
-    cache, and attention gets one (keys, values) pair per request (see ``kvmemory_attention``)."""
+    cache, and attention gets one (keys, values) pair per request (see ``kvmemory_attention``).
+
+    A decode step of sessions whose attention runs on the CPU decode kernel (``attention_path`` None, one
+    token each, storage already held) writes nothing here: each cache only counts its new row
+    (``CompactCache.claim``), and ``new_rows`` hands the keys, values and metadata to the kernel, which
+    writes them as it attends. That saves a dozen small tensor operations per session and layer."""
 
     is_compileable = False
 
-    def __init__(self, requests: list[ForwardRequest]):
+    def __init__(self, requests: list[ForwardRequest], attention_path: str | None = None):
         super().__init__(layers=requests[0].cache.layers)  # transformers only asks these for their kind
         self.requests = requests
         bounds = [0]
         for request in requests:
             bounds.append(bounds[-1] + len(request.ids))
         self.bounds = list(zip(bounds[:-1], bounds[1:]))
+        self.kernel_writes = attention_path is None and all(
+            len(r.ids) == 1 and r.cache.layers[0].is_initialized for r in requests
+        )
+        self.new_rows = None  # (layer index, keys, values, metadata rows) the kernel is to write
+        self._new_meta = None
+        self.recording = any(r.query_recorder is not None for r in requests)
+        self.queries: list[torch.Tensor] = []  # per layer, the pass's queries (record_queries)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.kernel_writes and decode_kernel.usable(key_states) and value_states.shape[-1] % 8 == 0:
+            metas = [request.cache.claim(1, layer_idx) for request in self.requests]
+            if self._new_meta is None:  # the same rows for every layer of the pass
+                self._new_meta = torch.cat(metas)
+            self.new_rows = (layer_idx, key_states, value_states, self._new_meta)
+            return None, None
         keys, values = [], []
         for request, (start, end) in zip(self.requests, self.bounds):
             k, v = request.cache.update(key_states[:, :, start:end], value_states[:, :, start:end], layer_idx)
@@ -88,11 +107,23 @@ class PackedCache(Cache):
         return 0  # positions are always given explicitly; there is no one length for a packed pass
 
     def attention_parts(self, layer_idx: int):
-        """Per request: its span of the packed queries, its cache layer (for β) and its query recorder."""
-        return [
-            (start, end, request.cache.layers[layer_idx], request.query_recorder)
-            for request, (start, end) in zip(self.requests, self.bounds)
-        ]
+        """Per request: its span of the packed queries and its cache layer (for β)."""
+        return [(start, end, r.cache.layers[layer_idx]) for r, (start, end) in zip(self.requests, self.bounds)]
+
+    def record_queries(self, layer_idx: int, query: torch.Tensor) -> None:
+        """Keep a layer's post-RoPE queries (1, Hq, T, D) of the whole pass, for the requests' query recorders
+        (``store_queries``, once the pass has run)."""
+        if self.recording:
+            self.queries.append(query.detach())
+
+    def store_queries(self) -> None:
+        """Hand each request's query recorder its tokens' queries of every layer: one (L, Hq, T, D) slice each."""
+        if not self.queries:
+            return
+        stacked = torch.cat(self.queries)
+        for request, (start, end) in zip(self.requests, self.bounds):
+            if request.query_recorder is not None:
+                request.query_recorder.store(stacked[:, :, start:end])
 
 
 @dataclass
@@ -213,7 +244,7 @@ class ForwardBatcher:
             raise interrupt
 
     def _forward(self, batch: list[ForwardRequest]) -> None:
-        cache = PackedCache(batch)
+        cache = PackedCache(batch, self.attention_path)
         device = batch[0].rope.device
         input_ids = torch.tensor([[t for r in batch for t in r.ids]], device=device)
         rope = torch.cat([r.rope for r in batch])[None]
@@ -227,18 +258,9 @@ class ForwardBatcher:
             if request.query_recorder is not None:
                 request.query_recorder.current_segment = request.segment_id
         recording = [(r, s, e) for r, (s, e) in zip(batch, cache.bounds) if r.hidden_recorder is not None]
-        query_recorders = [r.query_recorder for r in batch if r.query_recorder is not None]
-        for recorder in query_recorders:
-            recorder.begin_pass()
-        try:
-            with torch.no_grad():
-                logits = self.forward(input_ids, rope, cache, keep, self.attention_path, recording)
-        except BaseException:
-            for recorder in query_recorders:
-                recorder.abort_pass()
-            raise
-        for recorder in query_recorders:
-            recorder.end_pass()
+        with torch.no_grad():
+            logits = self.forward(input_ids, rope, cache, keep, self.attention_path, recording)
+        cache.store_queries()  # only once the pass has run: a failed pass records nothing
         start = 0
         for request in batch:
             rows = len(request.ids) if request.all_logits else 1

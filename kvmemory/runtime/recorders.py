@@ -9,10 +9,10 @@
   selective-context method ranks by.
 Queries come back grouped by KV head: (H, tokens·G, D), rows token-major.
 
-A forward pass hands the recorder one query per layer. Grouping, windowing and copying them layer by layer
-cost ~15 µs a layer (0.5 ms of a ~15 ms decoded token on the default model), so the batcher brackets each
-pass with ``begin_pass``/``end_pass``: the layers' queries are collected during the pass and stored at its
-end, in a few tensor operations for all layers at once.
+A forward pass hands each recorder its queries of every layer at once, after the pass has run (``store``,
+from ``PackedCache.store_queries``): grouping, windowing and copying them layer by layer cost ~15 µs a layer
+(0.5 ms of a ~15 ms decoded token on the default model), and slicing every session's queries out of every
+layer of a packed pass costs as much again per session.
 """
 
 from __future__ import annotations
@@ -49,51 +49,29 @@ class QueryRecorder:
         self.context: dict[int, list[torch.Tensor | None]] = {}
         self.current_segment = -1
         self.groups: int | None = None  # G: query heads per KV head, known from the first recorded query
-        self._pass: list[tuple[int, torch.Tensor]] | None = None  # (layer, query) of the pass in progress
 
-    def record(self, layer: int, query: torch.Tensor) -> None:
-        """Keep ``layer``'s post-RoPE queries (1, Hq, T, D) of the tokens a forward runs; inside a pass
-        (``begin_pass``) they are stored when it ends."""
-        if self._pass is not None:
-            self._pass.append((layer, query.detach()))
-        else:
-            self._store([layer], [query.detach()])
-
-    def begin_pass(self) -> None:
-        """Collect the queries of the forward pass that starts now; ``end_pass`` stores them."""
-        self._pass = []
-
-    def end_pass(self) -> None:
-        recorded, self._pass = self._pass, None
-        if recorded:
-            self._store([layer for layer, _ in recorded], [query for _, query in recorded])
-
-    def abort_pass(self) -> None:
-        """Forget the queries of a pass that failed."""
-        self._pass = None
-
-    def _store(self, layers: list[int], queries: list[torch.Tensor]) -> None:
-        """Each of ``layers``' queries (1, Hq, T, D) of one pass, into the capture, the context and the window:
-        grouped, cut and copied once for all of them."""
-        groups = self.groups = queries[0].shape[1] // self.num_kv_heads
+    def store(self, queries: torch.Tensor) -> None:
+        """Keep the post-RoPE queries (L, Hq, T, D) of every layer for the tokens one forward ran: into the
+        capture, the context and the window, grouped, cut and copied once for all layers."""
+        groups = self.groups = queries.shape[1] // self.num_kv_heads
         keep_context = self.context_tokens and self.current_segment >= 0 and not self.frozen
         window = 0 if self.frozen else self.window
         if self.captured is None and not keep_context:
             if window <= 0:
                 return
-            queries = [q[:, :, -window:] for q in queries]  # only the tokens the window keeps
-        grouped = group_queries(torch.cat(queries), self.num_kv_heads)
+            queries = queries[:, :, -window:]  # only the tokens the window keeps
+        grouped = group_queries(queries, self.num_kv_heads)
         if self.captured is not None:
-            for layer, layer_queries in zip(layers, grouped.to(self.dtype)):
+            for layer, layer_queries in enumerate(grouped.to(self.dtype).unbind()):
                 self.captured[layer].append(layer_queries)
         if keep_context:
-            for layer, layer_queries in zip(layers, grouped.to(self.context_dtype)):
+            for layer, layer_queries in enumerate(grouped.to(self.context_dtype).unbind()):
                 self._keep_context(layer, layer_queries, groups)
         if window <= 0:
             return
         keep_rows = window * groups
         pieces_now = grouped[:, :, -keep_rows:].to(self.dtype, copy=True)  # never a view of the pass's queries
-        for layer, piece in zip(layers, pieces_now):
+        for layer, piece in enumerate(pieces_now.unbind()):
             pieces, rows = (*self.recent[layer], piece), self._rows[layer] + piece.shape[1]
             if piece.shape[1] == keep_rows:  # a whole window on its own (a prefill chunk)
                 pieces, rows = (piece,), keep_rows
@@ -165,7 +143,6 @@ class QueryRecorder:
 
     def restore(self, state) -> None:
         recent, context, self.current_segment = state
-        self._pass = None
         self.recent, self.context = list(recent), {k: list(v) for k, v in context.items()}
         self._rows = [sum(p.shape[1] for p in pieces) for pieces in self.recent]
 
