@@ -6,6 +6,8 @@
 // item is one KV head of one session: its G query rows (the query heads sharing that KV head) against its
 // rows [start, start + length). Each item reads its keys once for all G queries, then its values once, a
 // block of slots at a time so that a block is still in L1 while every query uses it; sums run in fp32.
+// When the caller hands over the step's new keys, values and metadata, each item first writes its head's
+// last row (rounded to the storage dtype as a tensor copy rounds), saving the per-session writes per layer.
 // Head dims must be multiples of 8 (the vector width used here, 8 floats).
 
 #include <ATen/Parallel.h>  // at::get_num_threads

@@ -7,7 +7,9 @@ about 6 GB/s on a 2-core machine that streams 20; a cache stored in 16 bits (``E
 first copied to fp32. ``decode_attention.cpp`` runs all sessions' KV heads of a layer in one parallel loop:
 each reads its keys once for its whole query group and its values once, in the stored dtype (fp32, fp16,
 bf16), adds β, and sums in fp32. Same results as sdpa within float rounding (tests/test_decode_kernel.py);
-``python -m benchmarks.concurrency`` measures what it buys.
+``python -m benchmarks.concurrency`` measures what it buys. In a packed decode pass it also writes the step's
+new key, value and metadata row of every session (``PackedCache``), a dozen small tensor operations per
+session and layer fewer.
 
 It is built by ``torch.utils.cpp_extension`` with the C++ compiler torch's extensions use, once per machine
 when the first CPU engine is made (about 25 s on 2 cores; then cached under ``TORCH_EXTENSIONS_DIR``), for

@@ -290,20 +290,19 @@ class CompactLayer(CacheLayerMixin):
             return self._views.bias[None, :, : self.lengths[0]]
         return self.head_views("bias")
 
-    def _state(self, **changes) -> LayerState:
-        return LayerState(self.slots, self.starts, self.capacities, self.lengths, self.shared, self.biased)._replace(
-            **changes
-        )
+    def _state(self) -> LayerState:
+        return LayerState(self.slots, self.starts, self.capacities, self.lengths, self.shared, self.biased)
 
     def truncate(self, lengths: tuple[int, ...]) -> None:
         """Forget each head's slots from ``lengths[h]`` on. Only lengths change (rows past them are never
         read), so a snapshot sharing this storage stays intact."""
-        self._set(self._state(lengths=tuple(min(n, cut) for n, cut in zip(self.lengths, lengths))))
+        self._set(self._state()._replace(lengths=tuple(min(n, cut) for n, cut in zip(self.lengths, lengths))))
         self.biased = any(bool((b != 0).any()) for b in self.head_views("bias"))
 
     def snapshot(self) -> LayerState:
         """This layer's storage and lengths, shared, not copied (see the module docstring)."""
-        self.shared = tuple(max(s, n) for s, n in zip(self.shared, self.lengths))
+        if self.shared != self.lengths:  # taken before every decoded token: the common case costs nothing
+            self.shared = tuple(map(max, self.shared, self.lengths))
         return self._state()
 
     def restore(self, state: LayerState) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import asdict
 
@@ -158,13 +159,14 @@ class Engine:
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
-    @property
-    def eos_token_ids(self) -> set[int]:
+    @functools.cached_property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every token that ends a reply (read once: it is asked after every decoded token)."""
         ids = set()
         for source in (getattr(self.model, "generation_config", None), self.config, self.tokenizer):
             value = getattr(source, "eos_token_id", None) if source is not None else None
             ids.update(value if isinstance(value, (list, tuple, set)) else [value] if value is not None else [])
-        return ids
+        return frozenset(ids)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True):
         """The token ids a session holds for ``messages`` (the chat template, tools folded in where the
