@@ -162,7 +162,7 @@ def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, 
             return decode_kernel.decode_attention(query, [layer], scaling), None
         out = attend(path, query, key, value, layer, scaling)
         return out.transpose(1, 2).contiguous(), None
-    packed.record_queries(module.layer_idx, query)
+    packed.record_queries(query)
     parts = packed.attention_parts(module.layer_idx)
     layers = [layer for _, _, layer in parts]
     if packed.new_rows is not None:  # the kernel writes this decode step's rows (``PackedCache``)

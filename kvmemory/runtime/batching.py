@@ -110,9 +110,9 @@ class PackedCache(Cache):
         """Per request: its span of the packed queries and its cache layer (for β)."""
         return [(start, end, r.cache.layers[layer_idx]) for r, (start, end) in zip(self.requests, self.bounds)]
 
-    def record_queries(self, layer_idx: int, query: torch.Tensor) -> None:
+    def record_queries(self, query: torch.Tensor) -> None:
         """Keep a layer's post-RoPE queries (1, Hq, T, D) of the whole pass, for the requests' query recorders
-        (``store_queries``, once the pass has run)."""
+        (``store_queries``, once the pass has run). Every layer calls it, in order."""
         if self.recording:
             self.queries.append(query.detach())
 
