@@ -40,6 +40,7 @@ from benchmarks.common import RESULTS, decode_once, decode_seconds, median_time,
 from benchmarks.quality import quality
 from benchmarks.texts import TEXT_KINDS, source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams, run_on_compute
+from kvmemory.kernels import cpu_ops
 from kvmemory.runtime.loading import default_model_file
 from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, PackedFp16Linear, quantize_int4
 
@@ -337,6 +338,14 @@ def kernels_section(config, repeats):
         "fp32": (lambda w: w, lambda x, w: F.linear(x, w)),
         "bf16": (torch.Tensor.bfloat16, lambda x, w: F.linear(x.bfloat16(), w).float()),
         "fp16": (torch.Tensor.half, lambda x, w: F.linear(x.half(), w).float()),
+        "fp16 weights, fp32 activations (fbgemm)": (
+            lambda w: torch.ops.quantized.linear_prepack_fp16(w.half().float(), None),
+            lambda x, p: torch.ops.quantized.linear_dynamic_fp16(x, p),
+        ),
+        "fp16 weights, fp32 activations (kvmemory's panels)": (
+            lambda w: cpu_ops().pack_fp16_weight(w.half()),
+            lambda x, p: cpu_ops().linear_fp16(x, p, p.shape[0] * p.shape[2]),
+        ),
         "int8 weight-only (_weight_int8pack_mm)": (int8_rows, lambda x, p: torch._weight_int8pack_mm(x, *p)),
         "int8 weight-only, bf16 activations": (
             lambda w: int8_rows(w, torch.bfloat16),
@@ -357,7 +366,7 @@ def kernels_section(config, repeats):
     for name, (prepare, apply) in kernels.items():
         try:
             prepared = [prepare(w) for w in weights]
-        except (RuntimeError, NotImplementedError) as err:  # a kernel this torch build lacks
+        except (RuntimeError, NotImplementedError, AttributeError) as err:  # a kernel this machine lacks
             print(f"{name}: unavailable ({err})")
             continue
         calls = [(inputs[k], p) for (_, k), p in zip(shapes, prepared)]

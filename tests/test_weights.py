@@ -11,6 +11,7 @@ from kvmemory import Engine, InvalidArgumentError, SamplingParams
 from kvmemory.compaction.compactor import compact_span
 from kvmemory.compaction.registry import available_methods, get_method
 from kvmemory.hardware import cpu_has_fbgemm
+from kvmemory.kernels import cpu_ops
 from kvmemory.runtime import weights
 from kvmemory.runtime.forward import DirectForward, SideBySide, TransformersForward
 from kvmemory.runtime.weights import (
@@ -136,8 +137,19 @@ def test_the_default_model_on_its_default_weights_scores_text_as_fp32_does(defau
     assert fast.weights == ("int4" if weights.cpu_has_native_bf16() else "fp16")  # the file is Q4_1: int4 is exact
 
 
-@pytest.mark.skipif(not cpu_has_fbgemm(), reason="fbgemm's fp16 GEMM is x86 only")
-def test_packed_fp16_rounds_only_its_weight_alone_or_with_other_rows():
+@pytest.fixture(params=["panels", "fbgemm"])
+def fp16_layout(request, monkeypatch):
+    """fp16 weights packed for kvmemory's kernel, or for fbgemm's (where kvmemory's kernels are not built)."""
+    if request.param == "panels" and cpu_ops() is None:
+        pytest.skip("kvmemory's CPU kernels are not built here")
+    if request.param == "fbgemm":
+        if not cpu_has_fbgemm():
+            pytest.skip("fbgemm's fp16 GEMM is x86 only")
+        monkeypatch.setattr(weights, "cpu_ops", lambda: None)
+    return request.param
+
+
+def test_packed_fp16_rounds_only_its_weight_alone_or_with_other_rows(fp16_layout):
     torch.manual_seed(0)
     linear = nn.Linear(64, 300)
     packed = PackedFp16Linear(linear)
@@ -148,17 +160,19 @@ def test_packed_fp16_rounds_only_its_weight_alone_or_with_other_rows():
     expected = F.linear(x.double(), linear.weight.half().double(), linear.bias.double())
     for out in (many, alone):  # fp32 sums of fp16 weights: only the order of the sums may differ
         torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-4)
-    assert packed._weight is None  # held once, in fbgemm's layout, until a reader asks for the weight
+    if fp16_layout == "panels":  # one order, whatever the rows: the same bits
+        assert torch.equal(many, alone)
+    assert packed._weight is None  # held once, packed, until a reader asks for the weight
     assert torch.equal(packed.weight, linear.weight.detach().half()) and torch.equal(packed(x), many)
 
 
-@pytest.mark.skipif(not cpu_has_fbgemm(), reason="fbgemm's fp16 GEMM is x86 only")
-def test_fp16_layers_run_side_by_side_and_decode_as_a_full_forward_does():
+def test_fp16_layers_fuse_where_they_fill_panels_and_decode_as_a_full_forward_does(fp16_layout):
     model = store_linear_weights(tiny_model("qwen2"), "fp16")  # q, k and v carry biases
     assert {type(m) for m in model.modules() if isinstance(m, (nn.Linear, PackedFp16Linear))} == {PackedFp16Linear}
     engine = Engine(model)
     assert engine.weights == "fp16" and isinstance(engine.batcher.forward, DirectForward)
-    assert isinstance(engine.batcher.forward.layers[0].qkv.__self__, SideBySide)  # packed weights do not fuse
+    qkv = engine.batcher.forward.layers[0].qkv.__self__
+    assert type(qkv) is (PackedFp16Linear if fp16_layout == "panels" else SideBySide)  # fbgemm's do not fuse
     assert_decodes_as_a_full_forward(engine, model)
 
 
@@ -224,7 +238,7 @@ def test_auto_stores_int4_exactly_where_the_weights_are_four_bit_and_fp16_elsewh
     store_linear_weights(model, "auto")
     layers = model.model.layers
     assert type(layers[0].mlp.down_proj) is Int4Linear and type(layers[1].self_attn.q_proj) is Int4Linear
-    fp16 = PackedFp16Linear if cpu_has_fbgemm() else SixteenBitLinear
+    fp16 = PackedFp16Linear if cpu_ops() is not None or cpu_has_fbgemm() else SixteenBitLinear
     assert type(layers[1].mlp.down_proj) is fp16 and type(model.lm_head) is fp16
     assert model.lm_head.weight.dtype == torch.float16
     with pytest.raises(InvalidArgumentError, match="CPU int4 kernel"):

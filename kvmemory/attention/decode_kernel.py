@@ -11,72 +11,21 @@ bf16), adds β, and sums in fp32. Same results as sdpa within float rounding (te
 new key, value and metadata row of every session (``PackedCache``), a dozen small tensor operations per
 session and layer fewer.
 
-It is built by ``torch.utils.cpp_extension`` with the C++ compiler torch's extensions use, once per machine
-when the first CPU engine is made (about 25 s on 2 cores; then cached under ``TORCH_EXTENSIONS_DIR``), for
-x86-64 CPUs with AVX2 and FMA. Where it cannot be built, or with ``KVMEMORY_DECODE_KERNEL=0``, attention
-stays on sdpa.
+It lives in ``kvmemory/kernels/decode_attention.cpp``, built with kvmemory's other CPU kernels (``kvmemory.kernels``:
+once per machine, x86-64 with AVX2); where they are unavailable attention stays on sdpa.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import shutil
-import threading
-from pathlib import Path
-
 import torch
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # x86-64-v3: every AVX2 machine runs it
-ENV_SWITCH = "KVMEMORY_DECODE_KERNEL"
-
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "op": the loaded op, or None once a build failed or it is switched off
-
-
-def _build():
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
-    from torch.utils.cpp_extension import load
-
-    put_ninja_on_path()
-    log.info("building kvmemory's CPU decode attention kernel (once per machine, about 25 s)")
-    try:
-        load(
-            "kvmemory_decode_attention",
-            [str(SOURCE)],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except Exception as error:  # no compiler, missing headers: attention stays on sdpa, said once
-        log.warning("kvmemory's CPU decode attention kernel could not be built (%s); using sdpa", error)
-        return None
-    return torch.ops.kvmemory.decode_attention
-
-
-def put_ninja_on_path() -> None:
-    """torch builds extensions with ninja, found on PATH: the ``ninja`` wheel's binary where none is there."""
-    if shutil.which("ninja") is None:
-        with contextlib.suppress(ImportError):
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+from kvmemory.kernels import cpu_ops
 
 
 def decode_op():
-    """The kernel's op, built on first call; None where it is unavailable (see the module docstring)."""
-    if "op" not in _state:
-        with _lock:
-            if "op" not in _state:
-                _state["op"] = _build()
-    return _state["op"]
+    """The kernel's op, built on first call; None where it is unavailable (see ``kvmemory.kernels``)."""
+    ops = cpu_ops()
+    return None if ops is None else ops.decode_attention
 
 
 def usable(query: torch.Tensor) -> bool:

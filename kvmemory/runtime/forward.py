@@ -117,8 +117,9 @@ _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module → it
 
 
 class SideBySide:
-    """Projections of one input that do not fuse (different kinds, or fbgemm-packed fp16), run one after
-    another with their outputs concatenated: what a fused projection computes, at a few more calls."""
+    """Projections of one input that do not fuse (different kinds, fbgemm-packed fp16, fp16 parts that do not
+    fill whole panels), run one after another with their outputs concatenated: what a fused projection
+    computes, at a few more calls."""
 
     def __init__(self, parts: list):
         self.parts = [part.forward for part in parts]

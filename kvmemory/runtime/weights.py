@@ -5,8 +5,9 @@ Decoding one token reads every weight once; on a CPU that read is most of the de
 per kernel. ``Engine.from_pretrained(weights=...)`` offers:
 
 * ``"fp16"``: each linear layer's weight in fp16 (half fp32's bytes), embeddings, norms, activations and the
-  KV cache in fp32. On x86 (fbgemm) the layers run fbgemm's fp16 GEMM (``PackedFp16Linear``), which rounds
-  nothing but the weight (the default model's full-cache NLL 0.0004 from fp32's, the *Weight formats* table).
+  KV cache in fp32. On x86 the layers run a kernel that widens the weight in registers (``PackedFp16Linear``:
+  kvmemory's own, else fbgemm's fp16 GEMM), which rounds nothing but the weight (the default model's
+  full-cache NLL 0.0004 from fp32's, the *Weight formats* table).
   Elsewhere the 16-bit kernel rounds input and output too, and its narrower range is guarded where it is cheap: a
   layer whose fp16 result overflows in a pass over many rows (prefill) switches itself to bf16. The CPU
   default without bf16 dot products.
@@ -18,12 +19,10 @@ per kernel. ``Engine.from_pretrained(weights=...)`` offers:
 * ``"auto"``: int4 for every layer whose weight is 4-bit already (nothing lost), fp16 for the rest; the
   CPU default where bf16 dot products exist (AVX-512 BF16, AMX), where the int4 kernel is fast.
 
-fp16 weights under fp32 activations on x86, the output head's in every format, run fbgemm's fp16 GEMM
-(``PackedFp16Linear``): fp32 in and out at about the same cost for one row as for eight (the head: 1.2 and 1.3
-ms), and 2-3× faster than widening over many rows, so prefill and packed passes of many sessions gain most.
-Packed weights do not fuse, so a decoded token makes more calls: on the default model fp16 decodes ~9% slower
-than with the fused fp16 kernel and prefills ~2× faster (paired runs in one process). Other 16-bit layers over
-a few rows (decoding) run the 16-bit kernel directly. Over many rows (prefill chunks, scoring, a batched pass)
+fp16 weights under fp32 activations on x86, the output head's in every format, run ``PackedFp16Linear``: fp32
+in and out, one read of the weight for up to 48 rows (so a packed pass of 8 sessions costs little more than
+one row), and 2-3× faster than widening over many rows. Other 16-bit layers over a few rows (decoding) run the
+16-bit kernel directly. Over many rows (prefill chunks, scoring, a batched pass)
 they widen the weight to the activation dtype first: CPUs without native 16-bit dot products (AVX2) run 16-bit
 GEMM 6–7× slower than fp32 at 64+ rows, while widening costs one pass over the weight. bf16 weights on a CPU
 with bf16 dot products run the bf16 kernel at every row count: 8 rows cost 1.04× one row there and 64 rows
@@ -35,7 +34,7 @@ Measured on a 2-core AVX-512 (bf16, VNNI) machine (the *kernels* table: one toke
 of the default model's shapes, output head included): fp32 33 ms, bf16 14, fp16 7.9, and the int8 and int4
 weight-only kernels (``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``, which torchao's
 weight-only configs run on CPU) 6.2 and 6.2 on bf16 activations but 44 and 105 on fp32 ones: they are
-vectorised for bf16 only. In the model, int4 decodes 1.41× as fast as fp16 and fp16 (fbgemm) prefills 1.49× as
+vectorised for bf16 only. In the model, int4 decodes 1.41× as fast as fp16 and fp16 (then on fbgemm) prefills 1.49× as
 fast as int4 (the *Weight formats* table). int8 weight-only (per-row scales) would suit weights that are not
 4-bit; it is not offered yet. fbgemm's dynamic int8 also quantises the activations and moved the NLL by more
 than 0.01.
@@ -51,6 +50,7 @@ from torch import nn
 
 from kvmemory.errors import InvalidArgumentError
 from kvmemory.hardware import cpu_has_fbgemm, cpu_has_native_bf16
+from kvmemory.kernels import cpu_ops
 
 log = logging.getLogger("kvmemory.weights")
 SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -104,43 +104,84 @@ class SixteenBitLinear(nn.Module):
 
 
 class PackedFp16Linear(nn.Module):
-    """An fp16 weight run by fbgemm's fp16 GEMM (``quantized::linear_dynamic_fp16``, x86): the kernel widens
-    the weight in registers, so input, accumulation and output stay fp32. Nothing but the weight is rounded and
-    nothing can overflow; a row's last bits can depend on how many rows share its pass (fbgemm picks its
-    kernel by row count: on a 2-core AVX2 CPU, passes of 1, 2 or 7 rows sum in another order than 3 to 6),
-    which is why exactness tests run fp32 weights. For the default model's
-    output head (49152 × 576, 2-core AVX-512) one row takes 1.2 ms and eight 1.3 ms, against 1.6 and 10 ms in
-    the fp16 kernel and 7-20 ms widened; 512 rows 158 ms against 343 widened (fp32's own GEMM: 220).
+    """An fp16 weight run by a CPU kernel that widens it in registers, so input, sums and output stay fp32 and
+    nothing but the weight is rounded (nothing can overflow either).
 
-    The weight lives in fbgemm's packed layout only, so layers stored this way do not fuse (the engine runs
-    them side by side, ``kvmemory.runtime.forward.SideBySide``), and ``weight`` is unpacked on first read."""
+    Where kvmemory's CPU kernels are built (``kvmemory.kernels``, AVX2), the weight is packed in panels of 16
+    output columns for ``linear_fp16.cpp``: it reads the weight once for up to 48 rows, so a packed pass of 8
+    sessions costs little more than one, and each output is one fp32 sum in a fixed order, so a row's result
+    is the same bit for bit whichever rows share its pass, and layers fuse (``fuse_linears``: parts whose
+    outputs fill whole panels become views of the fused panels). On the default model's shapes (2-core AVX2,
+    every layer's weight streamed from memory) it took 17 ms per token for 1 row and 34 for 8, where fbgemm's
+    fp16 GEMM, which blocks rows by 6 and so reads the weight twice for 7-12 rows, took 24 and 42. Elsewhere
+    on x86 the weight goes to fbgemm's packed layout (``quantized::linear_dynamic_fp16``), whose kernel choice
+    by row count can change a row's last bits. Either way ``weight`` is unpacked on first read."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bias = linear.bias  # also packed; kept for readers
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().half().float(), bias)
+        self.bias = linear.bias  # kept for readers; the kernels take their own fp32 copy
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        weight = linear.weight.detach().half()
+        ops = cpu_ops()
+        if ops is not None:
+            self.panels, self.fbgemm, self._bias = ops.pack_fp16_weight(weight), None, bias
+        else:
+            self.panels, self.fbgemm = None, torch.ops.quantized.linear_prepack_fp16(weight.float(), bias)
         self._weight = None
 
     @property
     def weight(self) -> torch.Tensor:
-        """The fp16 weight, unpacked from fbgemm's copy on first read (0.2 s for the default model's head) and
+        """The fp16 weight, unpacked on first read (0.2 s for the default model's head in fbgemm's layout) and
         kept from then on: only readers of single rows ask for it (counter-causal, the head's rows)."""
         if self._weight is None:
-            self._weight = torch.ops.quantized.linear_unpack_fp16(self.packed)[0].half()
+            if self.panels is not None:
+                rows = self.panels.transpose(1, 2).reshape(-1, self.in_features)
+                self._weight = rows[: self.out_features].contiguous()
+            else:
+                self._weight = torch.ops.quantized.linear_unpack_fp16(self.fbgemm)[0].half()
         return self._weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        if self.panels is not None:
+            out = torch.ops.kvmemory.linear_fp16(rows, self.panels, self.out_features, self._bias)
+        else:
+            out = torch.ops.quantized.linear_dynamic_fp16(rows, self.fbgemm)
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     @property
     def packed_bytes(self) -> int:
-        """The bytes of fbgemm's fp16 copy (held outside ``parameters()`` and ``buffers()``)."""
+        """The bytes of the packed fp16 copy (held outside ``parameters()`` and ``buffers()``)."""
         return self.in_features * self.out_features * torch.float16.itemsize
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16 (fbgemm-packed)"
+        layout = "panels" if self.panels is not None else "fbgemm"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16 ({layout})"
+
+
+def _fuse_packed_fp16(parts: list[PackedFp16Linear]) -> PackedFp16Linear | None:
+    """``fuse_linears`` for fp16 weights in kvmemory's panels: the panels side by side, the parts' becoming
+    views. None unless every part fills whole panels and all share an input size and having a bias or not."""
+    alike = len({(p.in_features, p.bias is None) for p in parts}) == 1
+    if not alike or any(p.panels is None or p.out_features % p.panels.shape[-1] for p in parts):
+        return None
+    fused = PackedFp16Linear.__new__(PackedFp16Linear)
+    nn.Module.__init__(fused)
+    fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+    fused.panels, fused.fbgemm, fused._weight = torch.cat([p.panels for p in parts]), None, None
+    fused.bias = fused._bias = None
+    if parts[0].bias is not None:
+        fused._bias = torch.cat([p._bias for p in parts])
+        fused.bias = nn.Parameter(fused._bias.to(parts[0].bias.dtype), requires_grad=False)
+    panel, row = 0, 0
+    for part in parts:
+        count = part.panels.shape[0]
+        part.panels, part._weight = fused.panels[panel : panel + count], None
+        if fused._bias is not None:
+            part._bias = fused._bias[row : row + part.out_features]
+        panel, row = panel + count, row + part.out_features
+    return fused
 
 
 class Int4Linear(nn.Module):
@@ -210,6 +251,8 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
     their fp16 views.)"""
     if all(type(p) is Int4Linear for p in parts):
         return _fuse_int4(parts)
+    if all(type(p) is PackedFp16Linear for p in parts):
+        return _fuse_packed_fp16(parts)
     if any(type(p) not in (nn.Linear, SixteenBitLinear) for p in parts):
         return None
     kinds = {(type(p), p.weight.dtype, p.weight.device, p.bias is None) for p in parts}
@@ -300,7 +343,7 @@ def store_linear_weights(model: nn.Module, weights: str) -> nn.Module:
     if dtype.itemsize > activations.itemsize:
         raise InvalidArgumentError(f"weights={weights!r} is wider than the model's {activations}; pass dtype too")
     head = model.get_output_embeddings()
-    packed_fp16 = activations == torch.float32 and on_cpu and cpu_has_fbgemm()
+    packed_fp16 = activations == torch.float32 and on_cpu and (cpu_ops() is not None or cpu_has_fbgemm())
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:

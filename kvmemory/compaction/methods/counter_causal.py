@@ -125,7 +125,7 @@ def _counter_causal_attention(attn_module, hidden, rotary_emb, cache_layer, posi
 
 def _linear(proj: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``proj(x)`` computed in ``dtype`` (the projections are as costly as the attention itself); a layer
-    whose weight is packed for its own kernel (int4, fbgemm's fp16) runs that kernel."""
+    whose weight is packed for its own kernel (int4, packed fp16) runs that kernel."""
     if type(proj) not in (torch.nn.Linear, SixteenBitLinear) or dtype == proj.weight.dtype:
         return proj(x.to(dtype))
     bias = proj.bias.to(dtype) if proj.bias is not None else None

@@ -1,5 +1,5 @@
 // One decode step's attention on the CPU, for every session and KV head of a layer in one parallel loop.
-// See decode_kernel.py for why it exists and when it runs.
+// See kvmemory/attention/decode_kernel.py for why it exists and when it runs.
 //
 // Each session's layer comes as its cache stores it (kvmemory.cache.CompactLayer): flat key and value rows
 // grouped by KV head, with an int32 metadata row per slot whose first column holds beta's fp32 bits. A work
@@ -347,7 +347,7 @@ at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::
 
 }  // namespace
 
-TORCH_LIBRARY(kvmemory, m) {
+TORCH_LIBRARY_FRAGMENT(kvmemory, m) {
   m.def(
       "decode_attention(Tensor queries, Tensor[] keys, Tensor[] values, Tensor[] metas, bool[] biased, int[] heads, "
       "Tensor? new_keys=None, Tensor? new_values=None, Tensor? new_meta=None) -> Tensor");

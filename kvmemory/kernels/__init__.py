@@ -1,0 +1,73 @@
+"""kvmemory's C++ CPU kernels, built once per machine into one library of ``torch.ops.kvmemory`` ops.
+
+* ``decode_attention.cpp``: one decode step's attention over every session of a packed pass
+  (``kvmemory.attention.decode_kernel``);
+* ``linear_fp16.cpp``: linear layers with fp16 weights on fp32 activations (``kvmemory.runtime.weights``,
+  ``PackedFp16Linear``).
+
+``torch.utils.cpp_extension`` builds them with the C++ compiler torch's extensions use when the first CPU
+engine is made (about 40 s on 2 cores; then cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when a source
+changes), for x86-64 CPUs with AVX2, FMA and F16C. Where they cannot be built, or with
+``KVMEMORY_CPU_KERNELS=0``, attention runs on sdpa and fp16 weights on fbgemm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "linear_fp16.cpp")]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # x86-64-v3: every AVX2 machine runs it
+ENV_SWITCH = "KVMEMORY_CPU_KERNELS"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ops": torch.ops.kvmemory once built, or None once a build failed or is off
+
+
+def cpu_ops():
+    """``torch.ops.kvmemory`` with the kernels loaded, built on first call; None where they are unavailable."""
+    if "ops" not in _state:
+        with _lock:
+            if "ops" not in _state:
+                _state["ops"] = _build()
+    return _state["ops"]
+
+
+def _build():
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    from torch.utils.cpp_extension import load
+
+    put_ninja_on_path()
+    log.info("building kvmemory's CPU kernels (once per machine, about 40 s)")
+    try:
+        load(
+            "kvmemory_cpu_kernels",
+            [str(source) for source in SOURCES],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as error:  # no compiler, missing headers: sdpa and fbgemm instead, said once
+        log.warning("kvmemory's CPU kernels could not be built (%s); using sdpa and fbgemm", error)
+        return None
+    return torch.ops.kvmemory
+
+
+def put_ninja_on_path() -> None:
+    """torch builds extensions with ninja, found on PATH: the ``ninja`` wheel's binary where none is there."""
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

@@ -1,0 +1,144 @@
+// A linear layer with fp16 weights on fp32 inputs, outputs and sums, for the CPU (AVX2, FMA, F16C).
+// See kvmemory/runtime/weights.py (PackedFp16Linear) for why it exists and when it runs.
+//
+// The weight is packed once into panels of 16 output columns: panel p holds rows [16p, 16p + 16) of the
+// (N, K) weight transposed, K × 16 fp16 values, so a panel streams from memory in one sequential read and a
+// step over k loads one 32-byte line. The product walks the panels once per tile of up to 48 input rows:
+// decoding several sessions in one pass reads the weights once, where fbgemm's fp16 kernel, which blocks the
+// rows by 6, streams them twice for 7 to 12 rows. Each output element is one fp32 FMA chain over k = 0..K-1
+// whatever the row count, the row block and the panels computed beside it, so a row's result does not depend
+// on the other rows of its pass, nor a fused layer's on its parts' (bit for bit). Blocks of few rows take
+// several panels at once to keep enough independent chains in flight.
+
+#include <ATen/Parallel.h>  // at::get_num_threads
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t COLS = 16;  // output columns per panel: two 8-float vectors
+constexpr int64_t TILE = 48;  // input rows per pass over the weight
+constexpr int MAX_ROWS = 6;   // input rows per register block: 12 accumulators, 2 weight vectors, 1 input
+
+// One register block: R input rows against P panels (R·2P ≤ 12 accumulators c<row><vector>).
+#define FMA(i, j) \
+  if constexpr (R > i && 2 * P > j) c##i##j = _mm256_fmadd_ps(a, w##j, c##i##j);
+#define ROW(i)                                                                     \
+  if constexpr (R > i) {                                                           \
+    const __m256 a = _mm256_broadcast_ss(x + i * K + k);                           \
+    FMA(i, 0) FMA(i, 1) FMA(i, 2) FMA(i, 3) FMA(i, 4) FMA(i, 5) FMA(i, 6) FMA(i, 7) \
+  }
+#define LOAD(j)      \
+  if constexpr (2 * P > j) \
+    w##j = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel[j / 2] + k * COLS + (j % 2) * 8)));
+#define ZERO(i) __m256 c##i##0 = z, c##i##1 = z, c##i##2 = z, c##i##3 = z, c##i##4 = z, c##i##5 = z, c##i##6 = z, c##i##7 = z;
+#define STORE(i, j) \
+  if constexpr (R > i && 2 * P > j) _mm256_store_ps(out + (i * 2 * P + j) * 8, c##i##j);
+#define STORE_ROW(i) STORE(i, 0) STORE(i, 1) STORE(i, 2) STORE(i, 3) STORE(i, 4) STORE(i, 5) STORE(i, 6) STORE(i, 7)
+
+// y[r, c] (+ bias[c]) for R rows of x (row stride K) and the `cols` columns of P panels from `panels`.
+template <int R, int P>
+void block(const float* x, int64_t K, const uint16_t* panels, const float* bias, float* y, int64_t ldy, int64_t cols) {
+  // the variables stay in registers only as named scalars: GCC keeps an array of accumulators on the stack
+  const __m256 z = _mm256_setzero_ps();
+  ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5)
+  __m256 w0 = z, w1 = z, w2 = z, w3 = z, w4 = z, w5 = z, w6 = z, w7 = z;
+  const uint16_t* panel[4] = {panels, panels + K * COLS, panels + 2 * K * COLS, panels + 3 * K * COLS};
+  for (int64_t k = 0; k < K; ++k) {
+    LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5) LOAD(6) LOAD(7)
+    ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+  }
+  alignas(32) float out[R * P * COLS];
+  STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
+  for (int i = 0; i < R; ++i) {
+    const float* row = out + i * P * COLS;
+    float* to = y + i * ldy;
+    for (int64_t c = 0; c < cols; ++c) to[c] = bias ? row[c] + bias[c] : row[c];
+  }
+}
+
+// Panels per block of `rows` input rows: enough accumulators to hide the FMA latency (Q rows × 2P vectors).
+constexpr int panels_for(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 3 : rows == 3 ? 2 : 1; }
+
+template <int P>
+void rows_of(int64_t rows, const float* x, int64_t K, const uint16_t* panels, const float* bias, float* y, int64_t ldy,
+             int64_t cols) {
+  switch (rows) {
+    case 1: block<1, std::min(P, panels_for(1))>(x, K, panels, bias, y, ldy, cols); break;
+    case 2: block<2, std::min(P, panels_for(2))>(x, K, panels, bias, y, ldy, cols); break;
+    case 3: block<3, std::min(P, panels_for(3))>(x, K, panels, bias, y, ldy, cols); break;
+    case 4: block<4, 1>(x, K, panels, bias, y, ldy, cols); break;
+    case 5: block<5, 1>(x, K, panels, bias, y, ldy, cols); break;
+    default: block<6, 1>(x, K, panels, bias, y, ldy, cols); break;
+  }
+}
+
+at::Tensor pack_fp16_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be (out_features, in_features), got ", weight.dim(), " dims");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + COLS - 1) / COLS;
+  at::Tensor padded = at::zeros({panels * COLS, K}, weight.options().dtype(at::kHalf));
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({panels, COLS, K}).transpose(1, 2).contiguous();
+}
+
+at::Tensor linear_fp16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous (rows, in_features) float32 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == COLS && packed.scalar_type() == at::kHalf && packed.is_contiguous(),
+              "packed must be a contiguous (panels, in_features, 16) float16 tensor from pack_fp16_weight");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "x has ", K, " features, the packed weight ", packed.size(1));
+  TORCH_CHECK(N > (panels - 1) * COLS && N <= panels * COLS, "out_features ", N, " does not fill ", panels, " panels");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bias must be a contiguous float32 vector of out_features");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>());
+  float* ys = y.data_ptr<float>();
+  // OpenMP directly, as in decode_attention.cpp (at::parallel_for's inline setup would reset the team size)
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels)));
+#pragma omp parallel num_threads(threads)
+  for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+    const int64_t tile = std::min(TILE, M - m0), blocks = (tile + MAX_ROWS - 1) / MAX_ROWS;
+    const int64_t step = blocks == 1 ? panels_for(tile) : 1;  // panels per group
+#pragma omp for schedule(static)
+    for (int64_t group = 0; group < (panels + step - 1) / step; ++group) {
+      const int64_t p = group * step, here = std::min(step, panels - p), cols = std::min(here * COLS, N - p * COLS);
+      const uint16_t* from = ws + p * K * COLS;
+      for (int64_t done = 0, left = blocks; left > 0; --left) {
+        const int64_t rows = (tile - done) / left;  // the tile's rows split into blocks as even as can be
+        const float* xr = xs + (m0 + done) * K;
+        float* yr = ys + (m0 + done) * N + p * COLS;
+        const float* br = b ? b + p * COLS : nullptr;
+        switch (here) {
+          case 4: rows_of<4>(rows, xr, K, from, br, yr, N, cols); break;
+          case 3: rows_of<3>(rows, xr, K, from, br, yr, N, cols); break;
+          case 2: rows_of<2>(rows, xr, K, from, br, yr, N, cols); break;
+          default: rows_of<1>(rows, xr, K, from, br, yr, N, cols); break;
+        }
+        done += rows;
+      }
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmemory, m) {
+  m.def("pack_fp16_weight(Tensor weight) -> Tensor");
+  m.def("linear_fp16(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
+  m.impl("pack_fp16_weight", c10::DispatchKey::CPU, TORCH_FN(pack_fp16_weight));
+  m.impl("linear_fp16", c10::DispatchKey::CPU, TORCH_FN(linear_fp16));
+}

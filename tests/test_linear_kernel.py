@@ -1,0 +1,103 @@
+"""The fp16-weight linear kernel (kvmemory/kernels/linear_fp16.cpp) computes x·Wᵀ + b with only the weight
+rounded, and each output is the same bit for bit whichever rows and panels share its call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmemory import Engine
+from kvmemory.kernels import cpu_ops
+from kvmemory.runtime.weights import PackedFp16Linear, fuse_linears, store_linear_weights
+from tests.conftest import random_tokens, tiny_model
+from tests.test_batching import run_together, slow_passes
+from tests.test_decode_kernel import CAN_BUILD
+
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="the kernels need an x86-64 CPU with AVX2 and a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert cpu_ops() is not None, "the kernels should build here"
+    return cpu_ops()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(0, 110),  # past two tiles of 48 rows: blocks of every size 1..6
+    inputs=st.integers(0, 70),
+    outputs=st.integers(1, 90),  # whole and partial panels of 16, groups of 1..4 panels
+    has_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_product_rounds_only_the_weight_and_a_row_never_depends_on_the_others(
+    ops, rows, inputs, outputs, has_bias, seed
+):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(outputs, inputs, generator=g).half()
+    bias = torch.randn(outputs, generator=g) if has_bias else None
+    x = torch.randn(rows, inputs, generator=g) * 30  # products past fp16's range: nothing is rounded but W
+    packed = ops.pack_fp16_weight(weight)
+    out = ops.linear_fp16(x, packed, outputs, bias)
+    expected = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    tolerance = 1e-5 * (x.double().abs() @ weight.double().abs().T) + 1e-5  # fp32 sums of |terms|
+    assert out.shape == (rows, outputs) and out.dtype == torch.float32
+    assert ((out.double() - expected).abs() <= tolerance).all()
+    for i in range(0, rows, 7):  # alone, and in a pass of other rows: the same bits
+        assert torch.equal(ops.linear_fp16(x[i : i + 1].contiguous(), packed, outputs, bias)[0], out[i])
+        assert torch.equal(ops.linear_fp16(x[i : i + 9].contiguous(), packed, outputs, bias), out[i : i + 9])
+
+
+def test_fused_layers_compute_their_parts_bit_for_bit():
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(96, n) for n in (64, 32, 48)]  # whole panels of 16
+    parts = [PackedFp16Linear(linear) for linear in linears]
+    x = torch.randn(5, 7, 96)
+    alone = [part(x) for part in parts]
+    fused = fuse_linears(parts)
+    assert type(fused) is PackedFp16Linear and fused.out_features == 144
+    assert torch.equal(fused(x), torch.cat(alone, dim=-1))
+    for linear, part, out in zip(linears, parts, alone):  # the parts read views of the fused panels now
+        assert part.panels.untyped_storage().data_ptr() == fused.panels.untyped_storage().data_ptr()
+        assert torch.equal(part(x), out) and torch.equal(part.weight, linear.weight.detach().half())
+    assert fuse_linears([PackedFp16Linear(torch.nn.Linear(96, n)) for n in (64, 40)]) is None  # 40: a part panel
+
+
+@pytest.mark.parametrize("scored", [1, 6])  # rows per session: 1 or 6 alone, 3 or 18 together
+def test_with_fp16_weights_a_packed_pass_gives_each_session_its_lone_logits_bit_for_bit(scored):
+    # q, k and v carry biases; layers wide enough that fbgemm's kernels would round 1 and 3 rows differently
+    model = store_linear_weights(tiny_model("qwen2", hidden_size=512, intermediate_size=1024), "fp16")
+    engine = Engine(model)
+    prompts = [random_tokens(n, seed=n) for n in (5, 17, 40)]
+    alone = []
+    for prompt in prompts:
+        session = engine.session()
+        session.append_tokens(prompt)
+        alone.append(session.logprobs(random_tokens(scored, seed=9)))
+    sessions = [engine.session() for _ in prompts]
+    slow_passes(engine)
+    run_together(list(zip(sessions, prompts)), lambda pair: pair[0].append_tokens(pair[1]))
+    together = run_together(sessions, lambda s: s.logprobs(random_tokens(scored, seed=9)))
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+    assert engine.batcher.stats.largest > 1
+
+
+def test_bad_input_is_refused(ops):
+    packed = ops.pack_fp16_weight(torch.randn(20, 8).half())
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="float32 tensor"):
+        ops.linear_fp16(x.double(), packed, 20)
+    with pytest.raises(RuntimeError, match="float32 tensor"):
+        ops.linear_fp16(torch.randn(8, 3).T, packed, 20)  # not contiguous
+    with pytest.raises(RuntimeError, match="pack_fp16_weight"):
+        ops.linear_fp16(x, packed.float(), 20)
+    with pytest.raises(RuntimeError, match="x has 7 features"):
+        ops.linear_fp16(torch.randn(3, 7), packed, 20)
+    with pytest.raises(RuntimeError, match="does not fill 2 panels"):
+        ops.linear_fp16(x, packed, 16)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.linear_fp16(x, packed, 20, torch.randn(19))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.pack_fp16_weight(torch.randn(2, 3, 4))
