@@ -26,6 +26,7 @@ namespace {
 constexpr int64_t COLS = 16;  // output columns per panel: two 8-float vectors
 constexpr int64_t TILE = 48;  // input rows per pass over the weight
 constexpr int MAX_ROWS = 6;   // input rows per register block: 12 accumulators, 2 weight vectors, 1 input
+constexpr int64_t PREFETCH = 32;  // steps over k ahead (32 × 32 bytes)
 
 // One register block: R input rows against P panels (R·2P ≤ 12 accumulators c<row><vector>).
 #define FMA(i, j) \
@@ -38,7 +39,8 @@ constexpr int MAX_ROWS = 6;   // input rows per register block: 12 accumulators,
 #define LOAD(j)      \
   if constexpr (2 * P > j) \
     w##j = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel[j / 2] + k * COLS + (j % 2) * 8)));
-#define ZERO(i) __m256 c##i##0 = z, c##i##1 = z, c##i##2 = z, c##i##3 = z, c##i##4 = z, c##i##5 = z, c##i##6 = z, c##i##7 = z;
+#define ZERO(i) \
+  __m256 c##i##0 = z, c##i##1 = z, c##i##2 = z, c##i##3 = z, c##i##4 = z, c##i##5 = z, c##i##6 = z, c##i##7 = z;
 #define STORE(i, j) \
   if constexpr (R > i && 2 * P > j) _mm256_store_ps(out + (i * 2 * P + j) * 8, c##i##j);
 #define STORE_ROW(i) STORE(i, 0) STORE(i, 1) STORE(i, 2) STORE(i, 3) STORE(i, 4) STORE(i, 5) STORE(i, 6) STORE(i, 7)
@@ -52,6 +54,9 @@ void block(const float* x, int64_t K, const uint16_t* panels, const float* bias,
   __m256 w0 = z, w1 = z, w2 = z, w3 = z, w4 = z, w5 = z, w6 = z, w7 = z;
   const uint16_t* panel[4] = {panels, panels + K * COLS, panels + 2 * K * COLS, panels + 3 * K * COLS};
   for (int64_t k = 0; k < K; ++k) {
+    // a block of many rows computes long enough per line that the hardware prefetcher falls behind: fetch a
+    // kilobyte ahead (8 and 16 rows 15-18% faster on a 2-core AVX2 EPYC; prefetches past the end never fault)
+    if constexpr (P == 1) _mm_prefetch(reinterpret_cast<const char*>(panel[0] + (k + PREFETCH) * COLS), _MM_HINT_T0);
     LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5) LOAD(6) LOAD(7)
     ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
   }
@@ -64,9 +69,11 @@ void block(const float* x, int64_t K, const uint16_t* panels, const float* bias,
   }
 }
 
-// Panels per block of `rows` input rows: enough accumulators to hide the FMA latency (Q rows × 2P vectors).
+// Panels per block of `rows` input rows: enough accumulators to hide the FMA latency (rows × 2P vectors).
 constexpr int panels_for(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 3 : rows == 3 ? 2 : 1; }
 
+// A block of `rows` rows against P panels (P ≤ panels_for(rows): a tile of one block is split into groups of
+// panels_for(tile) panels, a tile of several blocks into single panels).
 template <int P>
 void rows_of(int64_t rows, const float* x, int64_t K, const uint16_t* panels, const float* bias, float* y, int64_t ldy,
              int64_t cols) {
@@ -88,10 +95,12 @@ at::Tensor pack_fp16_weight(const at::Tensor& weight) {
   return padded.view({panels, COLS, K}).transpose(1, 2).contiguous();
 }
 
-at::Tensor linear_fp16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_fp16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous (rows, in_features) float32 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == COLS && packed.scalar_type() == at::kHalf && packed.is_contiguous(),
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == COLS && packed.scalar_type() == at::kHalf &&
+                  packed.is_contiguous(),
               "packed must be a contiguous (panels, in_features, 16) float16 tensor from pack_fp16_weight");
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "x has ", K, " features, the packed weight ", packed.size(1));
