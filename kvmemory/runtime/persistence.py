@@ -112,8 +112,9 @@ def _payload(session, snap: SessionState) -> tuple[dict[str, torch.Tensor], dict
     rec, queries = session.query_recorder, None
     if rec is not None and snap.queries is not None:
         recent, context, current_segment = snap.queries
-        windows = {i: torch.cat(pieces, dim=1) for i, pieces in enumerate(recent) if pieces}
-        tensors.update({f"queries.recent.{i}": q.cpu().contiguous() for i, q in windows.items()})
+        if recent:  # one window per layer in the file
+            window = torch.cat(recent, dim=2)
+            tensors.update({f"queries.recent.{i}": q.cpu().contiguous() for i, q in enumerate(window)})
         for seg_id, per_layer in context.items():
             for i, q in enumerate(per_layer):
                 if q is not None:
@@ -268,7 +269,7 @@ def _query_state(saved: dict | None, tensor, num_layers: int):
     if saved is None:
         return None
     windows = [tensor(f"queries.recent.{i}") for i in range(num_layers)]
-    recent = [() if q is None else (q,) for q in windows]
+    recent = () if windows[0] is None else (torch.stack(windows),)
     context = {s: [tensor(f"queries.context.{s}.{i}") for i in range(num_layers)] for s in saved["context_segments"]}
     return recent, context, saved["current_segment"]
 

@@ -39,10 +39,11 @@ class QueryRecorder:
     ):
         self.num_layers, self.num_kv_heads, self.window, self.dtype = num_layers, num_kv_heads, window, dtype
         self.context_dtype = context_dtype  # context queries only rank and fit slots: half precision is plenty
-        # per layer, the window as pieces (H, rows, D), oldest first, joined only once they hold 2R tokens:
-        # a decoded token costs one small copy, not a copy of the whole window. Never written in place.
-        self.recent: list[tuple[torch.Tensor, ...]] = [()] * num_layers
-        self._rows = [0] * num_layers  # rows the pieces of each layer hold
+        # the window as pieces (L, H, rows, D) for every layer at once, oldest first, joined only once they
+        # hold 2R tokens: a decoded token costs one small copy, not a copy of the whole window. Never written
+        # in place, so a tuple of them is a snapshot.
+        self.recent: tuple[torch.Tensor, ...] = ()
+        self._rows = 0  # rows the pieces hold
         self.captured: list[list[torch.Tensor]] | None = None
         self.frozen = False  # while True, the rolling window is left alone (scratch forwards)
         self.context_tokens = context  # per segment, keep about this many tokens' queries (0: off)
@@ -70,14 +71,13 @@ class QueryRecorder:
         if window <= 0:
             return
         keep_rows = window * groups
-        pieces_now = grouped[:, :, -keep_rows:].to(self.dtype, copy=True)  # never a view of the pass's queries
-        for layer, piece in enumerate(pieces_now.unbind()):
-            pieces, rows = (*self.recent[layer], piece), self._rows[layer] + piece.shape[1]
-            if piece.shape[1] == keep_rows:  # a whole window on its own (a prefill chunk)
-                pieces, rows = (piece,), keep_rows
-            elif rows >= 2 * keep_rows:
-                pieces, rows = (torch.cat(pieces, dim=1)[:, -keep_rows:].clone(),), keep_rows
-            self.recent[layer], self._rows[layer] = pieces, rows
+        piece = grouped[:, :, -keep_rows:].to(self.dtype, copy=True)  # never a view of the pass's queries
+        if piece.shape[2] == keep_rows:  # a whole window on its own (a prefill chunk)
+            self.recent, self._rows = (piece,), keep_rows
+        elif self._rows + piece.shape[2] >= 2 * keep_rows:
+            self.recent, self._rows = (torch.cat((*self.recent, piece), dim=2)[:, :, -keep_rows:].clone(),), keep_rows
+        else:
+            self.recent, self._rows = (*self.recent, piece), self._rows + piece.shape[2]
 
     def _keep_context(self, layer: int, grouped: torch.Tensor, groups: int) -> None:
         """Append to the segment's context queries; past 2N tokens, thin out to every other token."""
@@ -103,7 +103,7 @@ class QueryRecorder:
 
     def nbytes(self) -> int:
         """Memory held by the recorded queries (window and context)."""
-        tensors = [q for pieces in self.recent for q in pieces]
+        tensors = list(self.recent)
         tensors += [q for store in self.context.values() for q in store if q is not None]
         return sum(q.numel() * q.element_size() for q in tensors)
 
@@ -112,23 +112,27 @@ class QueryRecorder:
         of older segments moved by different amounts and are dropped."""
         from kvmemory.cache.compact_cache import rotate
 
-        windows = [self.window_queries(layer) for layer in range(self.num_layers)]
-        self.recent = [() if q is None else (rotate(q, torch.full(q.shape[:2], delta), inv_freq),) for q in windows]
-        self._rows = [sum(p.shape[1] for p in pieces) for pieces in self.recent]
+        if self.recent:
+            window = self.joined_window()
+            self.recent = (rotate(window, torch.full(window.shape[:3], delta), inv_freq),)
         self.context.clear()
 
     def window_queries(self, layer: int) -> torch.Tensor | None:
         """(H, ≤R·G, D): the queries of the last ``window`` tokens (fewer before that many have run)."""
-        pieces = self.recent[layer]
-        if not pieces or self.groups is None or self.window <= 0:  # window 0: recording switched off
+        if not self.recent or self.groups is None or self.window <= 0:  # window 0: recording switched off
             return None
-        recent = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-        return recent[:, -self.window * self.groups :]
+        return self.joined_window()[layer, :, -self.window * self.groups :]
+
+    def joined_window(self) -> torch.Tensor:
+        """The window's pieces as one (L, H, rows, D) tensor (joined once: the pieces become that one)."""
+        if len(self.recent) > 1:
+            self.recent = (torch.cat(self.recent, dim=2),)
+        return self.recent[0]
 
     @property
     def has_window(self) -> bool:
         """Whether selector-window queries are there to use."""
-        return bool(self.recent[0]) and self.groups is not None and self.window > 0
+        return bool(self.recent) and self.groups is not None and self.window > 0
 
     def start_capture(self) -> None:
         self.captured = [[] for _ in range(self.num_layers)]
@@ -139,12 +143,12 @@ class QueryRecorder:
 
     def state(self):
         """What ``restore`` needs (tensors are never written in place, so references suffice)."""
-        return list(self.recent), {k: list(v) for k, v in self.context.items()}, self.current_segment
+        return self.recent, {k: list(v) for k, v in self.context.items()}, self.current_segment
 
     def restore(self, state) -> None:
         recent, context, self.current_segment = state
-        self.recent, self.context = list(recent), {k: list(v) for k, v in context.items()}
-        self._rows = [sum(p.shape[1] for p in pieces) for pieces in self.recent]
+        self.recent, self.context = recent, {k: list(v) for k, v in context.items()}
+        self._rows = sum(piece.shape[2] for piece in recent)
 
 
 class HiddenRecorder:
