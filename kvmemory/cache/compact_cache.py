@@ -445,9 +445,11 @@ class CompactCache(Cache):
     def append_rows(self, positions: torch.Tensor, segment_id: int) -> AppendRows:
         """The metadata rows (``Slots.meta``) of tokens appended at transcript ``positions``: made once per
         forward, written by every layer."""
-        rope = self.rope_positions(positions)
-        meta = torch.stack([torch.zeros_like(positions), positions, rope, torch.full_like(positions, segment_id)], -1)
-        return AppendRows(meta.to(torch.int32), int(positions.max()) + 1, int(rope.max()) + 1)
+        logical = positions.tolist()  # a few ints: built in Python, one tensor, no chain of small ops per request
+        shift = self.rope_length - self.logical_length  # rope_positions
+        rows = [[0, p, p + shift, segment_id] for p in logical]  # β = 0.0, whose bits are 0
+        meta = torch.tensor(rows, dtype=torch.int32, device=positions.device)
+        return AppendRows(meta, max(logical) + 1, max(logical) + shift + 1)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         meta = self._pending_meta(key_states.shape[2], key_states.device)

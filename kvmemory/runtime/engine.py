@@ -118,7 +118,7 @@ class Engine:
     # ---- model facts ---------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self.batcher.device  # read once (the model stays where it was loaded)
 
     @property
     def dtype(self) -> torch.dtype:
