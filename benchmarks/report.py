@@ -386,6 +386,29 @@ def serve_section(d: dict) -> str:
     )
 
 
+def fp16_linear_section(d: dict) -> str:
+    rows = [
+        [
+            r["rows"],
+            f"{r['kvmemory_ms']:.1f}",
+            f"{r['fbgemm_ms']:.1f}",
+            f"{r['speedup']:.2f}×",
+            f"{r['kvmemory_vs_one_row']:.2f}×",
+            f"{r['fbgemm_vs_one_row']:.2f}×",
+        ]
+        for r in d["rows"]
+    ]
+    columns = ["rows", "kvmemory ms", "fbgemm ms", "fbgemm / kvmemory", "kvmemory vs 1 row", "fbgemm vs 1 row"]
+    return (
+        f"**fp16 weights on CPU** (`python -m benchmarks.fp16_linear`{on_cpu(d)}): one pass of R rows (R sessions "
+        "decoding at once; 48 and more: a prefill chunk) through every linear weight of the default model's shapes, "
+        "each layer's weights distinct so they stream from memory as in the model: kvmemory's kernel "
+        "(`kvmemory/kernels/linear_fp16.cpp`, weights in panels, q/k/v and gate/up fused) against fbgemm's fp16 "
+        f"GEMM (one call per projection); fp32 activations, the kernels taking turns, medians of {d['repeats']} "
+        "rounds.\n\n" + md(rows, columns)
+    )
+
+
 def concurrency_section(d: dict) -> str:
     side_by_side = "kv16_tok_s" in d["rows"][0]  # runs before these conditions were added lack them
     rows = [
@@ -445,6 +468,7 @@ def main() -> None:
         ("agent_session", agent_section),
         ("persistence", persistence_section),
         ("serve", serve_section),
+        ("fp16_linear", fp16_linear_section),
         ("concurrency", concurrency_section),
     )
     for name, fn in sections:

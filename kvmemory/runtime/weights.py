@@ -111,9 +111,9 @@ class PackedFp16Linear(nn.Module):
     output columns for ``linear_fp16.cpp``: it reads the weight once for up to 48 rows, so a packed pass of 8
     sessions costs little more than one, and each output is one fp32 sum in a fixed order, so a row's result
     is the same bit for bit whichever rows share its pass, and layers fuse (``fuse_linears``: parts whose
-    outputs fill whole panels become views of the fused panels). On the default model's shapes (2-core AVX2,
-    every layer's weight streamed from memory) it took 17 ms per token for 1 row and 34 for 8, where fbgemm's
-    fp16 GEMM, which blocks rows by 6 and so reads the weight twice for 7-12 rows, took 24 and 42. Elsewhere
+    outputs fill whole panels become views of the fused panels). Through every linear weight of the default
+    model (2-core AVX2; ``python -m benchmarks.fp16_linear``) it took 21 ms for 1 row and 31 for 8, where
+    fbgemm's fp16 GEMM, which blocks rows by 6 and so reads the weight twice for 7-12 rows, took 30 and 44. Elsewhere
     on x86 the weight goes to fbgemm's packed layout (``quantized::linear_dynamic_fp16``), whose kernel choice
     by row count can change a row's last bits. Either way ``weight`` is unpacked on first read."""
 
@@ -121,14 +121,35 @@ class PackedFp16Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias  # kept for readers; the kernels take their own fp32 copy
-        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self._bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         weight = linear.weight.detach().half()
         ops = cpu_ops()
         if ops is not None:
-            self.panels, self.fbgemm, self._bias = ops.pack_fp16_weight(weight), None, bias
+            self.panels, self.fbgemm = ops.pack_fp16_weight(weight), None
         else:
-            self.panels, self.fbgemm = None, torch.ops.quantized.linear_prepack_fp16(weight.float(), bias)
+            self.panels, self.fbgemm = None, torch.ops.quantized.linear_prepack_fp16(weight.float(), self._bias)
         self._weight = None
+
+    @classmethod
+    def side_by_side(cls, parts: list[PackedFp16Linear]) -> PackedFp16Linear:
+        """One layer computing ``parts`` (in kvmemory's panels, each filling whole panels) side by side: their
+        panels and biases joined, the parts' becoming views of the joined ones (``fuse_linears``)."""
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        fused.panels, fused.fbgemm, fused._weight = torch.cat([p.panels for p in parts]), None, None
+        fused.bias = fused._bias = None
+        if parts[0].bias is not None:
+            fused._bias = torch.cat([p._bias for p in parts])
+            fused.bias = nn.Parameter(fused._bias.to(parts[0].bias.dtype), requires_grad=False)
+        panel, row = 0, 0
+        for part in parts:
+            count = part.panels.shape[0]
+            part.panels, part._weight = fused.panels[panel : panel + count], None
+            if fused._bias is not None:
+                part._bias = fused._bias[row : row + part.out_features]
+            panel, row = panel + count, row + part.out_features
+        return fused
 
     @property
     def weight(self) -> torch.Tensor:
@@ -161,27 +182,12 @@ class PackedFp16Linear(nn.Module):
 
 
 def _fuse_packed_fp16(parts: list[PackedFp16Linear]) -> PackedFp16Linear | None:
-    """``fuse_linears`` for fp16 weights in kvmemory's panels: the panels side by side, the parts' becoming
-    views. None unless every part fills whole panels and all share an input size and having a bias or not."""
+    """``fuse_linears`` for fp16 weights in kvmemory's panels. None unless every part fills whole panels and
+    all share an input size and having a bias or not (fbgemm's packed weights never fuse)."""
     alike = len({(p.in_features, p.bias is None) for p in parts}) == 1
     if not alike or any(p.panels is None or p.out_features % p.panels.shape[-1] for p in parts):
         return None
-    fused = PackedFp16Linear.__new__(PackedFp16Linear)
-    nn.Module.__init__(fused)
-    fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
-    fused.panels, fused.fbgemm, fused._weight = torch.cat([p.panels for p in parts]), None, None
-    fused.bias = fused._bias = None
-    if parts[0].bias is not None:
-        fused._bias = torch.cat([p._bias for p in parts])
-        fused.bias = nn.Parameter(fused._bias.to(parts[0].bias.dtype), requires_grad=False)
-    panel, row = 0, 0
-    for part in parts:
-        count = part.panels.shape[0]
-        part.panels, part._weight = fused.panels[panel : panel + count], None
-        if fused._bias is not None:
-            part._bias = fused._bias[row : row + part.out_features]
-        panel, row = panel + count, row + part.out_features
-    return fused
+    return PackedFp16Linear.side_by_side(parts)
 
 
 class Int4Linear(nn.Module):
