@@ -6,7 +6,7 @@
   ``PackedFp16Linear``).
 
 ``torch.utils.cpp_extension`` builds them with the C++ compiler torch's extensions use when the first CPU
-engine is made (about 40 s on 2 cores; then cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when a source
+engine is made (about 30 s on 2 cores; then cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when a source
 changes), for x86-64 CPUs with AVX2, FMA and F16C. Where they cannot be built, or with
 ``KVMEMORY_CPU_KERNELS=0``, attention runs on sdpa and fp16 weights on fbgemm.
 """
@@ -49,7 +49,7 @@ def _build():
     from torch.utils.cpp_extension import load
 
     put_ninja_on_path()
-    log.info("building kvmemory's CPU kernels (once per machine, about 40 s)")
+    log.info("building kvmemory's CPU kernels (once per machine, about 30 s)")
     try:
         load(
             "kvmemory_cpu_kernels",
