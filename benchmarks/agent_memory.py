@@ -473,7 +473,7 @@ def update_saved(conditions: list[str], caps: list[int], replies: int) -> None:
     """Remeasure some conditions of the saved run on its traces and summarise everything again."""
     saved = json.loads((RESULTS / "agent_memory.json").read_text())
     weights = saved.get("weights", "fp32")  # runs before weight formats existed measured fp32
-    engine = Engine.from_pretrained("default", weights=weights)  # as the saved run measured
+    engine = Engine.from_pretrained("default", weights=weights, kv_dtype="float32")  # as the saved run measured
     traces = load_traces(saved["traces"])
     redo = {(c, d) for c in conditions for d in caps if c != "uncompacted"}
     fresh = {}
@@ -510,7 +510,7 @@ def main() -> None:
         none = {(t, q): lp for t, q, lp in saved["no_trace"]}
         finish(saved["rows"], none, saved["caps"], saved["replies"], saved.get("weights", "fp32"))
         return
-    engine = Engine.from_pretrained("default")
+    engine = Engine.from_pretrained("default", kv_dtype="float32")  # the references; -kv16 rows: fp16, same bytes
     traces = load_traces(args.traces)
     none = {(t["name"], q): lp for t in traces for (q, _), lp in zip(t["facts"], no_trace_logprobs(engine, t))}
     lengths = {t["name"]: len(engine.session().renderer.render(t["messages"])) for t in traces}

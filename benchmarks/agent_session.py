@@ -221,7 +221,7 @@ def main() -> None:
         ],
     )
     args = parser.parse_args()
-    base = Engine.from_pretrained("default")
+    base = Engine.from_pretrained("default", kv_dtype="float32")  # the cap's bytes; kvmemory-default-kv16: fp16
     unbounded = Engine(base.model, base.tokenizer, name=base.name, max_context=4 * base.config.max_position_embeddings)
     kv16 = Engine(base.model, base.tokenizer, name=base.name, kv_dtype="float16")
     kv16_cap = args.cap * base.kv_bytes_per_token // kv16.kv_bytes_per_token  # the slots the same bytes hold

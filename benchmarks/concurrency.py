@@ -15,12 +15,14 @@ taking turns, ``--repeats`` rounds of them (medians; a session's context grows b
 
 * ``kvmemory``: the engine batches the sessions' forwards (``ForwardBatcher``); on a CPU its decode steps
   attend in kvmemory's decode kernel (``kvmemory.attention.decode_kernel``), which also writes their rows;
-* ``kvmemory fp16 cache``: the same with keys and values stored in fp16 (``kv_dtype="float16"``; the
-  kernel reads them in place), under the same slot cap, so half the bytes;
+  Its cache is the engine's default: fp16 under the default fp16 or int4 weights (the kernel reads it in
+  place);
+* ``kvmemory fp32 cache``: the same with keys and values stored in fp32 (``kv_dtype="float32"``), under the
+  same slot cap, so twice the bytes;
 * ``kvmemory sdpa``: the same with attention on torch's sdpa, one call per session (``attention_path="mask"``);
 * ``kvmemory unbatched``: one session per forward (``max_batch_tokens=1``), as an engine without batching;
 * ``transformers``: ``model.generate`` over the contexts left-padded into one batch (DynamicCache, sdpa,
-  no compaction): decode tokens/s from a full run minus a prefill-only run.
+  no compaction): decode tokens/s from the first generated token to the last (a streamer stamps each).
 
 KV bytes are what the caches hold after the decode phases. Writes ``concurrency.json`` and ``.png``.
 
@@ -36,6 +38,7 @@ import threading
 import time
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.agent_traces import load_traces
 from benchmarks.common import RESULTS, save, table
@@ -142,9 +145,22 @@ def summary(phases: list[dict], firsts: list[float]) -> dict:
     }
 
 
+class TokenTimes(BaseStreamer):
+    """When ``generate`` handed out each step's tokens (its first ``put`` is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 class PaddedGenerate:
-    """transformers ``generate`` over the same contexts, left-padded into one batch; decode tokens/s from a
-    full run minus a prefill-only run."""
+    """transformers ``generate`` over the same contexts, left-padded into one batch; decode tokens/s from the
+    first generated token to the last."""
 
     def __init__(self, model, tokenizer, chosen_ids: list[list[int]], tokens: int):
         width = max(len(ids) for ids in chosen_ids)
@@ -153,8 +169,7 @@ class PaddedGenerate:
         self.mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chosen_ids])
         self.model, self.tokens, self.kv_bytes = model, tokens, 0
 
-    def _run(self, n: int):
-        started = time.perf_counter()
+    def _run(self, n: int, streamer: TokenTimes):
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=self.input_ids,
@@ -164,15 +179,17 @@ class PaddedGenerate:
                 do_sample=False,
                 pad_token_id=self.pad,
                 return_dict_in_generate=True,
+                streamer=streamer,
             )
-        return time.perf_counter() - started, out
+        return out
 
     def decode_tok_s(self) -> float:
-        prefill, _ = run_on_compute(self._run, 1)  # where a Session's forwards run (kvmemory.runtime.compute)
-        total, out = run_on_compute(self._run, self.tokens)
+        stamps = TokenTimes()
+        out = run_on_compute(self._run, self.tokens, stamps)  # where a Session's forwards run
         layers = out.past_key_values.layers
         self.kv_bytes = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
-        return len(self.input_ids) * (self.tokens - 1) / (total - prefill)
+        first, last = stamps.times[1], stamps.times[-1]  # the first generated token comes with the prefill
+        return len(self.input_ids) * (self.tokens - 1) / (last - first)
 
 
 def plot(rows: list[dict], path) -> None:
@@ -185,7 +202,7 @@ def plot(rows: list[dict], path) -> None:
     counts = [r["sessions"] for r in rows]
     for key, label in (
         ("kvmemory_tok_s", "kvmemory (batched)"),
-        ("kv16_tok_s", "kvmemory, fp16 cache"),
+        ("kv32_tok_s", "kvmemory, fp32 cache"),
         ("sdpa_tok_s", "kvmemory, attention on sdpa"),
         ("unbatched_tok_s", "kvmemory, one session per forward"),
         ("transformers_tok_s", "transformers generate, padded batch"),
@@ -214,7 +231,7 @@ def main() -> None:
     same = dict(model=engine.model, tokenizer=engine.tokenizer, name=engine.name)
     engines = {
         "kvmemory": engine,
-        "kv16": Engine(**same, kv_dtype="float16"),
+        "kv32": Engine(**same, kv_dtype="float32"),
         "sdpa": Engine(**same, attention_path="mask"),
         "unbatched": Engine(**same, max_batch_tokens=1),
     }
@@ -237,7 +254,7 @@ def main() -> None:
             padded[count].append(generate.decode_tok_s())
     rows = []
     for count, chosen, ids, opened, generate in setups:
-        kv = {name: sum(s.cache.allocated_bytes() for s in opened[name]) / 2**20 for name in ("kvmemory", "kv16")}
+        kv = {name: sum(s.cache.allocated_bytes() for s in opened[name]) / 2**20 for name in ("kvmemory", "kv32")}
         result = {name: summary(phases[count, name], turn_phase(opened[name], chosen, args.tokens)) for name in engines}
         for sessions in opened.values():
             for s in sessions:
@@ -250,7 +267,7 @@ def main() -> None:
                 "kvmemory_tok_s": batched["decode_tok_s"],
                 "per_session_tok_s": batched["per_session_tok_s"],
                 "sessions_per_pass": batched["sessions_per_pass"],
-                "kv16_tok_s": result["kv16"]["decode_tok_s"],
+                "kv32_tok_s": result["kv32"]["decode_tok_s"],
                 "sdpa_tok_s": result["sdpa"]["decode_tok_s"],
                 "unbatched_tok_s": alone["decode_tok_s"],
                 "transformers_tok_s": statistics.median(padded[count]),
@@ -258,7 +275,7 @@ def main() -> None:
                 "ttft_max_s": batched["ttft_max_s"],
                 "unbatched_ttft_median_s": alone["ttft_median_s"],
                 "kv_mb": kv["kvmemory"],
-                "kv16_kv_mb": kv["kv16"],
+                "kv32_kv_mb": kv["kv32"],
                 "transformers_kv_mb": generate.kv_bytes / 2**20,
             }
         )
@@ -268,7 +285,7 @@ def main() -> None:
     print(table(rows, list(rows[0])))
     plot(rows, RESULTS / "concurrency.png")
     settings = {"context": args.context, "tokens": args.tokens, "cap": args.cap, "repeats": args.repeats}
-    settings["weights"] = engine.weights
+    settings["weights"], settings["kv_dtype"] = engine.weights, str(engine.kv_dtype).removeprefix("torch.")
     settings["default_method"] = default_policy().default.method
     out = save("concurrency", {**settings, "rows": rows})
     print(f"saved {out}")

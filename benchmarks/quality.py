@@ -303,7 +303,7 @@ def main() -> None:
     if args.replot:  # redraw the PNG from the saved JSON, measuring nothing
         plot(json.loads((RESULTS / "quality.json").read_text())["quality"], RESULTS / "quality.png")
         return
-    engine = Engine.from_pretrained("default")
+    engine = Engine.from_pretrained("default", kv_dtype="float32")  # methods compared at full precision
     torch.manual_seed(0)
     out = {
         "context": args.context,

@@ -410,7 +410,6 @@ def fp16_linear_section(d: dict) -> str:
 
 
 def concurrency_section(d: dict) -> str:
-    side_by_side = "kv16_tok_s" in d["rows"][0]  # runs before these conditions were added lack them
     rows = [
         [
             r["sessions"],
@@ -418,11 +417,12 @@ def concurrency_section(d: dict) -> str:
             f"{r['speedup_vs_one']:.1f}×",
             f"{r['sessions_per_pass']:.1f}",
             f"{r['per_session_tok_s']:.1f}",
-            *([f"{r['kv16_tok_s']:.1f}", f"{r['sdpa_tok_s']:.1f}"] if side_by_side else []),
+            f"{r['kv32_tok_s']:.1f}",
+            f"{r['sdpa_tok_s']:.1f}",
             f"{r['unbatched_tok_s']:.1f}",
             f"{r['transformers_tok_s']:.1f}",
             f"{r['ttft_median_s']:.2f} / {r['unbatched_ttft_median_s']:.2f}",
-            " / ".join(f"{r[k]:.0f}" for k in ("kv_mb", "kv16_kv_mb", "transformers_kv_mb") if k in r),
+            f"{r['kv_mb']:.0f} / {r['kv32_kv_mb']:.0f} / {r['transformers_kv_mb']:.0f}",
         ]
         for r in d["rows"]
     ]
@@ -432,29 +432,25 @@ def concurrency_section(d: dict) -> str:
         "vs 1 session",
         "sessions per pass",
         "per session tok/s",
-        *(["fp16 cache tok/s", "sdpa tok/s"] if side_by_side else []),
+        "fp32 cache tok/s",
+        "sdpa tok/s",
         "unbatched tok/s",
         "transformers tok/s",
         "TTFT s batched / unbatched",
-        "KV MiB kvmemory / " + ("fp16 cache / " if side_by_side else "") + "transformers",
+        "KV MiB kvmemory / fp32 cache / transformers",
     ]
     return (
-        f"**Many agents at once** (`python -m benchmarks.concurrency`, {d.get('weights', 'bf16')} weights{on_cpu(d)}): "
-        "concurrent "
+        f"**Many agents at once** (`python -m benchmarks.concurrency`, {d['weights']} weights, "
+        f"{d['kv_dtype']} cache{on_cpu(d)}): concurrent "
         f"agent sessions on the default model, each holding an agent trace (up to {d['context']} tokens of real tool "
         f"calls and outputs) under the default policy with a cap of {d['cap']} slots (its method then: "
-        f"`{d.get('default_method', 'tam')}`), decode {d['tokens']} greedy tokens at once (aggregate decode "
-        f"tokens/s, median of {d.get('repeats', 1)}), then append their "
+        f"`{d['default_method']}`), decode {d['tokens']} greedy tokens at once (aggregate decode "
+        f"tokens/s, median of {d['repeats']}), then append their "
         "next tool result and stream a reply (time to first token). Side by side: the engine batching the sessions' "
-        "forwards"
-        + (
-            " (on CPU attending in kvmemory's decode kernel), the same with the cache stored in fp16 (half the "
-            "bytes), the same with attention on torch's sdpa"
-            if side_by_side
-            else ""
-        )
-        + ", the same engine one session per forward, and transformers `generate` over the same contexts "
-        "left-padded into one batch.\n\n" + md(rows, columns)
+        "forwards (on CPU attending in kvmemory's decode kernel), the same with the cache stored in fp32 (twice "
+        "the bytes), the same with attention on torch's sdpa, the same engine one session per forward, and "
+        "transformers `generate` over the same contexts left-padded into one batch (its decode timed from the "
+        "first generated token to the last).\n\n" + md(rows, columns)
     )
 
 

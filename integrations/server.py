@@ -454,7 +454,10 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-resident-mb", type=float, default=None, help="KV of resident sessions, then spill")
     serve.add_argument("--max-slots", type=int, default=2048, help="the default policy's cap per session")
     serve.add_argument(
-        "--kv-dtype", choices=sorted(KV_DTYPES), default=None, help="KV cache storage (default: the model's dtype)"
+        "--kv-dtype",
+        choices=sorted(KV_DTYPES),
+        default=None,
+        help="KV cache storage (default: float16 under 16-bit or int4 weights on CPU, else the model's dtype)",
     )
     serve.add_argument("--max-request-mb", type=float, default=32.0, help="larger request bodies get 413")
     serve.add_argument("--save-after-turn", action="store_true", help="save each session after every turn")

@@ -27,7 +27,7 @@ def ops():
 @settings(max_examples=60, deadline=None)
 @given(
     rows=st.integers(0, 110),  # past two tiles of 48 rows: blocks of every size 1..6
-    inputs=st.integers(0, 70),
+    inputs=st.one_of(st.integers(0, 70), st.integers(120, 400)),  # one chunk of k, or several (128 a chunk)
     outputs=st.integers(1, 90),  # whole and partial panels of 16, groups of 1..4 panels
     has_bias=st.booleans(),
     seed=st.integers(0, 2**16),

@@ -219,6 +219,21 @@ def test_a_bad_kv_dtype_is_named(bad):
         Engine(tiny_model("llama"), kv_dtype=bad)
 
 
+@pytest.mark.parametrize(
+    "weights, kv_dtype, stored",
+    [("fp32", None, torch.float32), ("fp16", None, torch.float16), ("bf16", None, torch.float16),
+     ("fp16", "float32", torch.float32), ("fp16", "bfloat16", torch.bfloat16)],
+)  # fmt: skip
+def test_the_cache_is_fp16_by_default_under_narrower_weights_and_kv_dtype_overrides_it(weights, kv_dtype, stored):
+    from kvmemory.runtime.weights import store_linear_weights
+
+    model = tiny_model("llama")
+    engine = Engine(model if weights == "fp32" else store_linear_weights(model, weights), kv_dtype=kv_dtype)
+    session = engine.session()
+    session.append_tokens(random_tokens(20, seed=1))
+    assert engine.kv_dtype == stored and session.cache.layers[0].slots.keys.dtype == stored
+
+
 def test_mistral_sliding_window_does_not_drop_tokens():
     model = tiny_model("mistral", sliding_window=16)
     ref = reference_copy(model)

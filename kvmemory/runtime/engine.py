@@ -29,14 +29,17 @@ MAX_LOGICAL_POSITIONS = 2**31 - 1  # the cache stores positions as int32
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def kv_storage_dtype(kv_dtype: torch.dtype | str | None, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the KV cache stores keys and values in: the model's unless ``kv_dtype`` names another.
+def kv_storage_dtype(kv_dtype: torch.dtype | str | None, model_dtype: torch.dtype, weights: str) -> torch.dtype:
+    """The dtype the KV cache stores keys and values in (``kv_dtype``; None for the default).
 
-    A 16-bit cache under fp32 activations costs half the bytes a token costs in fp32 (meta fields aside), so
-    a byte cap holds nearly twice the tokens; attention reads it in the activations' dtype. fp16 keeps three
-    more mantissa bits than bf16 at the range keys and values have."""
+    The default is the model's dtype, except under fp32 activations with linear weights stored in fewer bits
+    (the CPU default: fp16 or int4), where it is fp16, as llama.cpp's cache is: the keys and values come out
+    of 16-bit weights already, a token costs 52% of its fp32 bytes on the default model, so a byte cap holds
+    1.94× the tokens, and the CPU decode kernel reads half the bytes per step. fp16 keeps three more mantissa
+    bits than bf16 at the range keys and values have; ``"float32"`` keeps full precision (the exactness
+    reference of the tests, with ``weights="fp32"``)."""
     if kv_dtype is None:
-        return model_dtype
+        return torch.float16 if model_dtype == torch.float32 and weights != "fp32" else model_dtype
     dtype = KV_DTYPES.get(kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
     if dtype not in KV_DTYPES.values():
         raise InvalidArgumentError(f"kv_dtype must be one of {sorted(KV_DTYPES)} (or None), got {kv_dtype!r}")
@@ -48,7 +51,8 @@ class Engine:
 
     Use ``Engine.from_pretrained("default")`` for the embedded SmolLM2 model, any HF id or directory,
     or a ``.gguf`` file; ``Engine(model, tokenizer)`` wraps a model already in memory. ``kv_dtype``
-    ("float16", "bfloat16") stores every session's keys and values in 16 bits (``kv_storage_dtype``).
+    ("float32", "float16", "bfloat16") is what every session's keys and values are stored in; by default
+    fp16 under 16-bit or int4 weights on fp32 activations, else the model's dtype (``kv_storage_dtype``).
     """
 
     def __init__(
@@ -66,7 +70,7 @@ class Engine:
     ):
         if attention_path not in ATTENTION_PATHS:
             raise InvalidArgumentError(f"attention_path must be one of {ATTENTION_PATHS}, got {attention_path!r}")
-        self.kv_dtype = kv_storage_dtype(kv_dtype, next(model.parameters()).dtype)
+        self.kv_dtype = kv_storage_dtype(kv_dtype, next(model.parameters()).dtype, weight_format(model))
         check_architecture(model.config)
         keep_every_token(model.config)
         model.set_attn_implementation(ATTENTION_NAME)
@@ -97,8 +101,8 @@ class Engine:
     def from_pretrained(
         cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None, **limits
     ) -> Engine:
-        """``dtype``: activations, and the KV cache unless ``kv_dtype`` stores it in fewer bits (fp32 on CPU,
-        bf16 on CUDA); ``weights``: how the linear layers' weights are stored ("fp32", "bf16", "fp16", "int4",
+        """``dtype``: activations (fp32 on CPU, bf16 on CUDA); ``kv_dtype``: the KV cache's (see the class);
+        ``weights``: how the linear layers' weights are stored ("fp32", "bf16", "fp16", "int4",
         or "auto": int4 for weights that are 4-bit already, such as the default model's, fp16 for the rest; the
         default under fp32 activations on a CPU with bf16 dot products, else fp16 there: see
         ``kvmemory.runtime.weights``)."""

@@ -201,12 +201,14 @@ class SurprisalRecorder:
 def surprisal_of(ids: list[int], before: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
     """−log p of each of ``ids`` from the logits before it: ``before`` (V,) for the first (None: unknown, NaN),
     then the pass's own rows ``logits`` (T, V). log-sum-exp minus the token's logit: no (T, V) softmax."""
-    logits = logits[:-1].float()
-    targets = torch.tensor(ids[1:], device=logits.device)
-    rest = torch.logsumexp(logits, -1) - logits.gather(1, targets[:, None])[:, 0]
     if before is None:
-        first = torch.full((1,), float("nan"), device=rest.device)
+        first = torch.full((1,), float("nan"), device=logits.device)
     else:
         before = before.float()
         first = (torch.logsumexp(before, -1) - before[ids[0]])[None]
+    if len(ids) == 1:  # a decode step: half the small ops, on every session's every token
+        return first
+    logits = logits[:-1].float()
+    targets = torch.tensor(ids[1:], device=logits.device)
+    rest = torch.logsumexp(logits, -1) - logits.gather(1, targets[:, None])[:, 0]
     return torch.cat([first, rest])
