@@ -181,6 +181,9 @@ class SurprisalRecorder:
     def record(self, start: int, values: torch.Tensor) -> None:
         """Surprisal of the tokens at ``start``, ``start + 1``, …; a NaN never hides a known value."""
         values = values.detach().float().cpu()
+        if start == len(self.values):  # the common case, every decoded token: one op
+            self.values = torch.cat([self.values, values])
+            return
         old = self.values[start : start + len(values)]
         if old.numel():
             values = values.clone()

@@ -104,7 +104,10 @@ def _tqdm_progress(total: int, inner: ProgressCallback | None) -> ProgressCallba
 
 
 def _copy_segment(seg: Segment) -> Segment:
-    twin = copy.copy(seg)
+    """A copy whose fields and meta can change apart from ``seg``'s (taken for every segment on every step:
+    the instance dict copied directly, several times faster than ``copy.copy``)."""
+    twin = object.__new__(Segment)
+    twin.__dict__.update(seg.__dict__)
     twin.meta = dict(seg.meta)
     return twin
 
