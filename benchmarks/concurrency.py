@@ -14,7 +14,7 @@ Side by side in one run, on the same contexts, the decode phases of every sessio
 taking turns, ``--repeats`` rounds of them (medians; a session's context grows by ``--tokens`` a round):
 
 * ``kvmemory``: the engine batches the sessions' forwards (``ForwardBatcher``); on a CPU its decode steps
-  attend in kvmemory's decode kernel (``kvmemory.attention.decode_kernel``), which also writes their rows;
+  attend in kvmemory's decode kernel (``kvmemory.attention.decode_kernel``), which also writes their rows.
   Its cache is the engine's default: fp16 under the default fp16 or int4 weights (the kernel reads it in
   place);
 * ``kvmemory fp32 cache``: the same with keys and values stored in fp32 (``kv_dtype="float32"``), under the

@@ -5,12 +5,12 @@
 // (N, K) weight transposed, K × 16 fp16 values, so a panel streams from memory in one sequential read and a
 // step over k loads one 32-byte line. The product walks the panels once per tile of up to 48 input rows:
 // decoding several sessions in one pass reads the weights once, where fbgemm's fp16 kernel, which blocks the
-// rows by 6, streams them twice for 7 to 12 rows. A tile of several register blocks walks k in chunks, every
-// block in turn per chunk, so a chunk of the panel is read from memory once, under the first block's FMAs,
-// and from L1 by the others (8 rows ~8% faster than block after block). Each output element is one fp32 FMA chain over k = 0..K-1
-// whatever the row count, the row block and the panels computed beside it, so a row's result does not depend
-// on the other rows of its pass, nor a fused layer's on its parts' (bit for bit). Blocks of few rows take
-// several panels at once to keep enough independent chains in flight.
+// rows by 6, streams them twice for 7 to 12 rows. A tile of several register blocks walks k in chunks, the
+// blocks taking turns on each chunk, so the panel is read from memory once, under the first block's FMAs,
+// and from L1 by the others (8 rows ~8% faster than block after block). Each output element is one fp32 FMA
+// chain over k = 0..K-1 whatever the row count, the row block and the panels computed beside it, so a row's
+// result does not depend on the other rows of its pass, nor a fused layer's on its parts' (bit for bit).
+// Blocks of few rows take several panels at once to keep enough independent chains in flight.
 
 #include <ATen/Parallel.h>  // at::get_num_threads
 #include <ATen/core/Tensor.h>
@@ -48,8 +48,9 @@ constexpr int64_t K_CHUNK = 128;  // steps over k that the blocks of a tile take
   if constexpr (R > i && 2 * P > j) _mm256_store_ps(acc + (i * 2 * P + j) * 8, c##i##j);
 #define LOAD_ACC(i, j) \
   if constexpr (R > i && 2 * P > j) c##i##j = _mm256_load_ps(acc + (i * 2 * P + j) * 8);
-#define LOAD_ACC_ROW(i) \
-  LOAD_ACC(i, 0) LOAD_ACC(i, 1) LOAD_ACC(i, 2) LOAD_ACC(i, 3) LOAD_ACC(i, 4) LOAD_ACC(i, 5) LOAD_ACC(i, 6) LOAD_ACC(i, 7)
+#define LOAD_ACC_ROW(i)                                                    \
+  LOAD_ACC(i, 0) LOAD_ACC(i, 1) LOAD_ACC(i, 2) LOAD_ACC(i, 3) LOAD_ACC(i, 4) \
+  LOAD_ACC(i, 5) LOAD_ACC(i, 6) LOAD_ACC(i, 7)
 #define STORE_ROW(i) STORE(i, 0) STORE(i, 1) STORE(i, 2) STORE(i, 3) STORE(i, 4) STORE(i, 5) STORE(i, 6) STORE(i, 7)
 
 // The sums of R rows of x (row stride K) against P panels from `panels` over k in [k0, k1): started from zero

@@ -33,11 +33,11 @@ def kv_storage_dtype(kv_dtype: torch.dtype | str | None, model_dtype: torch.dtyp
     """The dtype the KV cache stores keys and values in (``kv_dtype``; None for the default).
 
     The default is the model's dtype, except under fp32 activations with linear weights stored in fewer bits
-    (the CPU default: fp16 or int4), where it is fp16, as llama.cpp's cache is: the keys and values come out
-    of 16-bit weights already, a token costs 52% of its fp32 bytes on the default model, so a byte cap holds
-    1.94× the tokens, and the CPU decode kernel reads half the bytes per step. fp16 keeps three more mantissa
-    bits than bf16 at the range keys and values have; ``"float32"`` keeps full precision (the exactness
-    reference of the tests, with ``weights="fp32"``)."""
+    (the CPU default: fp16 or int4), where it is fp16, as llama.cpp's cache is: the keys and values are
+    products of weights rounded to 16 bits or fewer already, a token costs 52% of its fp32 bytes on the
+    default model, so a byte cap holds 1.94× the tokens, and the CPU decode kernel reads half the bytes per
+    step. fp16 keeps three more mantissa bits than bf16 at the range keys and values have; ``"float32"`` keeps
+    full precision (the exactness reference of the tests, with ``weights="fp32"``)."""
     if kv_dtype is None:
         return torch.float16 if model_dtype == torch.float32 and weights != "fp32" else model_dtype
     dtype = KV_DTYPES.get(kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
