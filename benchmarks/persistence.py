@@ -66,7 +66,8 @@ def main() -> None:
             rows.append(measure(engine, ids[:n], args.cap, Path(tmp)))
             print(table(rows[-1:], list(rows[-1])), flush=True)
     print(table(rows, list(rows[0])))
-    print(f"saved {save('persistence', {'cap': args.cap, 'rows': rows})}")
+    formats = {"weights": engine.weights, "kv_dtype": str(engine.kv_dtype).removeprefix("torch.")}
+    print(f"saved {save('persistence', {'cap': args.cap, **formats, 'rows': rows})}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ def on_cpu(d: dict) -> str:
     return f", on {m['threads']} threads of an {m['cpu_model']} ({', '.join(m['cpu_flags'])})"
 
 
+def formats_of(d: dict) -> str:
+    """ ", <weights> weights, <dtype> cache" when the file records them (runs before they were recorded: fp32)."""
+    return f", {d['weights']} weights, {d['kv_dtype']} cache" if "kv_dtype" in d else ""
+
+
 def speed_section(d: dict) -> str:
     runners = [k.removesuffix(" decode tok/s") for k in d["contexts"][0] if k.endswith(" decode tok/s")]
     header = ["context"] + [f"{r} {what} tok/s" for r in runners for what in ("prefill", "decode")]
@@ -363,8 +368,8 @@ def persistence_section(d: dict) -> str:
     ]
     columns = ["logical tokens", "slots", "file MB", "save s", "load s", "re-prefill s", "load speed-up", "same logits"]
     return (
-        f"**Saved sessions** (`python -m benchmarks.persistence`): a session under a {d['cap']}-slot cap, saved "
-        "with `session.save`, loaded with `engine.load_session` (medians of 3), against rebuilding it by "
+        f"**Saved sessions** (`python -m benchmarks.persistence`{formats_of(d)}): a session under a {d['cap']}-slot "
+        "cap, saved with `session.save`, loaded with `engine.load_session` (medians of 3), against rebuilding it by "
         "re-prefilling its transcript under the same policy.\n\n" + md(rows, columns)
     )
 
@@ -440,8 +445,7 @@ def concurrency_section(d: dict) -> str:
         "KV MiB kvmemory / fp32 cache / transformers",
     ]
     return (
-        f"**Many agents at once** (`python -m benchmarks.concurrency`, {d['weights']} weights, "
-        f"{d['kv_dtype']} cache{on_cpu(d)}): concurrent "
+        f"**Many agents at once** (`python -m benchmarks.concurrency`{formats_of(d)}{on_cpu(d)}): concurrent "
         f"agent sessions on the default model, each holding an agent trace (up to {d['context']} tokens of real tool "
         f"calls and outputs) under the default policy with a cap of {d['cap']} slots (its method then: "
         f"`{d['default_method']}`), decode {d['tokens']} greedy tokens at once (aggregate decode "
