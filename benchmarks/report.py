@@ -368,9 +368,9 @@ def persistence_section(d: dict) -> str:
     ]
     columns = ["logical tokens", "slots", "file MB", "save s", "load s", "re-prefill s", "load speed-up", "same logits"]
     return (
-        f"**Saved sessions** (`python -m benchmarks.persistence`{formats_of(d)}): a session under a {d['cap']}-slot "
-        "cap, saved with `session.save`, loaded with `engine.load_session` (medians of 3), against rebuilding it by "
-        "re-prefilling its transcript under the same policy.\n\n" + md(rows, columns)
+        f"**Saved sessions** (`python -m benchmarks.persistence`{formats_of(d)}{on_cpu(d)}): a session under a "
+        f"{d['cap']}-slot cap, saved with `session.save`, loaded with `engine.load_session` (medians of 3), "
+        "against rebuilding it by re-prefilling its transcript under the same policy.\n\n" + md(rows, columns)
     )
 
 
