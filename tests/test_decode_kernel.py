@@ -48,7 +48,7 @@ def layers(draw):
     """Sessions of one layer: per KV head its own length (ragged or even), a storage dtype, β or none, and
     whether the kernel writes each head's last row itself (a decode step's new token)."""
     kv_heads, groups = draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    dim = draw(st.sampled_from([8, 16, 64]))
+    dim = draw(st.sampled_from([8, 16, 40, 64, 128]))  # value chunks: 8-float tails, 32-float blocks, both
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     count = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**16))
