@@ -144,7 +144,7 @@ void score(const Item<T>& item, int64_t groups, int64_t dim, float* scores) {
       int64_t s = s0;
       for (; s + 4 <= s1; s += 4) {
         const T* k = item.keys + s * stride;
-        if constexpr (kFetchAhead<T>) prefetch_rows(k + kAhead * stride, 4 * stride);
+        if (kFetchAhead<T> && g0 == 0) prefetch_rows(k + kAhead * stride, 4 * stride);  // once per row
         if (gb == 3) score4<3>(q, dim, k, stride, rows + s, S);
         else if (gb == 2) score4<2>(q, dim, k, stride, rows + s, S);
         else score4<1>(q, dim, k, stride, rows + s, S);
@@ -247,7 +247,7 @@ void mix(const Item<T>& item, int64_t groups, int64_t value_dim, const float* we
       int64_t c = 0;
       for (; c + 4 * kLanes <= value_dim; c += 4 * kLanes) {
         const T* v = item.values + c;
-        const bool fetch = kFetchAhead<T> && c == 0;  // the first chunks' pass fetches the whole rows ahead
+        const bool fetch = kFetchAhead<T> && g0 == 0 && c == 0;  // one pass per block fetches whole rows
         if (gb == 3) mix4<3>(v, stride, p, S, s0, s1, o + c, value_dim, fetch);
         else if (gb == 2) mix4<2>(v, stride, p, S, s0, s1, o + c, value_dim, fetch);
         else mix4<1>(v, stride, p, S, s0, s1, o + c, value_dim, fetch);

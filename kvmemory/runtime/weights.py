@@ -112,10 +112,10 @@ class PackedFp16Linear(nn.Module):
     sessions costs little more than one, and each output is one fp32 sum in a fixed order, so a row's result
     is the same bit for bit whichever rows share its pass, and layers fuse (``fuse_linears``: parts whose
     outputs fill whole panels become views of the fused panels). Through every linear weight of the default
-    model (2-core AVX2; ``python -m benchmarks.fp16_linear``) it took 21 ms for 1 row and 31 for 8, where
-    fbgemm's fp16 GEMM, which blocks rows by 6 and so reads the weight twice for 7-12 rows, took 30 and 44. Elsewhere
-    on x86 the weight goes to fbgemm's packed layout (``quantized::linear_dynamic_fp16``), whose kernel choice
-    by row count can change a row's last bits. Either way ``weight`` is unpacked on first read."""
+    model (2-core AVX2; ``python -m benchmarks.fp16_linear``) it took 11.4 ms for 1 row and 17.6 for 8, where
+    fbgemm's fp16 GEMM, which blocks rows by 6 and so reads the weight twice for 7-12 rows, took 16.0 and
+    24.6. Elsewhere on x86 the weight goes to fbgemm's packed layout (``quantized::linear_dynamic_fp16``), whose
+    kernel choice by row count can change a row's last bits. Either way ``weight`` is unpacked on first read."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
