@@ -3,7 +3,9 @@
 * ``decode_attention.cpp``: one decode step's attention over every session of a packed pass
   (``kvmemory.attention.decode_kernel``);
 * ``linear_fp16.cpp``: linear layers with fp16 weights on fp32 activations (``kvmemory.runtime.weights``,
-  ``PackedFp16Linear``).
+  ``PackedFp16Linear``);
+* ``logits.cpp``: the argmax and the log-sum-exp of each row of logits (``kvmemory.runtime.logits``);
+* ``simd.h``: the eight-float vector helpers they share.
 
 ``torch.utils.cpp_extension`` builds them with the C++ compiler torch's extensions use when the first CPU
 engine is made (about 30 s on 2 cores; then cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when a source
@@ -14,6 +16,7 @@ changes), for x86-64 CPUs with AVX2, FMA and F16C. Where they cannot be built, o
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -24,7 +27,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "linear_fp16.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.cpp", "linear_fp16.cpp", "logits.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # x86-64-v3: every AVX2 machine runs it
 ENV_SWITCH = "KVMEMORY_CPU_KERNELS"
 
@@ -54,7 +58,7 @@ def _build():
         load(
             "kvmemory_cpu_kernels",
             [str(source) for source in SOURCES],
-            extra_cflags=FLAGS,
+            extra_cflags=FLAGS + [f"-DKVMEMORY_HEADERS={headers_digest()}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
@@ -62,6 +66,12 @@ def _build():
         log.warning("kvmemory's CPU kernels could not be built (%s); using sdpa and fbgemm", error)
         return None
     return torch.ops.kvmemory
+
+
+def headers_digest() -> str:
+    """A digest of the shared headers: torch rebuilds an extension when its sources or flags change, not
+    its headers, so the digest goes into the flags."""
+    return hashlib.sha256(b"".join(path.read_bytes() for path in HEADERS)).hexdigest()[:16]
 
 
 def put_ninja_on_path() -> None:

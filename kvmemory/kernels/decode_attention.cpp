@@ -28,55 +28,17 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace {
 
-typedef float f8 __attribute__((vector_size(32)));
-typedef int32_t i8 __attribute__((vector_size(32)));
+using kvmemory_simd::exp8;
+using kvmemory_simd::f8;
+using kvmemory_simd::kLanes;
+using kvmemory_simd::load8;
+using kvmemory_simd::sum8;
 
-constexpr int64_t kLanes = 8;
 constexpr int64_t kBlock = 32;  // slots per block: 32 x D values in L1 while every query reads them
-
-template <typename T>
-inline f8 load8(const T* p);
-
-template <>
-inline f8 load8<float>(const float* p) {
-  f8 r;
-  std::memcpy(&r, p, sizeof r);
-  return r;
-}
-
-template <>
-inline f8 load8<at::BFloat16>(const at::BFloat16* p) {  // bf16 is the top half of an fp32
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return (f8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-template <>
-inline f8 load8<at::Half>(const at::Half* p) {
-  return (f8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline float sum8(f8 v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-// exp on 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative
-// error < 2e-7), 2^n built in the exponent bits. Inputs are max-subtracted scores, so x <= 0; below -87
-// the result flushes to 0 (as expf underflows), and -inf gives 0.
-inline f8 exp8(f8 x) {
-  const f8 lo = f8{} - 87.0f;
-  x = x < lo ? lo : x;
-  f8 n = x * 1.44269504088896341f;
-  n = __builtin_convertvector(__builtin_convertvector(n + (n < 0 ? -0.5f : 0.5f), i8), f8);  // round
-  f8 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;  // ln2 split for an exact product
-  f8 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-  i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
-  f8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  f8 out = p * scale;
-  return x <= lo ? f8{} : out;
-}
 
 template <typename T>
 struct Item {

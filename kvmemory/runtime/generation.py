@@ -17,6 +17,7 @@ from numbers import Integral, Real
 import torch
 
 from kvmemory.errors import InvalidArgumentError
+from kvmemory.runtime.logits import argmax_rows
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class SamplingParams:
 
     def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         if self.temperature == 0:
-            return int(torch.argmax(logits))
+            return int(argmax_rows(logits.view(1, -1))[0])
         logits = logits.float() / self.temperature
         if self.top_k > 0:
             kth = torch.topk(logits, min(self.top_k, logits.numel())).values[-1]

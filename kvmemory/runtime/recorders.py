@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from kvmemory.runtime.logits import logsumexp_rows
+
 
 def group_queries(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """(L, Hq, T, D) → (L, H, T·G, D) with the G query heads of each KV head stacked per token."""
@@ -208,10 +210,10 @@ def surprisal_of(ids: list[int], before: torch.Tensor | None, logits: torch.Tens
         first = torch.full((1,), float("nan"), device=logits.device)
     else:
         before = before.float()
-        first = (torch.logsumexp(before, -1) - before[ids[0]])[None]
+        first = logsumexp_rows(before[None]) - before[ids[0]]
     if len(ids) == 1:  # a decode step: half the small ops, on every session's every token
         return first
     logits = logits[:-1].float()
     targets = torch.tensor(ids[1:], device=logits.device)
-    rest = torch.logsumexp(logits, -1) - logits.gather(1, targets[:, None])[:, 0]
+    rest = logsumexp_rows(logits) - logits.gather(1, targets[:, None])[:, 0]
     return torch.cat([first, rest])
