@@ -142,7 +142,7 @@ def test_cap_protection_and_recall_in_a_long_session():
     assert manager.peak_slots <= 160 and session.cache.compactions > 0
     after = protected_slots(session, system.id)
     assert all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
-    assert outputs[0].compactions > 0
+    assert session.segment(outputs[0].id).compactions > 0
     assert sum(1 for e in session.compaction_log if e["trigger"] == "cap") > 0
     # other segments' slots are never moved by a segment's compaction: positions stay sorted per head
     for layer in session.cache.layers:
@@ -176,7 +176,7 @@ def test_recall_restores_the_exact_text(tiny_engine):
     )
     session.append_tokens(random_tokens(30, seed=4))
     session.memory.compact()
-    assert out.compactions == 1 and session.segment_slots()[out.id] < 200
+    assert session.segment(out.id).compactions == 1 and session.segment_slots()[out.id] < 200
     recalled = session.recall(out.id)
     assert recalled.kind == "recall" and "ORIGINAL LOG TEXT 42" in recalled.text
     assert session.export_transcript()[out.id]["text"] == "ORIGINAL LOG TEXT 42"
@@ -214,10 +214,10 @@ def test_context_queries_are_released_once_their_segment_is_compacted(tiny_engin
     assert held > 0
     session.append_tokens(random_tokens(40, seed=2))
     session.memory.compact()
-    assert old.compactions == 1 and old.id not in recorder.context
+    assert session.segment(old.id).compactions == 1 and old.id not in recorder.context
     assert session.stats().query_bytes < held
     session.memory.compact(goal_slots=60)  # re-compaction falls back to the selector window
-    assert old.compactions == 2 and session.cache.physical_length <= 60
+    assert session.segment(old.id).compactions == 2 and session.cache.physical_length <= 60
 
 
 def test_a_cap_below_the_protected_content_raises_before_any_change(tiny_engine):

@@ -84,7 +84,7 @@ def _decode_step(engine, cache, path: str) -> torch.Tensor:
     with torch.no_grad():
         out = engine.model(
             input_ids=torch.tensor([[5]]),
-            position_ids=torch.tensor([[cache.rope_positions(torch.tensor([position]))[0]]]),
+            position_ids=cache.rope_positions(position, 1)[None],
             cache=cache,
             compact_cache=cache,
             attention_path=path,

@@ -492,9 +492,10 @@ class CompactCache(Cache):
         """The most slots any head holds (what the model's attention window must cover)."""
         return max(layer.length for layer in self.layers)
 
-    def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE positions for tokens appended at transcript ``positions`` (≥ the logical length)."""
-        return positions - self.logical_length + self.rope_length
+    def rope_positions(self, start: int, count: int, device=None) -> torch.Tensor:
+        """RoPE positions of ``count`` tokens appended from transcript position ``start`` (≥ the logical length)."""
+        shift = self.rope_length - self.logical_length
+        return torch.arange(start + shift, start + shift + count, device=device)
 
     def snapshot(self) -> CacheSnapshot:
         """Everything ``restore`` needs to give this cache back bit for bit (copy-on-write, see the module doc)."""

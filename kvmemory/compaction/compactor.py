@@ -103,9 +103,10 @@ def compact_spans(
             for s in session.segments
             if int(torch.searchsorted(ordered, s.end)) > int(torch.searchsorted(ordered, s.start))
         ]
-        for seg in session.segments:
-            if seg.id in seg_ids:
-                seg.compactions += 1
+        compacted = set(seg_ids)
+        session.segments = [
+            s.replaced(compactions=s.compactions + 1) if s.id in compacted else s for s in session.segments
+        ]
         if session.query_recorder is not None:
             for i in seg_ids:
                 session.query_recorder.context.pop(i, None)

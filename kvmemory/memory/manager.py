@@ -149,8 +149,9 @@ class MemoryManager:
         cap = self.slot_cap()
         if self._busy:
             return
-        self.peak_slots = max(self.peak_slots, min(self.session.cache.physical_length + n_new, cap))
-        if self.session.cache.physical_length + n_new > cap:
+        held = self.session.cache.physical_length  # summed over every layer: once per decoded token
+        self.peak_slots = max(self.peak_slots, min(held + n_new, cap))
+        if held + n_new > cap:
             goal = min(cap - n_new, int(cap * self.policy.budget.target_fraction))
             for _ in range(4):  # budgets are per-head means: later passes aim lower to absorb rounding
                 self.compact(trigger="cap", goal_slots=max(goal, 1))
@@ -199,12 +200,17 @@ class MemoryManager:
         records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
         if records and self.policy.budget.close_gaps and session.engine.rebase_positions:
             session._rebase()  # in the transaction: undone with the compaction if anything later fails
+        forced_on = {}  # segment id -> compactions below its rule's budget that the cap forced in this pass
         for span, _, forced in items:
             for segment in span.segments:
-                segment.cap_forced += forced
+                forced_on[segment.id] = forced_on.get(segment.id, 0) + forced
             if session.query_recorder is not None:  # segments compacted to their end: context queries served
                 first, end = int(span.positions[0]), int(span.positions[-1]) + 1
                 session.query_recorder.drop_context([s.id for s in session.segments if first < s.end <= end])
+        session.segments = [
+            s.replaced(cap_forced=s.cap_forced + forced_on[s.id]) if forced_on.get(s.id) else s
+            for s in session.segments
+        ]
         self._last_compaction_at = len(session.tokens)
         if records:
             self._record(trigger)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -171,6 +172,19 @@ class Engine:
             value = getattr(source, "eos_token_id", None) if source is not None else None
             ids.update(value if isinstance(value, (list, tuple, set)) else [value] if value is not None else [])
         return frozenset(ids)
+
+    @functools.cached_property
+    def detokenize(self) -> Callable[[list[int]], str]:
+        """Token ids → text, exactly as ``tokenizer.decode`` gives it. A reply's text is decoded after every
+        token, and transformers' ``decode`` first walks every id in Python: a fast tokenizer that cleans up
+        nothing decodes in its Rust backend directly (~100 → ~15 µs a token for a short reply)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return lambda ids: ""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+            return functools.partial(backend.decode, skip_special_tokens=False)
+        return tokenizer.decode
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True):
         """The token ids a session holds for ``messages`` (the chat template, tools folded in where the

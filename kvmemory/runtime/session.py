@@ -103,15 +103,6 @@ def _tqdm_progress(total: int, inner: ProgressCallback | None) -> ProgressCallba
     return update
 
 
-def _copy_segment(seg: Segment) -> Segment:
-    """A copy whose fields and meta can change apart from ``seg``'s (taken for every segment on every step:
-    the instance dict copied directly, several times faster than ``copy.copy``)."""
-    twin = object.__new__(Segment)
-    twin.__dict__.update(seg.__dict__)
-    twin.meta = dict(seg.meta)
-    return twin
-
-
 def _exclusive(method):
     """A public call: serialised with other threads' calls, refused while a stream is open, atomic."""
 
@@ -187,7 +178,7 @@ class Session:
             list(self.tokens),
             list(self._pending),
             self._last_logits,
-            [_copy_segment(s) for s in self.segments],
+            list(self.segments),  # segments are never changed in place
             self._next_segment_id,
             list(self._messages),
             list(self._message_spans),
@@ -206,7 +197,7 @@ class Session:
         """Put the session back exactly as it was when ``state`` was taken."""
         self.cache.restore(state.cache)
         self.tokens, self._pending, self._last_logits = list(state.tokens), list(state.pending), state.last_logits
-        self.segments = [_copy_segment(s) for s in state.segments]
+        self.segments = list(state.segments)
         self._next_segment_id = state.next_segment_id
         self._messages, self._message_spans = list(state.messages), list(state.message_spans)
         self._tools_key, self._reply = state.tools_key, state.reply
@@ -343,7 +334,9 @@ class Session:
             return [dict(m) for m in self._messages] + ([reply] if reply is not None else [])
 
     def segment(self, segment_id: int) -> Segment:
-        for seg in self.segments:
+        """The segment with this id as it stands now. Segments are values: the one an append returned is the
+        segment as it was then, and compaction or a longer reply puts a changed copy in ``segments``."""
+        for seg in reversed(self.segments):  # the one asked for is nearly always among the last
             if seg.id == segment_id:
                 return seg
         raise InvalidArgumentError(f"no segment {segment_id} in session {self.id}")
@@ -394,10 +387,10 @@ class Session:
         )
         self._check_room(len(ids), [probe])
         segment = self._new_segment(kind, role=role, tool_name=tool_name, tags=tuple(tags), meta=meta)
-        self._extend_segment(segment, ids, progress)
-        segment.text = text
+        self._extend_segment(segment.id, ids, progress)
+        self._replace_segment(segment.id, text=text)
         self._after_append()
-        return segment
+        return self.segment(segment.id)
 
     @_exclusive
     def append_messages(
@@ -472,12 +465,12 @@ class Session:
             )
             start = len(self.tokens)
             if e > s:
-                self._extend_segment(seg, full[s:e], progress)
-            seg.text = msg["content"]
+                self._extend_segment(seg.id, full[s:e], progress)
+            self._replace_segment(seg.id, text=msg["content"])
             self._messages.append(msg)
             self._message_spans.append((fingerprint(msg), start, len(self.tokens)))
-            touched.append(seg)
             self._after_append()
+            touched.append(self.segment(seg.id))
         if add_generation_prompt:
             touched.append(self._open_prompt(full[ends[-1] if ends else len(base) :], progress))
         self._tools_key = tools_key(tools)
@@ -488,11 +481,11 @@ class Session:
         seg = self._new_segment("assistant", role="assistant")
         start = len(self.tokens)
         if ids:
-            self._extend_segment(seg, ids, progress)
-        seg.text = self._decode(ids)
+            self._extend_segment(seg.id, ids, progress)
+        self._replace_segment(seg.id, text=self._decode(ids))
         self._reply = (start, len(self.tokens))
         self._after_append()
-        return seg
+        return self.segment(seg.id)
 
     def _set_messages(self, messages, tools, add_generation_prompt, progress) -> list[Segment]:
         same_tools = self._tools_key == tools_key(tools)
@@ -530,11 +523,11 @@ class Session:
                     message_index=None if is_prompt else index,
                 )
             elif not is_prompt:
-                seg.message_index = index
-            self._extend_segment(seg, target[max(start, cut) : end], progress)
-            seg.text = self._decode(self.tokens[seg.start : seg.end])
-            touched.append(seg)
+                seg = self._replace_segment(seg.id, message_index=index)
+            seg = self._extend_segment(seg.id, target[max(start, cut) : end], progress)
+            self._replace_segment(seg.id, text=self._decode(self.tokens[seg.start : seg.end]))
             self._after_append()
+            touched.append(self.segment(seg.id))
         self._messages = messages
         self._message_spans = [(fingerprint(m), s, e) for m, (s, e) in zip(messages, spans)]
         self._reply = (spans[-1][1] if spans else 0, len(target)) if add_generation_prompt else None
@@ -568,7 +561,7 @@ class Session:
             closing = closing[1:]
         if closing:
             self._check_room(len(closing))
-            self._extend_segment(self._reply_segment(), closing, None)
+            self._extend_segment(self._reply_segment().id, closing, None)
         self._refresh_open_segment_text()
         self._messages.append(message)
         self._message_spans.append((fingerprint(message), prompt_start, len(self.tokens)))
@@ -656,7 +649,7 @@ class Session:
         segment = self._reply_segment()
         self.tokens.append(token)
         self._pending.append(token)
-        segment.end = len(self.tokens)
+        self._replace_segment(segment.id, end=len(self.tokens))
         return token
 
     def _end_generation(self, progress) -> None:
@@ -684,7 +677,7 @@ class Session:
             segment = self._reply_segment()
             self.tokens.extend(ids)
             self._pending.extend(ids)
-            segment.end = len(self.tokens)
+            self._replace_segment(segment.id, end=len(self.tokens))
 
     def _drop_tail(self, n: int) -> None:
         """Forget the session's last ``n`` tokens (the end of a reply)."""
@@ -694,9 +687,7 @@ class Session:
         if n <= len(self._pending):  # never run through the model: nothing to undo in the cache
             del self._pending[len(self._pending) - n :]
             del self.tokens[keep:]
-            self.segments = [s for s in self.segments if s.start < keep]
-            for seg in self.segments:
-                seg.end = min(seg.end, keep)
+            self.segments = [s if s.end <= keep else s.replaced(end=keep) for s in self.segments if s.start < keep]
         else:
             self._truncate(keep)
 
@@ -999,6 +990,14 @@ class Session:
         """Slots of the longest layer once ``n_new`` more tokens (and any pending ones) are in the cache."""
         return (self.cache.longest_layer if self.cache.layers[0].is_initialized else 0) + len(self._pending) + n_new
 
+    def _replace_segment(self, segment_id: int, **changes) -> Segment:
+        """Put a copy of the segment with ``changes`` in its place (segments are never changed in place)."""
+        for i in range(len(self.segments) - 1, -1, -1):
+            if self.segments[i].id == segment_id:
+                self.segments[i] = self.segments[i].replaced(**changes)
+                return self.segments[i]
+        raise KeyError(segment_id)
+
     def _new_segment(self, kind: str, role=None, tool_name=None, tags=(), message_index=None, meta=None) -> Segment:
         seg = Segment(
             id=self._next_segment_id,
@@ -1015,8 +1014,9 @@ class Session:
         self.segments.append(seg)
         return seg
 
-    def _extend_segment(self, segment: Segment, ids: list[int], progress: ProgressCallback | None) -> None:
-        """Prefill ``ids`` into ``segment`` chunk by chunk, giving the memory manager room before each chunk."""
+    def _extend_segment(self, segment_id: int, ids: list[int], progress: ProgressCallback | None) -> Segment:
+        """Prefill ``ids`` into the segment chunk by chunk, giving the memory manager room before each chunk;
+        returns the segment as it then stands."""
         self._flush_pending()
         done, total = 0, len(ids)
         step = self.memory.chunk_size() if self.memory is not None else self.prefill_chunk_size
@@ -1026,13 +1026,14 @@ class Session:
             chunk = ids[done : done + step]
             if self.memory is not None:
                 self.memory.make_room(len(chunk))
-            self._forward(chunk, segment.id, positions_from=len(self.tokens))
+            self._forward(chunk, segment_id, positions_from=len(self.tokens))
             self.tokens.extend(chunk)
-            segment.end = len(self.tokens)
+            self._replace_segment(segment_id, end=len(self.tokens))
             self._turn_prefilled += len(chunk)
             done += len(chunk)
             if progress is not None:
                 progress(done, total)
+        return self.segment(segment_id)
 
     def _flush_pending(self, pick: Callable[[torch.Tensor], int] | None = None) -> int | None:
         """Run sampled-but-unprocessed tokens through the model (they belong to the last segment); with
@@ -1080,7 +1081,7 @@ class Session:
             self.cache,
             ids,
             positions,
-            self.cache.rope_positions(positions),
+            self.cache.rope_positions(positions_from, len(ids), engine.device),
             segment_id,
             all_logits or recording,
             self.query_recorder,
@@ -1106,14 +1107,13 @@ class Session:
             self.memory.after_append()
 
     def _decode(self, ids: list[int]) -> str:
-        tok = self.engine.tokenizer
-        return tok.decode(ids) if tok is not None else ""
+        return self.engine.detokenize(ids)
 
     def _refresh_open_segment_text(self) -> None:
         if self.segments:
             seg = self.segments[-1]
             if seg.kind == "assistant" or not seg.text:
-                seg.text = self._decode(self.tokens[seg.start : seg.end])
+                self.segments[-1] = seg.replaced(text=self._decode(self.tokens[seg.start : seg.end]))
 
     # ---- chat internals --------------------------------------------------------------------------
     def _cut_point(self, keep: int) -> int:
@@ -1140,11 +1140,12 @@ class Session:
                 recorder.drop_from(position)
         del self.tokens[position:]
         self._last_logits = None
-        self.segments = [s for s in self.segments if s.start < position]
-        for seg in self.segments:
-            seg.end = min(seg.end, position)
-            if seg is self.segments[-1] and seg.kind == "assistant":
-                seg.text = self._decode(self.tokens[seg.start : seg.end])
+        self.segments = [
+            s if s.end <= position else s.replaced(end=position) for s in self.segments if s.start < position
+        ]
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last.kind == "assistant":
+            self.segments[-1] = last.replaced(text=self._decode(self.tokens[last.start : last.end]))
         self._message_spans = [span for span in self._message_spans if span[2] <= position]
         self._messages = self._messages[: len(self._message_spans)]
         if self._reply is not None and self._reply[1] > position:
