@@ -32,11 +32,7 @@
 
 namespace {
 
-using kvmemory_simd::exp8;
-using kvmemory_simd::f8;
-using kvmemory_simd::kLanes;
-using kvmemory_simd::load8;
-using kvmemory_simd::sum8;
+using namespace kvmemory_simd;  // f8, kLanes, load8, sum8, exp8
 
 constexpr int64_t kBlock = 32;  // slots per block: 32 x D values in L1 while every query reads them
 

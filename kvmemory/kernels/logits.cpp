@@ -22,11 +22,7 @@
 
 namespace {
 
-using kvmemory_simd::exp8;
-using kvmemory_simd::f8;
-using kvmemory_simd::kLanes;
-using kvmemory_simd::load8;
-using kvmemory_simd::sum8;
+using namespace kvmemory_simd;  // f8, kLanes, load8, sum8, exp8
 
 // The largest value of row[0, n) and its first index (with NaNs: the first NaN and its index).
 std::pair<float, int64_t> top_of(const float* row, int64_t n) {

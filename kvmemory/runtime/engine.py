@@ -177,7 +177,7 @@ class Engine:
     def detokenize(self) -> Callable[[list[int]], str]:
         """Token ids → text, exactly as ``tokenizer.decode`` gives it. A reply's text is decoded after every
         token, and transformers' ``decode`` first walks every id in Python: a fast tokenizer that cleans up
-        nothing decodes in its Rust backend directly (~100 → ~15 µs a token for a short reply)."""
+        nothing decodes in its Rust backend directly (64 ids: 9 µs against 18)."""
         tokenizer = self.tokenizer
         if tokenizer is None:
             return lambda ids: ""
