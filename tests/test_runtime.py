@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from kvmemory import (
@@ -22,6 +24,7 @@ from kvmemory import (
     UnsupportedArchitectureError,
 )
 from kvmemory.attention import folded_sdpa, mask_sdpa
+from kvmemory.runtime.recorders import SurprisalRecorder
 from tests.conftest import random_tokens, reference_copy, tiny_model
 
 
@@ -486,3 +489,55 @@ def test_rebase_runs_by_itself_past_the_trained_positions():
     assert session.cache.rope_length == 94 and int(layer.rope[0, : layer.length].max()) == 93
     assert layer.positions[0, layer.length - 1] == 159  # the transcript position is still the true one
     assert len(session.generate(max_new_tokens=5).token_ids) == 5
+
+
+@st.composite
+def recorder_calls(draw):
+    """Calls on a surprisal recorder: records at or before the end (decode steps, re-prefills, gaps, NaNs),
+    truncations, snapshots and restores of any earlier snapshot."""
+    calls = []
+    for _ in range(draw(st.integers(1, 40))):
+        kind = draw(st.sampled_from(["append", "append", "append", "record", "drop", "state", "restore"]))
+        if kind in ("append", "record"):
+            values = draw(
+                st.lists(st.one_of(st.floats(0, 20, width=32), st.just(float("nan"))), min_size=1, max_size=6)
+            )
+            calls.append((kind, draw(st.integers(0, 80)), values))
+        else:
+            calls.append((kind, draw(st.integers(0, 80)), None))
+    return calls
+
+
+def same(values: torch.Tensor, expected: list[float]) -> bool:
+    """Equal values, NaN where NaN (surprisal is never negative, so -1 stands for NaN)."""
+    return torch.equal(values.nan_to_num(-1.0), torch.tensor(expected, dtype=torch.float32).nan_to_num(-1.0))
+
+
+@settings(max_examples=200, deadline=None)
+@given(recorder_calls())
+def test_the_surprisal_recorder_matches_a_plain_list_and_its_snapshots_never_change(calls):
+    """Growing in place is invisible: every call leaves the values a plain list would hold, and every snapshot
+    taken keeps its values whatever follows (appends past it, truncations, restores of other snapshots)."""
+    recorder, model, snapshots = SurprisalRecorder(), [], []
+    for kind, number, values in calls:
+        if kind in ("append", "record"):
+            start = len(model) if kind == "append" else number
+            model.extend([math.nan] * (start - len(model)))
+            for i, value in enumerate(values):
+                at = start + i
+                if at < len(model):
+                    model[at] = model[at] if math.isnan(value) else value
+                else:
+                    model.append(value)
+            recorder.record(start, torch.tensor(values))
+        elif kind == "drop":
+            del model[number:]
+            recorder.drop_from(number)
+        elif kind == "state":
+            snapshots.append((recorder.state(), list(model)))
+        elif snapshots:
+            state, expected = snapshots[number % len(snapshots)]
+            recorder.restore(state)
+            model = list(expected)
+        assert same(recorder.values, model)
+        assert all(same(state, expected) for state, expected in snapshots)

@@ -175,32 +175,49 @@ class SurprisalRecorder:
     """Surprisal −log p(x_i | x_<i) in nats of every token as it enters the session, by logical position
     (NaN where unknown: the session's first token, or tokens appended before recording began).
 
-    The values live in one tensor that is replaced, never written in place, so ``state()`` is a reference."""
+    The values live in a buffer with room to grow, as the cache's rows do: a decoded token writes one value
+    past the end, not a copy of every value so far. A snapshot (``state``) is a view of the values up to the
+    end; rows a snapshot can see are never written again (an append below the furthest end a snapshot saw
+    moves the values to a new buffer first)."""
 
     def __init__(self):
-        self.values = torch.empty(0)
+        self._buffer = torch.empty(0)
+        self._length = 0
+        self._shared = 0  # the furthest end any snapshot has seen: rows below it are read-only
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._buffer[: self._length]
 
     def record(self, start: int, values: torch.Tensor) -> None:
         """Surprisal of the tokens at ``start``, ``start + 1``, …; a NaN never hides a known value."""
         values = values.detach().float().cpu()
-        if start == len(self.values):  # the common case, every decoded token: one op
-            self.values = torch.cat([self.values, values])
+        end = start + len(values)
+        if start == self._length and start >= self._shared and end <= len(self._buffer):  # every decoded token
+            self._buffer[start:end] = values
+            self._length = end
             return
-        old = self.values[start : start + len(values)]
-        if old.numel():
-            values = values.clone()
-            values[: old.numel()] = torch.where(values[: old.numel()].isnan(), old, values[: old.numel()])
-        gap = torch.full((max(0, start - len(self.values)),), float("nan"))
-        self.values = torch.cat([self.values[:start], gap, values, self.values[start + len(values) :]])
+        old = self.values
+        if start == self._length:
+            merged = values
+        else:
+            known = old[start:end]
+            merged = values.clone()
+            merged[: known.numel()] = torch.where(merged[: known.numel()].isnan(), known, merged[: known.numel()])
+        gap = torch.full((max(0, start - self._length),), float("nan"))
+        joined = torch.cat([old[:start], gap, merged, old[end:]])
+        self._buffer = torch.cat([joined, torch.full((len(joined) // 4 + 64,), float("nan"))])  # room to grow
+        self._length, self._shared = len(joined), 0
 
     def drop_from(self, position: int) -> None:
-        self.values = self.values[:position]
+        self._length = min(self._length, position)
 
     def state(self) -> torch.Tensor:
+        self._shared = max(self._shared, self._length)
         return self.values
 
     def restore(self, state: torch.Tensor) -> None:
-        self.values = state
+        self._buffer, self._length, self._shared = state, len(state), len(state)
 
 
 def surprisal_of(ids: list[int], before: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
