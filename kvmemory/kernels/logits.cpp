@@ -78,7 +78,7 @@ void check_logits(const at::Tensor& logits) {
   TORCH_CHECK(logits.size(1) > 0, "logits must have at least one column");
 }
 
-// `body(row, r)` for every row of a checked (rows, n) logits tensor, rows in parallel
+// `body(row, r, n)` for every row of a checked (rows, n) logits tensor, rows in parallel
 template <typename Body>
 void each_row(const at::Tensor& logits, Body body) {
   const int64_t rows = logits.size(0), n = logits.size(1);
@@ -86,14 +86,14 @@ void each_row(const at::Tensor& logits, Body body) {
   // OpenMP directly, as in decode_attention.cpp (at::parallel_for's inline setup would reset the team size)
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows)));
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
-  for (int64_t r = 0; r < rows; ++r) body(x + r * n, r);
+  for (int64_t r = 0; r < rows; ++r) body(x + r * n, r, n);
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
   check_logits(logits);
   at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
   int64_t* index = out.data_ptr<int64_t>();
-  each_row(logits, [&](const float* row, int64_t r) { index[r] = top_of(row, logits.size(1)).second; });
+  each_row(logits, [&](const float* row, int64_t r, int64_t n) { index[r] = top_of(row, n).second; });
   return out;
 }
 
@@ -101,10 +101,7 @@ at::Tensor logsumexp_rows(const at::Tensor& logits) {
   check_logits(logits);
   at::Tensor out = at::empty({logits.size(0)}, logits.options());
   float* lse = out.data_ptr<float>();
-  each_row(logits, [&](const float* row, int64_t r) {
-    const int64_t n = logits.size(1);
-    lse[r] = log_sum_exp(row, n, top_of(row, n).first);
-  });
+  each_row(logits, [&](const float* row, int64_t r, int64_t n) { lse[r] = log_sum_exp(row, n, top_of(row, n).first); });
   return out;
 }
 

@@ -205,9 +205,10 @@ class SurprisalRecorder:
             merged = values.clone()
             merged[: known.numel()] = torch.where(merged[: known.numel()].isnan(), known, merged[: known.numel()])
         gap = torch.full((max(0, start - self._length),), float("nan"))
-        joined = torch.cat([old[:start], gap, merged, old[end:]])
-        self._buffer = torch.cat([joined, torch.full((len(joined) // 4 + 64,), float("nan"))])  # room to grow
-        self._length, self._shared = len(joined), 0
+        room = torch.full((len(old) // 4 + 64,), float("nan"))  # to grow into
+        parts = [old[:start], gap, merged, old[end:]]
+        self._buffer = torch.cat([*parts, room])
+        self._length, self._shared = sum(len(part) for part in parts), 0
 
     def drop_from(self, position: int) -> None:
         self._length = min(self._length, position)
