@@ -29,6 +29,7 @@ truncated part copies the storage first). ``restore()`` therefore gives back eve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
@@ -145,7 +146,8 @@ class CompactLayer(CacheLayerMixin):
 
     # ---- layout ----------------------------------------------------------------------------------
     def _set(self, state: LayerState) -> None:
-        self.slots, self.starts, self.capacities, self.lengths, self.shared, self.biased = state
+        self.slots, self.starts, self.capacities, lengths, self.shared, self.biased = state
+        self._set_lengths(lengths)
         heads = len(self.starts)
         # every head has the same capacity and length: the flat tensors are (H, C, ...) views as they stand
         # (starts are always the running sum of the capacities); appends keep it so
@@ -156,15 +158,11 @@ class CompactLayer(CacheLayerMixin):
     def num_heads(self) -> int:
         return len(self.starts)
 
-    @property
-    def length(self) -> int:
-        """The longest head's slot count (the width of the whole-layer views)."""
-        return max(self.lengths, default=0)
-
-    @property
-    def slot_count(self) -> int:
-        """Slots held, summed over heads (what memory pays for)."""
-        return sum(self.lengths)
+    def _set_lengths(self, lengths: tuple[int, ...]) -> None:
+        """Each head's live slot count, and what the memory cap and the attention window read of them on every
+        decoded token: ``length``, the longest head's count (the width of the whole-layer views), and
+        ``slot_count``, the sum over heads (what memory pays for)."""
+        self.lengths, self.length, self.slot_count = lengths, max(lengths, default=0), sum(lengths)
 
     def head_views(self, name: str) -> list[torch.Tensor]:
         """Each head's live rows of one field (views, no copy)."""
@@ -234,14 +232,14 @@ class CompactLayer(CacheLayerMixin):
             views.keys[:, n:end] = key_states[0]
             views.values[:, n:end] = value_states[0]
             views.meta[:, n:end] = meta
-            self.lengths = (end,) * self.num_heads
+            self._set_lengths((end,) * self.num_heads)
             return views.keys[None, :, :end], views.values[None, :, :end]
         slots = self.slots
         for h, (start, n) in enumerate(zip(self.starts, self.lengths)):  # a few heads: slice copies are cheapest
             slots.keys[start + n : start + n + q] = key_states[0, h]
             slots.values[start + n : start + n + q] = value_states[0, h]
             slots.meta[start + n : start + n + q] = meta
-        self.lengths = tuple(n + q for n in self.lengths)
+        self._set_lengths(tuple(n + q for n in self.lengths))
         return (
             [k[None, None] for k in self.head_views("keys")],
             [v[None, None] for v in self.head_views("values")],
@@ -251,7 +249,7 @@ class CompactLayer(CacheLayerMixin):
         """Count ``q`` more rows per head as live without writing them: the caller writes each head's new rows
         (the CPU decode kernel writes a decoded token's key, value and metadata as it attends)."""
         self._make_room(q)
-        self.lengths = tuple(n + q for n in self.lengths)
+        self._set_lengths(tuple(n + q for n in self.lengths))
 
     def _make_room(self, q: int) -> None:
         if not self._room_for(q):
@@ -483,14 +481,14 @@ class CompactCache(Cache):
     def physical_length(self) -> int:
         """Slots per head as memory counts them: the mean over every layer's heads, rounded up (layers and
         heads may hold different counts), so ``physical_length × bytes_per_token`` bounds the KV bytes held."""
-        total = sum(layer.slot_count for layer in self.layers)
-        heads = sum(layer.num_heads for layer in self.layers)
+        total = sum(map(attrgetter("slot_count"), self.layers))  # read on every decoded token
+        heads = sum(map(attrgetter("num_heads"), self.layers))
         return -(-total // heads) if heads else 0
 
     @property
     def longest_layer(self) -> int:
         """The most slots any head holds (what the model's attention window must cover)."""
-        return max(layer.length for layer in self.layers)
+        return max(map(attrgetter("length"), self.layers))
 
     def rope_positions(self, start: int, count: int, device=None) -> torch.Tensor:
         """RoPE positions of ``count`` tokens appended from transcript position ``start`` (≥ the logical length)."""

@@ -164,39 +164,61 @@ class ForwardBatcher:
         self._busy = False
         self._returning: set[int] = set()  # caches of the last pass that have not queued again
         self._gather_until = 0.0
-        self._cond = threading.Condition()
+        self._gathering = False  # one waiting thread gathers the next pass; the others wait for passes to end
+        lock = threading.Lock()
+        self._pass_ended = threading.Condition(lock)
+        self._arrived = threading.Condition(lock)  # the gatherer's: a request was queued
         self.forward = forward_for(model)
 
     def run(self, request: ForwardRequest) -> torch.Tensor:
-        """Queue ``request``, take part in passes until it has run (``after`` too), and return its logits."""
-        with self._cond:
+        """Queue ``request``, take part in passes until it has run (``after`` too), and return its logits.
+
+        Waking a thread costs a hand-over of the GIL, and eight sessions between two passes would otherwise
+        wake each other dozens of times: an arrival wakes only the thread gathering the next pass, and the
+        end of a pass wakes the threads waiting on it."""
+        with self._pass_ended:
             self._queue.append(request)
             self._returning.discard(id(request.cache))
-            self._cond.notify_all()
+            self._arrived.notify()
             while not request.done:
                 if self._busy:
-                    self._cond.wait()
+                    self._pass_ended.wait()
                     continue
                 wait = self._gather_until - time.perf_counter()
                 if self._returning and wait > 0:
-                    self._cond.wait(wait)
+                    if self._gathering:
+                        self._pass_ended.wait()
+                    else:
+                        self._gather(wait)
                     continue
                 batch = self._take()
                 self._busy = True
-                self._cond.release()
+                self._pass_ended.release()
                 started = time.perf_counter()
                 try:
                     self.execute(self._run, batch)
                 finally:
-                    self._cond.acquire()
+                    self._pass_ended.acquire()
                     self._busy = False
                     now = time.perf_counter()
                     self._returning = {id(r.cache) for r in batch}
                     self._gather_until = now + min(self.max_gather_seconds, (now - started) / 2)
-                    self._cond.notify_all()
+                    self._pass_ended.notify_all()
         if request.error is not None:
             raise request.error
         return request.logits
+
+    def _gather(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the next arrival, as the one thread gathering the next pass (whoever
+        then finds the pass ready runs it). Interrupted, it hands the gathering to a thread still waiting."""
+        self._gathering = True
+        try:
+            self._arrived.wait(seconds)
+        except BaseException:
+            self._pass_ended.notify()
+            raise
+        finally:
+            self._gathering = False
 
     def execute(self, fn, *args):
         """``fn(*args)`` where this model's kernels run best: the compute thread on CPU (see
