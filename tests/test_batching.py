@@ -120,6 +120,35 @@ def test_decoders_that_leave_at_different_steps_all_finish_as_they_would_alone()
     assert engine.batcher.stats.largest > 1
 
 
+def test_sessions_starting_replies_together_share_their_first_pass():
+    """A request that finds the engine idle waits for the sessions already inside a reply (``expecting``):
+    otherwise the first to arrive runs alone and the group decodes one pass behind from then on."""
+    engine = Engine(tiny_model("llama", eos_token_id=None))
+    engine.batcher.max_gather_seconds = 5.0  # only a bound: the wait ends as soon as every session is in
+    sessions = []
+    for i in range(4):
+        session = engine.session()
+        session.append_tokens(random_tokens(12 + i, seed=i))
+        session.generate(max_new_tokens=1)  # a sampled token is pending: the next reply starts with a forward
+        sessions.append(session)
+    sizes, forward = [], engine.batcher.forward
+
+    def counting(input_ids, rope, cache, *args):
+        sizes.append(len(cache.requests))
+        return forward(input_ids, rope, cache, *args)
+
+    engine.batcher.forward = counting
+    everyone_in = threading.Barrier(len(sessions))
+
+    def reply(session):  # what generate announces, made certain before the first request (threads race)
+        with engine.batcher.expecting():
+            everyone_in.wait()
+            return session.generate(max_new_tokens=6).token_ids
+
+    run_together(sessions, reply)
+    assert sizes[0] == len(sessions)
+
+
 def test_packed_logits_match_lone_logits_on_every_architecture(arch):
     engine = Engine(tiny_model(arch))
     prompts = [random_tokens(n, seed=n) for n in (5, 17, 40)]

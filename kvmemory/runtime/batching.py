@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +153,9 @@ class ForwardBatcher:
     After a pass, the next one waits briefly for the sessions that were in it, which are sampling their
     next token, so that concurrent decoders stay in step instead of splitting into groups that alternate:
     at most ``max_gather_seconds`` and half the last pass's time, and not at all once they are all back.
+    A request that finds the engine idle waits likewise (at most ``max_gather_seconds``) for the sessions
+    that are inside a decode step (``expecting``) and about to queue theirs, so that sessions starting a
+    reply together share their first pass instead of one of them running it alone.
     """
 
     def __init__(self, model, max_tokens: int = 2048, max_gather_seconds: float = 0.1, attention_path=None):
@@ -165,6 +169,9 @@ class ForwardBatcher:
         self._returning: set[int] = set()  # caches of the last pass that have not queued again
         self._gather_until = 0.0
         self._gathering = False  # one waiting thread gathers the next pass; the others wait for passes to end
+        self._expected = 0  # threads inside ``expecting`` without a request queued
+        self._starting = False  # the pass being gathered starts on an idle engine: it waits for the expected
+        self._decoders = threading.local()  # per thread: how deep in ``expecting`` blocks
         lock = threading.Lock()
         self._pass_ended = threading.Condition(lock)
         self._arrived = threading.Condition(lock)  # the gatherer's: a request was queued
@@ -176,37 +183,68 @@ class ForwardBatcher:
         Waking a thread costs a hand-over of the GIL, and eight sessions between two passes would otherwise
         wake each other dozens of times: an arrival wakes only the thread gathering the next pass, and the
         end of a pass wakes the threads waiting on it."""
+        decoding = getattr(self._decoders, "depth", 0) > 0
         with self._pass_ended:
             self._queue.append(request)
             self._returning.discard(id(request.cache))
+            self._expected -= decoding
             self._arrived.notify()
-            while not request.done:
-                if self._busy:
-                    self._pass_ended.wait()
-                    continue
-                wait = self._gather_until - time.perf_counter()
-                if self._returning and wait > 0:
-                    if self._gathering:
-                        self._pass_ended.wait()
-                    else:
-                        self._gather(wait)
-                    continue
-                batch = self._take()
-                self._busy = True
-                self._pass_ended.release()
-                started = time.perf_counter()
-                try:
-                    self.execute(self._run, batch)
-                finally:
-                    self._pass_ended.acquire()
-                    self._busy = False
-                    now = time.perf_counter()
-                    self._returning = {id(r.cache) for r in batch}
-                    self._gather_until = now + min(self.max_gather_seconds, (now - started) / 2)
-                    self._pass_ended.notify_all()
+            try:
+                self._take_part(request)
+            finally:
+                self._expected += decoding
         if request.error is not None:
             raise request.error
         return request.logits
+
+    def _take_part(self, request: ForwardRequest) -> None:
+        """Under the lock: wait, gather or run passes until ``request`` is done."""
+        now = time.perf_counter()
+        if not self._busy and not self._starting and self._expected and now > self._gather_until:  # idle engine
+            self._starting, self._returning = True, set()  # the last pass's sessions are gone or back
+            self._gather_until = now + self.max_gather_seconds
+        while not request.done:
+            if self._busy:
+                self._pass_ended.wait()
+                continue
+            wait = self._gather_until - time.perf_counter()
+            if (self._returning or self._starting and self._expected) and wait > 0:
+                if self._gathering:
+                    self._pass_ended.wait()
+                else:
+                    self._gather(wait)
+                continue
+            batch = self._take()
+            self._busy, self._starting = True, False
+            self._pass_ended.release()
+            started = time.perf_counter()
+            try:
+                self.execute(self._run, batch)
+            finally:
+                self._pass_ended.acquire()
+                self._busy = False
+                now = time.perf_counter()
+                self._returning = {id(r.cache) for r in batch}
+                self._gather_until = now + min(self.max_gather_seconds, (now - started) / 2)
+                self._pass_ended.notify_all()
+
+    @contextmanager
+    def expecting(self) -> Iterator[None]:
+        """Within the block this thread is decoding: whenever it has no request queued, one is on its way,
+        and a pass that starts on an idle engine waits for it (see the class docstring). Blocks nest."""
+        depth = getattr(self._decoders, "depth", 0)
+        if depth == 0:
+            with self._pass_ended:
+                self._expected += 1
+        self._decoders.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._decoders.depth = depth
+            if depth == 0:
+                with self._pass_ended:
+                    self._expected -= 1
+                    self._arrived.notify()
 
     def _gather(self, seconds: float) -> None:
         """Wait up to ``seconds`` for the next arrival, as the one thread gathering the next pass (whoever

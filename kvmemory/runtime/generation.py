@@ -184,7 +184,8 @@ class Generation:
                 return self._release(self._text())
             state = session.snapshot(), (list(self.generated), self.emitted, self.finish)
             try:
-                token = session._sample_next(params, self._generator, self)
+                with session.engine.batcher.expecting():
+                    token = session._sample_next(params, self._generator, self)
             except BaseException:
                 session.restore(state[0])
                 self.close()

@@ -580,7 +580,7 @@ class Session:
     ) -> GenerationResult:
         """Generate a continuation of the session (greedy unless ``temperature`` > 0). If it fails, the
         caller received nothing and the session is left as it was before the call."""
-        with self._lock, self._atomic():
+        with self._lock, self._atomic(), self.engine.batcher.expecting():
             generation = self.start_generation(
                 params,
                 max_new_tokens=max_new_tokens,
