@@ -11,7 +11,8 @@ no two sessions hold the same context. Each session runs under the default memor
 * turn: the trace's next tool call and result are appended and a reply is streamed: time to first token.
 
 Side by side in one run, on the same contexts, the decode phases of every session count and condition
-taking turns, ``--repeats`` rounds of them (medians; a session's context grows by ``--tokens`` a round):
+taking turns, ``--repeats`` rounds of them (medians; each phase after an untimed 4-token reply that warms the
+caches the condition before it left cold; a session's context grows by ``--tokens`` + 4 a round):
 
 * ``kvmemory``: the engine batches the sessions' forwards (``ForwardBatcher``); on a CPU its decode steps
   attend in kvmemory's decode kernel (``kvmemory.attention.decode_kernel``), which also writes their rows.
@@ -45,6 +46,8 @@ from benchmarks.common import RESULTS, save, table
 from kvmemory import Engine, SamplingParams, run_on_compute
 from kvmemory.memory import MemoryManager, default_policy
 from kvmemory.runtime.weights import WEIGHT_FORMATS
+
+WARM_UP_TOKENS = 4
 
 
 def contexts(engine: Engine, count: int, context: int) -> list[tuple[list[dict], list[dict]]]:
@@ -117,7 +120,12 @@ def turn(following: dict, tokens: int):
 
 
 def decode_phase(engine: Engine, sessions, tokens: int) -> dict:
-    """All sessions decode ``tokens`` greedy tokens at once: aggregate and per-session tokens/s, passes."""
+    """All sessions decode ``tokens`` greedy tokens at once: aggregate and per-session tokens/s, passes.
+
+    An untimed reply of ``WARM_UP_TOKENS`` comes first: every condition follows another's run (the one before
+    it, transformers' padded batch, churns hundreds of MB), and a phase of a second or less would otherwise
+    pay for the caches it finds cold, the shorter phases of fewer sessions most."""
+    all_at_once(sessions, decode(WARM_UP_TOKENS))
     before = engine.batcher.stats.passes, engine.batcher.stats.requests
     wall, results = all_at_once(sessions, decode(tokens))
     # the first token of a reply comes from the prompt's logits: the others each need a decode forward
