@@ -293,6 +293,7 @@ def main() -> None:
     print(table(rows, list(rows[0])))
     plot(rows, RESULTS / "concurrency.png")
     settings = {"context": args.context, "tokens": args.tokens, "cap": args.cap, "repeats": args.repeats}
+    settings["warm_up_tokens"] = WARM_UP_TOKENS
     settings["weights"], settings["kv_dtype"] = engine.weights, str(engine.kv_dtype).removeprefix("torch.")
     settings["default_method"] = default_policy().default.method
     out = save("concurrency", {**settings, "rows": rows})

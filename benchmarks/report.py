@@ -444,12 +444,13 @@ def concurrency_section(d: dict) -> str:
         "TTFT s batched / unbatched",
         "KV MiB kvmemory / fp32 cache / transformers",
     ]
+    warmed = f"; each after an untimed {d['warm_up_tokens']}-token reply" if "warm_up_tokens" in d else ""
     return (
         f"**Many agents at once** (`python -m benchmarks.concurrency`{formats_of(d)}{on_cpu(d)}): concurrent "
         f"agent sessions on the default model, each holding an agent trace (up to {d['context']} tokens of real tool "
         f"calls and outputs) under the default policy with a cap of {d['cap']} slots (its method then: "
         f"`{d['default_method']}`), decode {d['tokens']} greedy tokens at once (aggregate decode "
-        f"tokens/s, median of {d['repeats']}), then append their "
+        f"tokens/s, median of {d['repeats']}{warmed}), then append their "
         "next tool result and stream a reply (time to first token). Side by side: the engine batching the sessions' "
         "forwards (on CPU attending in kvmemory's decode kernel), the same with the cache stored in fp32 (twice "
         "the bytes), the same with attention on torch's sdpa, the same engine one session per forward, and "
