@@ -11,8 +11,8 @@ no two sessions hold the same context. Each session runs under the default memor
 * turn: the trace's next tool call and result are appended and a reply is streamed: time to first token.
 
 Side by side in one run, on the same contexts, the decode phases of every session count and condition
-taking turns, ``--repeats`` rounds of them (medians; each phase after an untimed 4-token reply that warms the
-caches the condition before it left cold; a session's context grows by ``--tokens`` + 4 a round):
+taking turns, ``--repeats`` rounds of them (medians; each phase after an untimed ``WARM_UP_TOKENS``-token reply that
+warms the caches the condition before it left cold; a session's context grows by that and ``--tokens`` a round):
 
 * ``kvmemory``: the engine batches the sessions' forwards (``ForwardBatcher``); on a CPU its decode steps
   attend in kvmemory's decode kernel (``kvmemory.attention.decode_kernel``), which also writes their rows.
@@ -128,7 +128,8 @@ def decode_phase(engine: Engine, sessions, tokens: int) -> dict:
     all_at_once(sessions, decode(WARM_UP_TOKENS))
     before = engine.batcher.stats.passes, engine.batcher.stats.requests
     wall, results = all_at_once(sessions, decode(tokens))
-    # the first token of a reply comes from the prompt's logits: the others each need a decode forward
+    # n − 1 tokens a session: its first step may need no forward (a fresh prompt's logits are at hand); after
+    # the warm-up it forwards the token that reply left pending. Alike for every condition, so ratios hold
     return {
         "tok_s": sum(n - 1 for n, _ in results) / wall,
         "per_session": [(n - 1) / t for n, t in results],
