@@ -336,9 +336,12 @@ class Session:
     def segment(self, segment_id: int) -> Segment:
         """The segment with this id as it stands now. Segments are values: the one an append returned is the
         segment as it was then, and compaction or a longer reply puts a changed copy in ``segments``."""
-        for seg in reversed(self.segments):  # the one asked for is nearly always among the last
-            if seg.id == segment_id:
-                return seg
+        return self.segments[self._segment_index(segment_id)]
+
+    def _segment_index(self, segment_id: int) -> int:
+        for i in range(len(self.segments) - 1, -1, -1):  # the one asked for is nearly always among the last
+            if self.segments[i].id == segment_id:
+                return i
         raise InvalidArgumentError(f"no segment {segment_id} in session {self.id}")
 
     def transcript(self) -> list[dict]:
@@ -992,11 +995,9 @@ class Session:
 
     def _replace_segment(self, segment_id: int, **changes) -> Segment:
         """Put a copy of the segment with ``changes`` in its place (segments are never changed in place)."""
-        for i in range(len(self.segments) - 1, -1, -1):
-            if self.segments[i].id == segment_id:
-                self.segments[i] = self.segments[i].replaced(**changes)
-                return self.segments[i]
-        raise KeyError(segment_id)
+        i = self._segment_index(segment_id)
+        self.segments[i] = self.segments[i].replaced(**changes)
+        return self.segments[i]
 
     def _new_segment(self, kind: str, role=None, tool_name=None, tags=(), message_index=None, meta=None) -> Segment:
         seg = Segment(
