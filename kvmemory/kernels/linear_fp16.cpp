@@ -37,11 +37,24 @@ constexpr int64_t K_CHUNK = 128;  // steps over k that the blocks of a tile take
 #define ROW(i)                                                                     \
   if constexpr (R > i) {                                                           \
     const __m256 a = _mm256_broadcast_ss(x + i * K + k);                           \
-    FMA(i, 0) FMA(i, 1) FMA(i, 2) FMA(i, 3) FMA(i, 4) FMA(i, 5) FMA(i, 6) FMA(i, 7) \
+    FMA(i, 0) FMA(i, 1)                                                             \
   }
 #define LOAD(j)      \
   if constexpr (2 * P > j) \
     w##j = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel[j / 2] + k * COLS + (j % 2) * 8)));
+// Blocks of several panels (at most 3 rows) hold their rows' inputs and take one weight vector at a time:
+// holding all 2P weight vectors for every row as well would need more than AVX2's 16 registers (2 rows × 3
+// panels: 12 sums, 6 weights, 1 input) and the compiler spilled, so 2 rows ran as slowly as 2 rows one by one.
+#define INPUT(i) \
+  const __m256 a##i = R > i ? _mm256_broadcast_ss(x + i * K + k) : z;
+#define COLUMN(j)                                                                                          \
+  if constexpr (2 * P > j) {                                                                               \
+    const __m256 w = _mm256_cvtph_ps(                                                                      \
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel[j / 2] + k * COLS + (j % 2) * 8)));        \
+    c0##j = _mm256_fmadd_ps(a0, w, c0##j);                                                                 \
+    if constexpr (R > 1) c1##j = _mm256_fmadd_ps(a1, w, c1##j);                                            \
+    if constexpr (R > 2) c2##j = _mm256_fmadd_ps(a2, w, c2##j);                                            \
+  }
 #define ZERO(i) \
   __m256 c##i##0 = z, c##i##1 = z, c##i##2 = z, c##i##3 = z, c##i##4 = z, c##i##5 = z, c##i##6 = z, c##i##7 = z;
 #define STORE(i, j) \
@@ -63,14 +76,20 @@ void block(const float* x, int64_t K, const uint16_t* panels, int64_t k0, int64_
   if (k0 > 0) {
     LOAD_ACC_ROW(0) LOAD_ACC_ROW(1) LOAD_ACC_ROW(2) LOAD_ACC_ROW(3) LOAD_ACC_ROW(4) LOAD_ACC_ROW(5)
   }
-  __m256 w0 = z, w1 = z, w2 = z, w3 = z, w4 = z, w5 = z, w6 = z, w7 = z;
+  __m256 w0 = z, w1 = z;  // P == 1: the panel's two weight vectors at this k
   const uint16_t* panel[4] = {panels, panels + K * COLS, panels + 2 * K * COLS, panels + 3 * K * COLS};
   for (int64_t k = k0; k < k1; ++k) {
-    // a block of many rows computes long enough per line that the hardware prefetcher falls behind: fetch a
-    // kilobyte ahead (8 and 16 rows 15-18% faster on a 2-core AVX2 EPYC; prefetches past the end never fault)
-    if constexpr (P == 1) _mm_prefetch(reinterpret_cast<const char*>(panel[0] + (k + PREFETCH) * COLS), _MM_HINT_T0);
-    LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5) LOAD(6) LOAD(7)
-    ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+    if constexpr (P == 1) {
+      // a block of many rows computes long enough per line that the hardware prefetcher falls behind: fetch a
+      // kilobyte ahead (8 and 16 rows 15-18% faster on a 2-core AVX2 EPYC; prefetches past the end never fault)
+      _mm_prefetch(reinterpret_cast<const char*>(panel[0] + (k + PREFETCH) * COLS), _MM_HINT_T0);
+      LOAD(0) LOAD(1)
+      ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+    } else {
+      static_assert(R <= 3, "blocks of several panels hold at most three rows' inputs");
+      INPUT(0) INPUT(1) INPUT(2)
+      COLUMN(0) COLUMN(1) COLUMN(2) COLUMN(3) COLUMN(4) COLUMN(5) COLUMN(6) COLUMN(7)
+    }
   }
   STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
 }
