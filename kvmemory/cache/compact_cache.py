@@ -249,7 +249,11 @@ class CompactLayer(CacheLayerMixin):
         """Count ``q`` more rows per head as live without writing them: the caller writes each head's new rows
         (the CPU decode kernel writes a decoded token's key, value and metadata as it attends)."""
         self._make_room(q)
-        self._set_lengths(tuple(n + q for n in self.lengths))
+        if self.uniform:  # every layer of every decoded token: no loop over the heads
+            n, heads = self.length + q, len(self.lengths)
+            self.lengths, self.length, self.slot_count = (n,) * heads, n, n * heads
+        else:
+            self._set_lengths(tuple(n + q for n in self.lengths))
 
     def _make_room(self, q: int) -> None:
         if not self._room_for(q):
@@ -455,12 +459,14 @@ class CompactCache(Cache):
         self._layer_done(layer_idx)
         return keys, values
 
-    def claim(self, q: int, layer_idx: int) -> torch.Tensor:
-        """``update`` without the writes (``CompactLayer.claim``): returns the (q, 4) metadata rows the caller
-        writes with the keys and values. The layer must hold storage already."""
-        meta = self._pending_meta(q, self.layers[layer_idx].device)
-        self.layers[layer_idx].claim(q)
-        self._layer_done(layer_idx)
+    def claim(self, q: int) -> torch.Tensor:
+        """``update`` of every layer at once, without the writes (``CompactLayer.claim``): returns the (q, 4)
+        metadata rows the caller writes with each layer's keys and values. The layers must hold storage
+        already. One call per decode step instead of one per layer: a packed pass claims for every session."""
+        meta = self._pending_meta(q, self.layers[0].device)
+        for layer in self.layers:
+            layer.claim(q)
+        self._layer_done(len(self.layers) - 1)
         return meta
 
     def _pending_meta(self, q: int, device) -> torch.Tensor:

@@ -92,9 +92,8 @@ class PackedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.kernel_writes and decode_kernel.usable(key_states) and value_states.shape[-1] % 8 == 0:
-            metas = [request.cache.claim(1, layer_idx) for request in self.requests]
-            if self._new_meta is None:  # the same rows for every layer of the pass
-                self._new_meta = torch.cat(metas)
+            if self._new_meta is None:  # the first layer claims a row in every layer; the rows are the same
+                self._new_meta = torch.cat([request.cache.claim(1) for request in self.requests])
             self.new_rows = (layer_idx, key_states, value_states, self._new_meta)
             return None, None
         keys, values = [], []
