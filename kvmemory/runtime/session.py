@@ -137,6 +137,7 @@ class Session:
         self.id = session_id or f"session-{id(self):x}"
         self.cache = CompactCache(engine.num_layers, engine.kv_dtype)
         self.tokens: list[int] = []  # the logical transcript: tokens[i] sits at position i
+        self._tokens_shared = 0  # snapshots hold ``tokens`` itself up to this length (``_cut_tokens``)
         self.segments: list[Segment] = []
         self._messages: list[dict] = []
         self.prefill_chunk_size = prefill_chunk_size
@@ -173,9 +174,11 @@ class Session:
     def snapshot(self) -> SessionState:
         """The session's whole state, for ``restore``: O(segments) Python objects, no tensor copies."""
         rec, hidden = self.query_recorder, self.hidden_recorder
+        self._tokens_shared = max(self._tokens_shared, len(self.tokens))
         return SessionState(
             self.cache.snapshot(),
-            list(self.tokens),
+            self.tokens,
+            len(self.tokens),
             list(self._pending),
             self._last_logits,
             list(self.segments),  # segments are never changed in place
@@ -196,7 +199,8 @@ class Session:
     def restore(self, state: SessionState) -> None:
         """Put the session back exactly as it was when ``state`` was taken."""
         self.cache.restore(state.cache)
-        self.tokens, self._pending, self._last_logits = list(state.tokens), list(state.pending), state.last_logits
+        self.tokens, self._tokens_shared = state.tokens, 0
+        self._pending, self._last_logits = list(state.pending), state.last_logits
         self.segments = list(state.segments)
         self._next_segment_id = state.next_segment_id
         self._messages, self._message_spans = list(state.messages), list(state.message_spans)
@@ -689,7 +693,7 @@ class Session:
         keep = len(self.tokens) - n
         if n <= len(self._pending):  # never run through the model: nothing to undo in the cache
             del self._pending[len(self._pending) - n :]
-            del self.tokens[keep:]
+            self._cut_tokens(keep)
             self.segments = [s if s.end <= keep else s.replaced(end=keep) for s in self.segments if s.start < keep]
         else:
             self._truncate(keep)
@@ -1139,7 +1143,7 @@ class Session:
         for recorder in (self.hidden_recorder, self.surprisal_recorder):
             if recorder is not None:
                 recorder.drop_from(position)
-        del self.tokens[position:]
+        self._cut_tokens(position)
         self._last_logits = None
         self.segments = [
             s if s.end <= position else s.replaced(end=position) for s in self.segments if s.start < position
@@ -1155,6 +1159,14 @@ class Session:
             for seg in self.segments:
                 for i in range(seg.start, seg.end, self.prefill_chunk_size):
                     self._forward(self.tokens[i : min(i + self.prefill_chunk_size, seg.end)], seg.id, positions_from=i)
+
+    def _cut_tokens(self, position: int) -> None:
+        """Drop the transcript from ``position`` on. Snapshots hold the list itself up to ``_tokens_shared``
+        (``SessionState.tokens``): a cut below that cuts a copy, so theirs stays intact."""
+        if position < self._tokens_shared:
+            self.tokens, self._tokens_shared = self.tokens[:position], 0
+        else:
+            del self.tokens[position:]
 
     def _ensure_logits(self) -> None:
         """Next-token logits for the session's end: run pending tokens, or re-run the last token."""

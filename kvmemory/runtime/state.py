@@ -14,7 +14,8 @@ class SessionState:
     """Everything a Session's calls can change, captured cheaply (the cache part is copy-on-write)."""
 
     cache: object
-    tokens: list[int]
+    transcript: list[int]  # the session's token list itself, shared, not copied (see ``tokens``)
+    token_count: int
     pending: list[int]
     last_logits: torch.Tensor | None
     segments: list[Segment]
@@ -30,3 +31,10 @@ class SessionState:
     hidden: dict | None
     memory: tuple | None
     surprisal: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """The transcript as it was. A snapshot is taken before every decoded token, so it holds the session's
+        own list and its length, not a copy: the session only appends past that length, and copies the
+        list before it cuts below a length a snapshot holds (``Session._cut_tokens``)."""
+        return self.transcript[: self.token_count]
