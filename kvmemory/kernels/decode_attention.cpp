@@ -74,15 +74,16 @@ inline void score4(const float* q, int64_t dim, const T* k, int64_t stride, floa
   for (int g = 0; g < GB; ++g)
     for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < dim; c += kLanes) {
-    const __m256 k0 = (__m256)load8(k + c), k1 = (__m256)load8(k + stride + c);
-    const __m256 k2 = (__m256)load8(k + 2 * stride + c), k3 = (__m256)load8(k + 3 * stride + c);
+    // the GB query chunks stay in registers and each key chunk is used as soon as it is loaded: holding the
+    // four key chunks as well (12 sums, 4 keys, 1 query) would take more than AVX2's 16 registers, and spill
+    __m256 qc[GB];
 #pragma GCC unroll 3
-    for (int g = 0; g < GB; ++g) {
-      const __m256 qc = _mm256_loadu_ps(q + g * dim + c);
-      acc[g][0] = _mm256_fmadd_ps(qc, k0, acc[g][0]);
-      acc[g][1] = _mm256_fmadd_ps(qc, k1, acc[g][1]);
-      acc[g][2] = _mm256_fmadd_ps(qc, k2, acc[g][2]);
-      acc[g][3] = _mm256_fmadd_ps(qc, k3, acc[g][3]);
+    for (int g = 0; g < GB; ++g) qc[g] = _mm256_loadu_ps(q + g * dim + c);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kj = (__m256)load8(k + j * stride + c);
+#pragma GCC unroll 3
+      for (int g = 0; g < GB; ++g) acc[g][j] = _mm256_fmadd_ps(qc[g], kj, acc[g][j]);
     }
   }
   for (int g = 0; g < GB; ++g) _mm_storeu_ps(row + g * S, sum4x8(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
@@ -167,15 +168,15 @@ inline void mix4(const T* values, int64_t stride, const float* p, int64_t S, int
   for (int64_t s = s0; s < s1; ++s) {
     const T* v = values + s * stride;
     if (fetch) prefetch_rows(v + kAhead * stride, value_dim);
-    const __m256 v0 = (__m256)load8(v), v1 = (__m256)load8(v + kLanes);
-    const __m256 v2 = (__m256)load8(v + 2 * kLanes), v3 = (__m256)load8(v + 3 * kLanes);
+    // as in score4: the GB weights stay in registers and each value chunk is used as soon as it is loaded
+    __m256 w[GB];
 #pragma GCC unroll 3
-    for (int g = 0; g < GB; ++g) {
-      const __m256 w = _mm256_broadcast_ss(p + g * S + s);
-      acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
-      acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
-      acc[g][2] = _mm256_fmadd_ps(w, v2, acc[g][2]);
-      acc[g][3] = _mm256_fmadd_ps(w, v3, acc[g][3]);
+    for (int g = 0; g < GB; ++g) w[g] = _mm256_broadcast_ss(p + g * S + s);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256 vc = (__m256)load8(v + c * kLanes);
+#pragma GCC unroll 3
+      for (int g = 0; g < GB; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], vc, acc[g][c]);
     }
   }
   for (int g = 0; g < GB; ++g)
