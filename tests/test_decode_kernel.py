@@ -91,7 +91,8 @@ def test_the_kernel_computes_attention_on_every_cache_shape(layer):
     generator = torch.Generator().manual_seed(seed)
     query = torch.randn(1, kv_heads * groups, len(shapes), dim, generator=generator)
     new_keys = torch.randn(1, kv_heads, len(shapes), dim, generator=generator)  # fp32, as the model hands them
-    new_values = torch.randn(1, kv_heads, len(shapes), dim, generator=generator)
+    # the values as the model hands them too: a head-major view of token-major rows (the kernel reads strides)
+    new_values = torch.randn(1, len(shapes), kv_heads, dim, generator=generator).transpose(1, 2)
     new_meta = torch.randint(0, 2**20, (len(shapes), 4), generator=generator, dtype=torch.int32)
     new_meta[:, 0] = 0  # a new token's β
     cache_layers, heads = [], []
@@ -123,17 +124,22 @@ def test_the_kernel_computes_attention_on_every_cache_shape(layer):
 
 def test_bad_input_is_refused_before_any_work():
     op = decode_kernel.decode_op()
-    queries, meta, rows = torch.randn(1, 2, 8), [torch.zeros(5, 4, dtype=torch.int32)], torch.randn(1, 8)
+    # one session, one KV head of two query heads: query (Hq, sessions, D), new rows (KV heads, sessions, D)
+    query, meta, rows = torch.randn(2, 1, 8), [torch.zeros(5, 4, dtype=torch.int32)], torch.randn(1, 1, 8)
     with pytest.raises(RuntimeError, match="not inside its storage"):
-        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8)], meta, [False], [3, 4])
+        op(query, 0.5, [torch.randn(5, 8)], [torch.randn(5, 8)], meta, [False], [3, 4])
     with pytest.raises(RuntimeError, match="mixed cache dtypes"):
-        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8).half()], meta, [False], [0, 5])
+        op(query, 0.5, [torch.randn(5, 8)], [torch.randn(5, 8).half()], meta, [False], [0, 5])
     with pytest.raises(RuntimeError, match="multiples of 8"):
-        op(torch.randn(1, 2, 6), [torch.randn(5, 6)], [torch.randn(5, 6)], meta, [False], [0, 5])
+        op(torch.randn(2, 1, 6), 0.5, [torch.randn(5, 6)], [torch.randn(5, 6)], meta, [False], [0, 5])
+    with pytest.raises(RuntimeError, match="query must be"):
+        op(torch.randn(2, 2, 8), 0.5, [torch.randn(5, 8)], [torch.randn(5, 8)], meta, [False], [0, 5])
     with pytest.raises(RuntimeError, match="come together"):
-        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8)], meta, [False], [0, 5], rows)
+        op(query, 0.5, [torch.randn(5, 8)], [torch.randn(5, 8)], meta, [False], [0, 5], rows)
+    with pytest.raises(RuntimeError, match="new_keys and new_values must be"):
+        op(query, 0.5, [torch.randn(5, 8)], [torch.randn(5, 8)], meta, [False], [0, 5], rows[0], rows, meta[0][:1])
     with pytest.raises(RuntimeError, match="new_meta must be"):
-        op(queries, [torch.randn(5, 8)], [torch.randn(5, 8)], meta, [False], [0, 5], rows, rows, meta[0])
+        op(query, 0.5, [torch.randn(5, 8)], [torch.randn(5, 8)], meta, [False], [0, 5], rows, rows, meta[0])
 
 
 @pytest.fixture

@@ -43,19 +43,18 @@ def decode_attention(query: torch.Tensor, layers, scaling: float | None, new_row
     """One decode token per session: ``query`` (1, Hq, N, D) and ``layers`` the N sessions' cache layers
     (``CompactLayer``), read as stored: no view or copy is made per session. Their new token is appended
     already, or, with ``new_rows`` = (keys (1, H, N, D), values (1, H, N, Dv), metadata rows (N, 4)), its rows
-    are counted (``CompactLayer.claim``) and the kernel writes them. Returns (1, N, Hq, Dv), the layout
-    transformers' attention functions return."""
+    are counted (``CompactLayer.claim``) and the kernel writes them. The kernel reads the queries, keys and
+    values as attention has them (views) and applies the scale itself: no copy is made per layer either.
+    Returns (1, N, Hq, Dv), the layout transformers' attention functions return."""
     heads_q, count, dim = query.shape[1], query.shape[2], query.shape[3]
-    kv_heads = layers[0].num_heads
     spans = [n for layer in layers for head in zip(layer.starts, layer.lengths) for n in head]
-    scale = scaling if scaling is not None else dim**-0.5
-    queries = (query[0].transpose(0, 1) * scale).reshape(count * kv_heads, heads_q // kv_heads, dim).contiguous()
     written = ()
     if new_rows is not None:
         keys, values, meta = new_rows
-        written = (_per_item(keys), _per_item(values), meta)
+        written = (keys[0], values[0], meta)
     out = decode_op()(
-        queries,
+        query[0],
+        scaling if scaling is not None else dim**-0.5,
         [layer.slots.keys for layer in layers],
         [layer.slots.values for layer in layers],
         [layer.slots.meta for layer in layers],
@@ -64,8 +63,3 @@ def decode_attention(query: torch.Tensor, layers, scaling: float | None, new_row
         *written,
     )
     return out.view(1, count, heads_q, -1)
-
-
-def _per_item(states: torch.Tensor) -> torch.Tensor:
-    """(1, H, N, D) → (N·H, D) contiguous fp32: one row per session and KV head, the kernel's items."""
-    return states[0].transpose(0, 1).reshape(-1, states.shape[-1]).float().contiguous()

@@ -227,13 +227,19 @@ struct Span {
   int64_t start, slots;
 };
 
-// The token a decode step appends, when the kernel writes it: per item its key and value (fp32), per
-// session its metadata row; each item writes row start + slots - 1 of its span before reading the span.
+// fp32 rows in the model's (heads, sessions, dim) layout, as attention hands them over (views, any strides
+// but the last): no per-item copy is made in Python
+struct Rows {
+  const float* data = nullptr;
+  int64_t head_stride = 0, session_stride = 0;
+  const float* at(int64_t head, int64_t session) const { return data + head * head_stride + session * session_stride; }
+};
+
+// The token a decode step appends, when the kernel writes it: per session and KV head its key and value,
+// per session its metadata row; each item writes row start + slots - 1 of its span before reading the span.
 struct NewRows {
-  const float* keys;    // (items, D)
-  const float* values;  // (items, Dv)
+  Rows keys, values;
   const int32_t* meta;  // (sessions, 4)
-  int64_t kv_heads;
 };
 
 template <typename T>
@@ -242,29 +248,33 @@ inline void write_row(T* to, const float* from, int64_t n) {
 }
 
 template <typename T>
-void run_items(const at::Tensor& queries, const std::vector<Span>& spans, const NewRows* fresh, int64_t dim,
-               int64_t value_dim, at::Tensor& out) {
-  const int64_t items = queries.size(0), groups = queries.size(1);
-  const float* q = queries.data_ptr<float>();
+void run_items(const Rows& query, float scale, int64_t kv_heads, int64_t groups, const std::vector<Span>& spans,
+               const NewRows* fresh, int64_t dim, int64_t value_dim, at::Tensor& out) {
+  const int64_t items = static_cast<int64_t>(spans.size());
   float* o = out.data_ptr<float>();
   // OpenMP directly, not at::parallel_for: its inline lazy thread setup, compiled into this library, would
   // reset the calling thread's team to the last torch.set_num_threads of any thread (the callers' 1)
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), items));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores;
+    std::vector<float> scores, queries(groups * dim);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
       const Span& span = spans[i];
+      const int64_t session = i / kv_heads, head = i % kv_heads;
       if (fresh) {
         const int64_t row = span.start + span.slots - 1;
-        write_row(static_cast<T*>(span.keys) + row * span.key_stride, fresh->keys + i * dim, dim);
-        write_row(static_cast<T*>(span.values) + row * span.value_stride, fresh->values + i * value_dim, value_dim);
-        std::memcpy(span.meta + row * span.meta_stride, fresh->meta + (i / fresh->kv_heads) * 4, 4 * sizeof(int32_t));
+        write_row(static_cast<T*>(span.keys) + row * span.key_stride, fresh->keys.at(head, session), dim);
+        write_row(static_cast<T*>(span.values) + row * span.value_stride, fresh->values.at(head, session), value_dim);
+        std::memcpy(span.meta + row * span.meta_stride, fresh->meta + session * 4, 4 * sizeof(int32_t));
+      }
+      for (int64_t g = 0; g < groups; ++g) {  // the item's query heads, scaled by the softmax scale
+        const float* from = query.at(head * groups + g, session);
+        for (int64_t c = 0; c < dim; ++c) queries[g * dim + c] = from[c] * scale;
       }
       const float* bias =
           span.biased ? reinterpret_cast<const float*>(span.meta + span.start * span.meta_stride) : nullptr;
-      Item<T> item{q + i * groups * dim,
+      Item<T> item{queries.data(),
                    static_cast<const T*>(span.keys) + span.start * span.key_stride,
                    static_cast<const T*>(span.values) + span.start * span.value_stride,
                    span.key_stride,
@@ -284,35 +294,40 @@ void run_items(const at::Tensor& queries, const std::vector<Span>& spans, const 
 // One decode token per session over its cache layer as stored (kvmemory.cache.CompactLayer): keys[i] (N_i, D)
 // and values[i] (N_i, Dv) with contiguous rows, all fp32, fp16 or bf16; metas[i] the (N_i, 4) int32 slot
 // metadata, whose beta is added where biased[i]; heads: per session and KV head its start row and length,
-// flattened. queries (sessions x KV heads, G, D) fp32, already scaled. With new_keys (sessions x KV heads, D),
-// new_values (sessions x KV heads, Dv) fp32 and new_meta (sessions, 4) int32, each head's last row is first
-// written from them (the token being decoded). Returns (sessions x KV heads, G, Dv) fp32.
-at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
+// flattened. query (Hq, sessions, D) fp32, as attention has it (any strides but the last), multiplied here by
+// `scale`. With new_keys (KV heads, sessions, D), new_values (KV heads, sessions, Dv) fp32, laid out alike, and
+// new_meta (sessions, 4) int32, each head's last row is first written from them (the token being decoded).
+// Returns (sessions x KV heads, G, Dv) fp32: per session its Hq heads' outputs.
+at::Tensor decode_attention(const at::Tensor& query, double scale, at::TensorList keys, at::TensorList values,
                             at::TensorList metas, c10::List<bool> biased, at::IntArrayRef heads,
                             const std::optional<at::Tensor>& new_keys, const std::optional<at::Tensor>& new_values,
                             const std::optional<at::Tensor>& new_meta) {
-  TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == at::kFloat && queries.is_contiguous(),
-              "queries must be a contiguous float32 (items, groups, dim) tensor");
-  const int64_t sessions = static_cast<int64_t>(keys.size()), items = queries.size(0);
+  const int64_t sessions = static_cast<int64_t>(keys.size()), items = static_cast<int64_t>(heads.size()) / 2;
   TORCH_CHECK(sessions > 0 && static_cast<int64_t>(values.size()) == sessions &&
                   static_cast<int64_t>(metas.size()) == sessions && static_cast<int64_t>(biased.size()) == sessions,
               "one keys, values, metas and biased entry per session");
-  TORCH_CHECK(items % sessions == 0 && static_cast<int64_t>(heads.size()) == 2 * items,
-              "one (start, length) pair per session and KV head, and one query group each");
-  const int64_t kv_heads = items / sessions, dim = queries.size(2), value_dim = values[0].size(-1);
+  TORCH_CHECK(heads.size() % 2 == 0 && items % sessions == 0, "one (start, length) pair per session and KV head");
+  const int64_t kv_heads = items / sessions;
+  auto laid_out = [&](const at::Tensor& t, int64_t rows, int64_t width) {  // (rows, sessions, width) fp32
+    return t.dim() == 3 && t.size(0) == rows && t.size(1) == sessions && t.size(2) == width &&
+           t.scalar_type() == at::kFloat && t.stride(2) == 1;
+  };
+  const int64_t dim = query.dim() == 3 ? query.size(2) : 0, value_dim = values[0].size(-1);
+  TORCH_CHECK(query.dim() == 3 && query.size(0) % kv_heads == 0 && laid_out(query, query.size(0), dim),
+              "query must be float32 (query heads, sessions, head dim), a whole number of groups per KV head, "
+              "with contiguous rows");
   TORCH_CHECK(dim % kLanes == 0 && value_dim % kLanes == 0, "head dims must be multiples of 8");
-  NewRows fresh{nullptr, nullptr, nullptr, kv_heads};
+  auto rows = [](const at::Tensor& t) { return Rows{t.data_ptr<float>(), t.stride(0), t.stride(1)}; };
+  NewRows fresh{};
   if (new_keys.has_value() || new_values.has_value() || new_meta.has_value()) {
     TORCH_CHECK(new_keys.has_value() && new_values.has_value() && new_meta.has_value(),
                 "new_keys, new_values and new_meta come together");
-    auto rows_of = [](const at::Tensor& t, int64_t n, int64_t width, at::ScalarType type) {
-      return t.dim() == 2 && t.size(0) == n && t.size(1) == width && t.scalar_type() == type && t.is_contiguous();
-    };
-    TORCH_CHECK(rows_of(*new_keys, items, dim, at::kFloat) && rows_of(*new_values, items, value_dim, at::kFloat),
-                "new_keys and new_values must be contiguous float32 (sessions x KV heads, head dim)");
-    TORCH_CHECK(rows_of(*new_meta, sessions, 4, at::kInt), "new_meta must be contiguous int32 (sessions, 4)");
-    fresh = NewRows{new_keys->data_ptr<float>(), new_values->data_ptr<float>(), new_meta->data_ptr<int32_t>(),
-                    kv_heads};
+    TORCH_CHECK(laid_out(*new_keys, kv_heads, dim) && laid_out(*new_values, kv_heads, value_dim),
+                "new_keys and new_values must be float32 (KV heads, sessions, head dim) with contiguous rows");
+    TORCH_CHECK(new_meta->dim() == 2 && new_meta->size(0) == sessions && new_meta->size(1) == 4 &&
+                    new_meta->scalar_type() == at::kInt && new_meta->is_contiguous(),
+                "new_meta must be contiguous int32 (sessions, 4)");
+    fresh = NewRows{rows(*new_keys), rows(*new_values), new_meta->data_ptr<int32_t>()};
   }
   const auto dtype = keys[0].scalar_type();
   std::vector<Span> spans(items);
@@ -335,13 +350,16 @@ at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::
                          v.stride(0),     meta.stride(0), start, slots};
     }
   }
-  at::Tensor out = at::empty({items, queries.size(1), value_dim}, queries.options());
+  const int64_t groups = query.size(0) / kv_heads;
+  at::Tensor out = at::empty({items, groups, value_dim}, query.options());
+  const NewRows* writes = fresh.meta ? &fresh : nullptr;
+  const float softmax_scale = static_cast<float>(scale);
   if (dtype == at::kFloat) {
-    run_items<float>(queries, spans, fresh.keys ? &fresh : nullptr, dim, value_dim, out);
+    run_items<float>(rows(query), softmax_scale, kv_heads, groups, spans, writes, dim, value_dim, out);
   } else if (dtype == at::kHalf) {
-    run_items<at::Half>(queries, spans, fresh.keys ? &fresh : nullptr, dim, value_dim, out);
+    run_items<at::Half>(rows(query), softmax_scale, kv_heads, groups, spans, writes, dim, value_dim, out);
   } else if (dtype == at::kBFloat16) {
-    run_items<at::BFloat16>(queries, spans, fresh.keys ? &fresh : nullptr, dim, value_dim, out);
+    run_items<at::BFloat16>(rows(query), softmax_scale, kv_heads, groups, spans, writes, dim, value_dim, out);
   } else {
     TORCH_CHECK(false, "keys and values must be float32, float16 or bfloat16");
   }
@@ -352,7 +370,7 @@ at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::
 
 TORCH_LIBRARY_FRAGMENT(kvmemory, m) {
   m.def(
-      "decode_attention(Tensor queries, Tensor[] keys, Tensor[] values, Tensor[] metas, bool[] biased, int[] heads, "
+      "decode_attention(Tensor query, float scale, Tensor[] keys, Tensor[] values, Tensor[] metas, bool[] biased, int[] heads, "
       "Tensor? new_keys=None, Tensor? new_values=None, Tensor? new_meta=None) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
 }
