@@ -210,9 +210,7 @@ def test_work_after_a_pass_runs_per_request_and_fails_only_its_own_request():
         raise RuntimeError("sampler failed")
 
     def request(session, after):
-        at = torch.tensor([len(session.tokens)])
-        rope = session.cache.rope_positions(len(session.tokens), 1)
-        return ForwardRequest(session.cache, [5], at, rope, 0, after=after)
+        return ForwardRequest(session.cache, [5], len(session.tokens), 0, after=after)
 
     batch = [request(sessions[0], lambda logits: int(logits[-1].argmax())), request(sessions[1], fails)]
     engine.batcher.execute(engine.batcher._run, batch)  # one packed pass of both

@@ -80,11 +80,11 @@ def test_ragged_attention_equals_padded_attention(arch):
 def _decode_step(engine, cache, path: str) -> torch.Tensor:
     """One token through the model outside the batcher (the ``compact_cache`` entry), then undone."""
     snap, position = cache.snapshot(), cache.logical_length
-    cache.begin_append(torch.tensor([position]), 0)
+    rope = cache.begin_append(position, 1, 0)
     with torch.no_grad():
         out = engine.model(
             input_ids=torch.tensor([[5]]),
-            position_ids=cache.rope_positions(position, 1)[None],
+            position_ids=torch.tensor([[rope]]),
             cache=cache,
             compact_cache=cache,
             attention_path=path,

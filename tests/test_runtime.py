@@ -180,7 +180,7 @@ def test_folded_path_in_a_session_matches(tiny_engine):
     outs = []
     for path in ("mask", "folded"):
         snap = session.cache.snapshot()
-        session.cache.begin_append(torch.tensor([30]), 0)
+        session.cache.begin_append(30, 1, 0)
         with torch.no_grad():
             outs.append(
                 tiny_engine.model(
@@ -529,7 +529,7 @@ def test_the_surprisal_recorder_matches_a_plain_list_and_its_snapshots_never_cha
                     model[at] = model[at] if math.isnan(value) else value
                 else:
                     model.append(value)
-            recorder.record(start, torch.tensor(values))
+            recorder.record(start, values)
         elif kind == "drop":
             del model[number:]
             recorder.drop_from(number)

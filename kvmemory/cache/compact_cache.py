@@ -441,17 +441,19 @@ class CompactCache(Cache):
         self._pending: AppendRows | None = None  # see begin_append
         self.default_segment = 0
 
-    def begin_append(self, positions: torch.Tensor, segment_id: int) -> None:
-        self._pending = self.append_rows(positions, segment_id)
+    def begin_append(self, start: int, count: int, segment_id: int, device=None) -> int:
+        """Make the next forward's ``count`` tokens sit at transcript positions ``start``, ``start + 1``, … of
+        segment ``segment_id``. Returns the RoPE position of the first (below ``start`` once gaps are closed)."""
+        self._pending = self.append_rows(start, count, segment_id, device)
+        return self._pending.rope_length - count
 
-    def append_rows(self, positions: torch.Tensor, segment_id: int) -> AppendRows:
-        """The metadata rows (``Slots.meta``) of tokens appended at transcript ``positions``: made once per
-        forward, written by every layer."""
-        logical = positions.tolist()  # a few ints: built in Python, one tensor, no chain of small ops per request
-        shift = self.rope_length - self.logical_length  # rope_positions
-        rows = [[0, p, p + shift, segment_id] for p in logical]  # β = 0.0, whose bits are 0
-        meta = torch.tensor(rows, dtype=torch.int32, device=positions.device)
-        return AppendRows(meta, max(logical) + 1, max(logical) + shift + 1)
+    def append_rows(self, start: int, count: int, segment_id: int, device=None) -> AppendRows:
+        """The metadata rows (``Slots.meta``) of ``count`` tokens appended from transcript position ``start``:
+        made once per forward, written by every layer."""
+        shift = self.rope_length - self.logical_length  # what closing gaps took off every later position
+        rows = [[0, p, p + shift, segment_id] for p in range(start, start + count)]  # β = 0.0, whose bits are 0
+        meta = torch.tensor(rows, dtype=torch.int32, device=device)
+        return AppendRows(meta, start + count, start + count + shift)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         meta = self._pending_meta(key_states.shape[2], key_states.device)
@@ -471,8 +473,7 @@ class CompactCache(Cache):
 
     def _pending_meta(self, q: int, device) -> torch.Tensor:
         if self._pending is None or self._pending.meta.shape[0] != q:
-            positions = torch.arange(self.logical_length, self.logical_length + q, device=device)
-            self._pending = self.append_rows(positions, self.default_segment)
+            self._pending = self.append_rows(self.logical_length, q, self.default_segment, device)
         return self._pending.meta
 
     def _layer_done(self, layer_idx: int) -> None:
@@ -495,11 +496,6 @@ class CompactCache(Cache):
     def longest_layer(self) -> int:
         """The most slots any head holds (what the model's attention window must cover)."""
         return max(map(attrgetter("length"), self.layers))
-
-    def rope_positions(self, start: int, count: int, device=None) -> torch.Tensor:
-        """RoPE positions of ``count`` tokens appended from transcript position ``start`` (≥ the logical length)."""
-        shift = self.rope_length - self.logical_length
-        return torch.arange(start + shift, start + shift + count, device=device)
 
     def snapshot(self) -> CacheSnapshot:
         """Everything ``restore`` needs to give this cache back bit for bit (copy-on-write, see the module doc)."""

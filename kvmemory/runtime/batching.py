@@ -33,12 +33,11 @@ from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
 @dataclass(eq=False)
 class ForwardRequest:
-    """New tokens for one session's cache, at transcript ``positions`` and RoPE positions ``rope``."""
+    """New tokens for one session's cache, at transcript positions ``start``, ``start + 1``, …"""
 
     cache: CompactCache
     ids: list[int]
-    positions: torch.Tensor
-    rope: torch.Tensor
+    start: int
     segment_id: int
     all_logits: bool = False
     query_recorder: QueryRecorder | None = None
@@ -50,6 +49,10 @@ class ForwardRequest:
     outcome: Any = None  # what ``after`` returned
     error: BaseException | None = None
     done: bool = False
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.start + len(self.ids))
 
     def checkpoint(self):
         """What ``rollback`` needs to undo this request's part of a failed pass (references, no copies).
@@ -304,19 +307,21 @@ class ForwardBatcher:
 
     def _forward(self, batch: list[ForwardRequest]) -> None:
         cache = PackedCache(batch, self.attention_path)
-        device = batch[0].rope.device
+        device = self.device
         input_ids = torch.tensor([[t for r in batch for t in r.ids]], device=device)
-        rope = torch.cat([r.rope for r in batch])[None]
         if len(batch) == 1:
             keep = 0 if batch[0].all_logits else 1
         else:
             rows = [range(start if r.all_logits else end - 1, end) for r, (start, end) in zip(batch, cache.bounds)]
             keep = torch.tensor([i for span in rows for i in span], device=device)
+        ropes = []  # each token's RoPE position, which its cache knows (below its position once gaps are closed)
         for request in batch:
-            request.cache.begin_append(request.positions, request.segment_id)
+            first = request.cache.begin_append(request.start, len(request.ids), request.segment_id, device)
+            ropes.extend(range(first, first + len(request.ids)))
             if request.query_recorder is not None:
                 request.query_recorder.current_segment = request.segment_id
         recording = [(r, s, e) for r, (s, e) in zip(batch, cache.bounds) if r.hidden_recorder is not None]
+        rope = torch.tensor([ropes], device=device)
         with torch.no_grad():
             logits = self.forward(input_ids, rope, cache, keep, self.attention_path, recording)
         cache.store_queries()  # only once the pass has run: a failed pass records nothing

@@ -17,6 +17,10 @@ layer of a packed pass costs as much again per session.
 
 from __future__ import annotations
 
+import math
+from array import array
+from collections.abc import Sequence
+
 import torch
 
 from kvmemory.runtime.logits import logsumexp_rows
@@ -161,9 +165,9 @@ class HiddenRecorder:
         self.store: dict[int, torch.Tensor] = {}
         self.dtype = dtype
 
-    def record(self, positions: torch.Tensor, hidden: torch.Tensor) -> None:
-        """``hidden`` (T, hidden size): the last layer's input for the tokens at ``positions`` (T,)."""
-        for pos, h in zip(positions.tolist(), hidden.detach().to(self.dtype)):
+    def record(self, positions: range, hidden: torch.Tensor) -> None:
+        """``hidden`` (T, hidden size): the last layer's input for the tokens at ``positions`` (T of them)."""
+        for pos, h in zip(positions, hidden.detach().to(self.dtype)):
             self.store[pos] = h.clone()
 
     def drop_from(self, position: int) -> None:
@@ -175,40 +179,40 @@ class SurprisalRecorder:
     """Surprisal −log p(x_i | x_<i) in nats of every token as it enters the session, by logical position
     (NaN where unknown: the session's first token, or tokens appended before recording began).
 
-    The values live in a buffer with room to grow, as the cache's rows do: a decoded token writes one value
-    past the end, not a copy of every value so far. A snapshot (``state``) is a view of the values up to the
-    end; rows a snapshot can see are never written again (an append below the furthest end a snapshot saw
-    moves the values to a new buffer first)."""
+    The values live in an fp32 ``array`` with room to grow, as the cache's rows do: a decoded token writes one
+    value past the end, in plain Python (a torch write costs several operator calls, and this runs on every
+    session's every token, with caches cold from the forward pass). ``values`` and ``state`` are tensor views
+    of it; rows a snapshot (``state``) can see are never written again (an append below the furthest end a
+    snapshot saw moves the values to a new array first)."""
 
     def __init__(self):
-        self._buffer = torch.empty(0)
+        self._buffer = array("f")
         self._length = 0
         self._shared = 0  # the furthest end any snapshot has seen: rows below it are read-only
 
     @property
     def values(self) -> torch.Tensor:
-        return self._buffer[: self._length]
+        """(tokens,) fp32, a view of the buffer."""
+        if self._length == 0:
+            return torch.empty(0)
+        return torch.frombuffer(self._buffer, dtype=torch.float32, count=self._length)
 
-    def record(self, start: int, values: torch.Tensor) -> None:
+    def record(self, start: int, values: Sequence[float]) -> None:
         """Surprisal of the tokens at ``start``, ``start + 1``, …; a NaN never hides a known value."""
-        values = values.detach().float().cpu()
         end = start + len(values)
         if start == self._length and start >= self._shared and end <= len(self._buffer):  # every decoded token
-            self._buffer[start:end] = values
+            self._buffer[start:end] = array("f", values)
             self._length = end
             return
-        old = self.values
-        if start == self._length:
-            merged = values
-        else:
-            known = old[start:end]
-            merged = values.clone()
-            merged[: known.numel()] = torch.where(merged[: known.numel()].isnan(), known, merged[: known.numel()])
-        gap = torch.full((max(0, start - self._length),), float("nan"))
-        room = torch.full((len(old) // 4 + 64,), float("nan"))  # to grow into
-        parts = [old[:start], gap, merged, old[end:]]
-        self._buffer = torch.cat([*parts, room])
-        self._length, self._shared = sum(len(part) for part in parts), 0
+        old = self._buffer[: self._length]
+        merged = array("f", values)
+        for i, known in enumerate(old[start:end]):
+            if math.isnan(merged[i]):
+                merged[i] = known
+        gap = array("f", [math.nan]) * max(0, start - self._length)
+        values = old[:start] + gap + merged + old[end:]
+        self._buffer = values + array("f", [math.nan]) * (len(values) // 4 + 64)  # room to grow into
+        self._length, self._shared = len(values), 0
 
     def drop_from(self, position: int) -> None:
         self._length = min(self._length, position)
@@ -218,7 +222,9 @@ class SurprisalRecorder:
         return self.values
 
     def restore(self, state: torch.Tensor) -> None:
-        self._buffer, self._length, self._shared = state, len(state), len(state)
+        """Back to a ``state`` (or a saved tensor of values): into a fresh array, which nothing else sees."""
+        self._buffer = array("f", state.tolist())
+        self._length, self._shared = len(self._buffer), 0
 
 
 def surprisal_of(ids: list[int], before: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:

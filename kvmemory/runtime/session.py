@@ -1068,7 +1068,6 @@ class Session:
         """``_forward``, and with ``pick`` the next token picked from the last logits. Both that and the
         tokens' surprisal run where the model runs, in the pass's own hand-over (``ForwardRequest.after``)."""
         engine = self.engine
-        positions = torch.arange(positions_from, positions_from + len(ids), device=engine.device)
         if (
             segment_id >= 0
             and engine.rebase_positions
@@ -1078,15 +1077,14 @@ class Session:
             self._rebase()
         recording, before = self._records_surprisal(segment_id), self._last_logits
 
-        def after(logits: torch.Tensor) -> tuple[torch.Tensor | None, int | None]:
-            surprisal = surprisal_of(ids, before, logits) if recording else None
+        def after(logits: torch.Tensor) -> tuple[list[float] | None, int | None]:
+            surprisal = surprisal_of(ids, before, logits).tolist() if recording else None
             return surprisal, None if pick is None else pick(logits[-1])
 
         request = ForwardRequest(
             self.cache,
             ids,
-            positions,
-            self.cache.rope_positions(positions_from, len(ids), engine.device),
+            positions_from,
             segment_id,
             all_logits or recording,
             self.query_recorder,
@@ -1097,7 +1095,7 @@ class Session:
         surprisal, token = request.outcome or (None, None)
         if recording:
             self.surprisal_recorder.record(positions_from, surprisal)
-            logits = logits if all_logits else logits[-1:]
+            logits = logits if all_logits or len(ids) == 1 else logits[-1:]
         if segment_id >= 0:
             self.prefilled_tokens += len(ids)
         if not all_logits:
