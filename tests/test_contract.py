@@ -209,6 +209,23 @@ def test_a_generated_reply_and_raw_text_survive_the_next_messages(default_engine
 
 
 @pytest.mark.default_model
+def test_a_snapshot_keeps_its_transcript_when_the_session_later_cuts_below_it(default_engine):
+    """Snapshots share the transcript list instead of copying it on every decoded token: a cut below a
+    snapshot's length (a rewritten history) must cut a copy, or restoring would bring back the new tokens."""
+    s = default_engine.session()
+    s.append_messages([{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True)
+    s.generate(max_new_tokens=4)
+    before, snapshot = state_of(s), s.snapshot()
+    s.set_messages([{"role": "user", "content": "Name three even numbers."}], add_generation_prompt=True)
+    s.generate(max_new_tokens=4)
+    assert s.tokens[: len(before["tokens"])] != before["tokens"]
+    s.restore(snapshot)
+    assert_same_state(before, state_of(s))
+    s.generate(max_new_tokens=2)  # and the restored session goes on
+    assert s.tokens[: len(before["tokens"])] == before["tokens"]
+
+
+@pytest.mark.default_model
 def test_every_append_path_checks_length_and_cap_first(default_engine):
     s = default_engine.session()
     s.append_text("A short note.")
