@@ -249,11 +249,8 @@ class CompactLayer(CacheLayerMixin):
         """Count ``q`` more rows per head as live without writing them: the caller writes each head's new rows
         (the CPU decode kernel writes a decoded token's key, value and metadata as it attends)."""
         self._make_room(q)
-        if self.uniform:  # every layer of every decoded token: no loop over the heads
-            n, heads = self.length + q, len(self.lengths)
-            self.lengths, self.length, self.slot_count = (n,) * heads, n, n * heads
-        else:
-            self._set_lengths(tuple(n + q for n in self.lengths))
+        even = self.uniform  # every layer of every decoded token: no loop over the heads
+        self._set_lengths((self.length + q,) * len(self.lengths) if even else tuple(n + q for n in self.lengths))
 
     def _make_room(self, q: int) -> None:
         if not self._room_for(q):

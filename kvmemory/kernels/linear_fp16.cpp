@@ -32,16 +32,14 @@ constexpr int64_t PREFETCH = 32;  // steps over k ahead (32 × 32 bytes)
 constexpr int64_t K_CHUNK = 128;  // steps over k that the blocks of a tile take in turn (4 KB of a panel)
 
 // One register block: R input rows against P panels (R·2P ≤ 12 accumulators c<row><vector>).
-#define FMA(i, j) \
-  if constexpr (R > i && 2 * P > j) c##i##j = _mm256_fmadd_ps(a, w##j, c##i##j);
-#define ROW(i)                                                                     \
-  if constexpr (R > i) {                                                           \
-    const __m256 a = _mm256_broadcast_ss(x + i * K + k);                           \
-    FMA(i, 0) FMA(i, 1)                                                             \
+// Blocks of one panel (up to 6 rows) hold the panel's two weight vectors at k and take one input at a time.
+#define ROW(i)                                           \
+  if constexpr (R > i) {                                 \
+    const __m256 a = _mm256_broadcast_ss(x + i * K + k); \
+    c##i##0 = _mm256_fmadd_ps(a, w0, c##i##0);           \
+    c##i##1 = _mm256_fmadd_ps(a, w1, c##i##1);           \
   }
-#define LOAD(j)      \
-  if constexpr (2 * P > j) \
-    w##j = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel[j / 2] + k * COLS + (j % 2) * 8)));
+#define LOAD(j) w##j = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel[0] + k * COLS + j * 8)));
 // Blocks of several panels (at most 3 rows) hold their rows' inputs and take one weight vector at a time:
 // holding all 2P weight vectors for every row as well would need more than AVX2's 16 registers (2 rows × 3
 // panels: 12 sums, 6 weights, 1 input) and the compiler spilled, so 2 rows ran as slowly as 2 rows one by one.
