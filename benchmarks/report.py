@@ -459,6 +459,41 @@ def concurrency_section(d: dict) -> str:
     )
 
 
+def compaction_stall_section(d: dict) -> str:
+    paired = {}
+    for r in d["rows"]:
+        paired.setdefault((r["decoders"], r["method"]), {})[r["condition"]] = r
+    rows = [
+        [
+            decoders,
+            f"`{method}`",
+            f"{runs['pauses']['gap_ms']:.0f}",
+            f"{runs['pauses']['longest_gap_ms']:.0f}",
+            f"{runs['no pauses']['longest_gap_ms']:.0f}",
+            f"{runs['pauses']['compaction_s']:.2f} / {runs['no pauses']['compaction_s']:.2f}",
+            f"{runs['pauses']['alone_s']:.2f}",
+        ]
+        for (decoders, method), runs in paired.items()
+    ]
+    columns = [
+        "decoding sessions",
+        "method",
+        "their median gap ms",
+        "longest gap ms, pauses",
+        "longest gap ms, no pauses",
+        "compaction s, pauses / no pauses",
+        "compaction s alone",
+    ]
+    return (
+        f"**Compaction beside decoding** (`python -m benchmarks.compaction_stall`{on_cpu(d)}): sessions holding "
+        f"agent traces of about {d['context']} tokens stream greedy tokens while one more compacts its "
+        f"{d['compacted_tokens']} tokens (all but the first 4 and last 256) at {d['ratio']:g} tokens per slot; the "
+        "decoders' longest gap between tokens overlapping the compaction, with the compaction pausing between "
+        f"layers for the queued passes once it has run {1e3 * d['slice_seconds']:.0f} ms (`pauses`, the default) "
+        f"and running start to end (`no pauses`); medians of {d['repeats']} rounds.\n\n" + md(rows, columns)
+    )
+
+
 def main() -> None:
     parts = []
     sections = (
@@ -471,6 +506,7 @@ def main() -> None:
         ("serve", serve_section),
         ("fp16_linear", fp16_linear_section),
         ("concurrency", concurrency_section),
+        ("compaction_stall", compaction_stall_section),
     )
     for name, fn in sections:
         data = load(name)

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from kvmemory import Engine
+from kvmemory.compaction.methods.attention_matching import AttentionMatching
 from kvmemory.memory import MemoryManager, MemoryPolicy
+from kvmemory.runtime import compute
 from kvmemory.runtime.batching import ForwardRequest
 from tests.conftest import random_tokens, tiny_model
 from tests.test_contract import assert_same_state, state_of, uneven_plan
@@ -217,6 +219,50 @@ def test_work_after_a_pass_runs_per_request_and_fails_only_its_own_request():
     assert engine.batcher.stats.largest == 2 and all(r.done for r in batch)
     assert batch[0].error is None and batch[0].outcome == int(batch[0].logits[-1].argmax())
     assert isinstance(batch[1].error, RuntimeError) and batch[1].outcome is None
+
+
+class LayerByLayer(AttentionMatching):
+    """Attention Matching that takes a while per layer and notes how many passes the engine had run by then."""
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine, self.passes_seen = engine, []
+
+    def compact_layer(self, *args, **kwargs):
+        self.passes_seen.append(self.engine.batcher.stats.passes)
+        time.sleep(0.05)
+        return super().compact_layer(*args, **kwargs)
+
+
+def test_other_sessions_decode_between_the_layers_of_a_compaction(monkeypatch):
+    """A compaction pauses between layers for the passes queued meanwhile (``CacheSpan.each_layer``): the
+    other sessions keep decoding through it, and both sessions end exactly as they would have alone."""
+    monkeypatch.setattr(compute, "SLICE_SECONDS", 0.0)  # every pause runs what waits
+    engine = Engine(tiny_model("llama", eos_token_id=None, num_hidden_layers=4))
+
+    def sessions():
+        compacted, decoder = engine.session(), engine.session()
+        compacted.append_tokens(random_tokens(90, seed=2))
+        decoder.append_tokens(random_tokens(23, seed=1))
+        return compacted, decoder
+
+    compacted, decoder = sessions()
+    compacted.compact(LayerByLayer(engine), slots=30, keep_last=16)
+    alone = state_of(compacted), decoder.generate(max_new_tokens=60).token_ids
+    compacted, decoder = sessions()
+    slow_passes(engine, seconds=0.01)
+    passes = engine.batcher.stats.passes
+    tokens = []
+    worker = threading.Thread(target=lambda: tokens.extend(decoder.generate(max_new_tokens=60).token_ids))
+    worker.start()
+    while engine.batcher.stats.passes < passes + 3:  # the decoder is under way
+        time.sleep(0.005)
+    method = LayerByLayer(engine)
+    compacted.compact(method, slots=30, keep_last=16)
+    worker.join()
+    assert method.passes_seen[-1] > method.passes_seen[0]  # its passes ran while the compaction did
+    assert_same_state(state_of(compacted), alone[0])
+    assert tokens == alone[1]
 
 
 @pytest.mark.default_model

@@ -64,3 +64,42 @@ def test_an_interrupt_takes_effect_only_once_the_work_has_finished():
     with pytest.raises(KeyboardInterrupt):
         compute.run(work)
     assert finished.is_set()
+
+
+def test_a_long_job_runs_the_work_queued_meanwhile_when_it_pauses(monkeypatch):
+    monkeypatch.setattr(compute, "SLICE_SECONDS", 0.0)
+    order, queued = [], threading.Event()
+
+    def other():
+        queued.set()
+        compute.run(lambda: order.append("other"))
+
+    def long_job():
+        order.append("piece 1")
+        threading.Thread(target=other).start()
+        queued.wait()
+        time.sleep(0.05)  # the other thread's job is in the queue
+        compute.pause()
+        order.append("piece 2")
+        compute.pause()  # nothing waits: returns at once
+        return "long"
+
+    assert compute.run(long_job) == "long"
+    assert order == ["piece 1", "other", "piece 2"]
+    compute.pause()  # off the compute thread: nothing
+
+
+def test_a_pause_within_its_time_slice_runs_nothing(monkeypatch):
+    monkeypatch.setattr(compute, "SLICE_SECONDS", 60.0)
+    ran = []
+
+    def long_job():
+        worker = threading.Thread(target=lambda: compute.run(lambda: ran.append("other")))
+        worker.start()
+        time.sleep(0.05)
+        compute.pause()
+        return list(ran)
+
+    assert compute.run(long_job) == []
+    time.sleep(0.05)
+    assert ran == ["other"]  # after the long job, in its turn

@@ -9,6 +9,7 @@ and β for them. The runtime turns that into a ``CompactionPlan`` for the whole 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -112,6 +113,17 @@ class CacheSpan:
     surprisal: torch.Tensor | None = None  # each token's surprisal by logical position (NaN unknown), if recorded
     query_group_size: int = 1  # G: reference query rows per token and KV head
     head_limit: int | None = None  # the most slots one head may keep of the span (methods that move budgets)
+    # called between the pieces of a method's work: the runtime lets other sessions' passes run there
+    pause: Callable[[], None] = lambda: None
+
+    def each_layer(self) -> Iterator[LayerSpan]:
+        """The layers in order, as a method works through them: once the method is done with a layer its
+        cached logits are dropped and the runtime may run other sessions' passes (``pause``), so a long
+        compaction holds the model for one layer's work at a time."""
+        for layer in self.layers:
+            yield layer
+            layer.release()
+            self.pause()
 
     def head_capacity(self) -> torch.Tensor:
         """(L, H) slots each head may keep: what it holds of the span, within ``head_limit``."""

@@ -92,7 +92,7 @@ def compact_spans(
         if not jobs:
             return []
         started = time.perf_counter()
-        plan = to_plan(cache, spans, "+".join(sorted({d[0] for d in drafts})))
+        plan = session.engine.batcher.execute(to_plan, cache, spans, "+".join(sorted({d[0] for d in drafts})))
     session.apply_plan(plan)
     shared = (time.perf_counter() - started) / len(jobs)  # the one rebuild, shared among the spans
     records = []
@@ -141,18 +141,26 @@ def _select(session, positions, method, job: SpanJob, measure_error: bool):
     if session.surprisal_recorder is not None:
         span.surprisal = session.surprisal_recorder.values
     span.query_group_size = engine.config.num_attention_heads // engine.num_kv_heads
-    results = engine.batcher.execute(method.compact, span, budgets)  # on the compute thread on CPU
-    error = None
-    if measure_error and queries is not None:
-        errors = []
-        for layer, res in zip(span.layers, results):
-            shift = None
-            if res.bias is not None:
-                index, _ = pad_selection(res.keep, layer.bias.device)
-                shift = res.bias - torch.gather(layer.bias, 1, index)
-            errors.append(attention_output_error(layer.logits(), layer.values, res.keep, shift, res.values))
-            layer.release()
-        error = float(sum(errors) / len(errors))
+    span.pause = engine.batcher.pause  # other sessions' passes run between the method's layers
+    measure = measure_error and queries is not None
+    # on the compute thread on CPU, the error too: heavy work here would take a core from the passes
+    results, error = engine.batcher.execute(_compact_and_measure, method, span, budgets, measure)
     before = float(capacity.float().mean())
     after = float(torch.tensor([[k.numel() for k in r.keep] for r in results]).float().mean())
     return per_head, results, error, before, after
+
+
+def _compact_and_measure(method: CompactionMethod, span, budgets: torch.Tensor, measure_error: bool):
+    """The method's results, and the mean relative error of the span's attention output·mass on its
+    reference queries after compaction (None unless ``measure_error``)."""
+    results = method.compact(span, budgets)
+    if not measure_error:
+        return results, None
+    errors = []
+    for layer, res in zip(span.each_layer(), results):
+        shift = None
+        if res.bias is not None:
+            index, _ = pad_selection(res.keep, layer.bias.device)
+            shift = res.bias - torch.gather(layer.bias, 1, index)
+        errors.append(attention_output_error(layer.logits(), layer.values, res.keep, shift, res.values))
+    return results, float(sum(errors) / len(errors))

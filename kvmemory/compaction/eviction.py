@@ -20,7 +20,7 @@ class ScoreEviction(CompactionMethod):
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         results = []
-        for layer in span.layers:
+        for layer in span.each_layer():
             budget = budgets[layer.layer]
             forced = self.forced(layer, budget)
             prot = protected_mask(span, layer)
@@ -28,5 +28,4 @@ class ScoreEviction(CompactionMethod):
                 forced = prot if forced is None else forced | prot
             keep = topk_per_head(self.score(layer, span), layer.valid, budget, forced)
             results.append(LayerResult(keep=keep))
-            layer.release()
         return results

@@ -265,6 +265,11 @@ class ForwardBatcher:
         ``kvmemory.runtime.compute``), the calling thread on an accelerator."""
         return compute.run_on(self.device, fn, *args)
 
+    def pause(self) -> None:
+        """Called between the pieces of a long job given to ``execute`` (a compaction, layer by layer): the
+        passes queued meanwhile run now, so the other sessions wait for one piece, not the whole job."""
+        compute.pause()
+
     def _take(self) -> list[ForwardRequest]:
         """The oldest queued requests whose tokens fit in one pass (at least one)."""
         batch, tokens = [], 0

@@ -14,12 +14,19 @@ what is left to it is bookkeeping. A team a thread built before its first call s
 with the thread), so heavy torch work of one's own belongs on the compute thread too:
 ``kvmemory.run_on_compute(fn, *args)``.
 
+One thread means one job at a time, and a compaction takes up to a second: a job that long calls ``pause()``
+between its pieces (a compaction method after each layer, ``CacheSpan.each_layer``). Once it has run for a
+time slice (about one decode pass), that runs the work other threads queued meanwhile, so the other
+sessions' passes wait for a slice and a piece, not the whole job, and the job keeps about half the machine.
+
 On an accelerator the kernels run on the device and the calling thread serves as well (``run_on``).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
@@ -29,9 +36,13 @@ import torch
 T = TypeVar("T")
 THREAD_NAME = "kvmemory-compute"
 
-_executor: ThreadPoolExecutor | None = None
+_executor: ThreadPoolExecutor | None = None  # its one worker is the compute thread
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
+# the jobs not yet started, in order: the executor's worker takes one per submission, ``pause`` all it finds
+_waiting: queue.SimpleQueue = queue.SimpleQueue()
+SLICE_SECONDS = 0.025  # the least a long job runs between two pauses that run others' work
+_slice_started = 0.0  # when the running job started or last paused
 
 
 def run(fn: Callable[..., T], *args, **kwargs) -> T:
@@ -41,13 +52,46 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
         return fn(*args, **kwargs)
     executor = _compute_executor()
     leave_the_cores()
-    future = executor.submit(fn, *args, **kwargs)
+    future = Future()
+    _waiting.put((future, fn, args, kwargs))
+    executor.submit(_run_next)
     try:
         return future.result()
     except BaseException:
         if not future.done():
             _finish(future)
         raise
+
+
+def pause() -> None:
+    """On the compute thread, once the running job has had its time slice, run the jobs other threads
+    queued before this call, then return; elsewhere nothing. A long job calls it between its pieces (see
+    the module docstring): the thread it runs for is waiting on it, so only other threads' work runs here,
+    each job whole, as it would have run after."""
+    global _slice_started
+    if threading.current_thread() is not _thread or time.perf_counter() - _slice_started < SLICE_SECONDS:
+        return
+    for _ in range(_waiting.qsize()):  # not what they queue meanwhile: a stream of passes never starves the job
+        _run_next()
+    _slice_started = time.perf_counter()
+
+
+def _run_next() -> None:
+    """Run the oldest waiting job, if ``pause`` has not run it already, into its future."""
+    global _slice_started
+    try:
+        future, fn, args, kwargs = _waiting.get_nowait()
+    except queue.Empty:
+        return
+    if not future.set_running_or_notify_cancel():
+        return
+    _slice_started = time.perf_counter()
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as error:  # an interrupt too: it belongs to the caller waiting on the future
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def run_on(device: torch.device, fn: Callable[..., T], *args) -> T:

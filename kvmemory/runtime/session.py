@@ -284,6 +284,9 @@ class Session:
         return self._rebase()
 
     def _rebase(self) -> int:
+        return self.engine.batcher.execute(self._rotate_to_ranks)  # every key re-rotated: where the passes run
+
+    def _rotate_to_ranks(self) -> int:
         with torch.no_grad():
             shift = self.cache.rebase(self.engine.rope_inv_freq)
             if self.query_recorder is not None:
@@ -756,7 +759,7 @@ class Session:
         with self._lock:
             self.check_open()
             with self._atomic():
-                self.cache.apply_plan(plan)
+                self.engine.batcher.execute(self.cache.apply_plan, plan)  # heavy: where the passes run
 
     @_exclusive
     def compact(

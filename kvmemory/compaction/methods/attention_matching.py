@@ -74,10 +74,9 @@ class AttentionMatching(CompactionMethod):
         if self.config.selector == "counter_causal":
             position_scores = surprise_scores(span, fast=self.config.counter_causal_fast)
         results = []
-        for layer in span.layers:
+        for layer in span.each_layer():
             forced = protected_mask(span, layer)
             results.append(self.compact_layer(layer, budgets[layer.layer], forced, position_scores))
-            layer.release()
         return results
 
     # ---- one layer -----------------------------------------------------------------------------

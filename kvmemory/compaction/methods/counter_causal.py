@@ -15,6 +15,7 @@ Both skip the last layer's MLP (as the fast score does), so on a one-layer model
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -142,8 +143,11 @@ def _decoder_layer(layer, hidden, rotary_emb, cache_layer, positions, with_mlp: 
 
 
 @torch.no_grad()
-def own_token_logits(access: ModelAccess, positions: torch.Tensor, fast: bool) -> torch.Tensor:
-    """z_i[x_i] for each position: the LM-head logit of the token's own id under the counter-causal mask."""
+def own_token_logits(
+    access: ModelAccess, positions: torch.Tensor, fast: bool, pause: Callable[[], None] = lambda: None
+) -> torch.Tensor:
+    """z_i[x_i] for each position: the LM-head logit of the token's own id under the counter-causal mask.
+    ``pause`` runs between layers (``CacheSpan.pause``)."""
     model = access.model
     base = model.model
     device = next(model.parameters()).device
@@ -162,6 +166,7 @@ def own_token_logits(access: ModelAccess, positions: torch.Tensor, fast: bool) -
         hidden = _decoder_layer(
             layers[li], hidden, base.rotary_emb, access.cache.layers[li], positions, with_mlp=not last
         )
+        pause()
     hidden = base.norm(hidden)
     weight = model.lm_head.weight[token_ids]
     logits = (hidden * weight).sum(-1)
@@ -184,7 +189,7 @@ def span_positions(span: CacheSpan) -> torch.Tensor:
 def surprise_scores(span: CacheSpan, fast: bool) -> PositionScores:
     """Surprise (−z) per span position; the cache's last token, which has no future, scores +∞."""
     positions = span_positions(span)
-    scores = -own_token_logits(span.model, positions, fast).cpu()
+    scores = -own_token_logits(span.model, positions, fast, span.pause).cpu()
     last = span.model.cache.logical_length - 1
     scores = torch.where(positions.cpu() == last, torch.full_like(scores, float("inf")), scores)
     return PositionScores(positions.cpu(), scores)

@@ -127,9 +127,8 @@ class TAM(CompactionMethod):
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         results = []
-        for layer in span.layers:
+        for layer in span.each_layer():
             results.append(self._compact_layer(span, layer, budgets[layer.layer]))
-            layer.release()
         return results
 
     def _compact_layer(self, span: CacheSpan, layer: LayerSpan, budget: torch.Tensor) -> LayerResult:
