@@ -486,8 +486,8 @@ def compaction_stall_section(d: dict) -> str:
     ]
     return (
         f"**Compaction beside decoding** (`python -m benchmarks.compaction_stall`{on_cpu(d)}): sessions holding "
-        f"agent traces of about {d['context']} tokens stream greedy tokens while one more compacts its "
-        f"{d['compacted_tokens']} tokens (all but the first 4 and last 256) at {d['ratio']:g} tokens per slot; the "
+        f"agent traces of up to {d['context']} tokens stream greedy tokens while one more, holding "
+        f"{d['compacted_tokens']}, compacts all but its first 4 and last 256 at {d['ratio']:g} tokens per slot; the "
         "decoders' longest gap between tokens overlapping the compaction, with the compaction pausing between "
         f"layers for the queued passes once it has run {1e3 * d['slice_seconds']:.0f} ms (`pauses`, the default) "
         f"and running start to end (`no pauses`); medians of {d['repeats']} rounds.\n\n" + md(rows, columns)
