@@ -24,6 +24,7 @@ from kvmemory import (
     UnsupportedArchitectureError,
 )
 from kvmemory.attention import folded_sdpa, mask_sdpa
+from kvmemory.runtime.generation import ReplyText
 from kvmemory.runtime.recorders import SurprisalRecorder
 from tests.conftest import random_tokens, reference_copy, tiny_model
 
@@ -541,3 +542,40 @@ def test_the_surprisal_recorder_matches_a_plain_list_and_its_snapshots_never_cha
             model = list(expected)
         assert same(recorder.values, model)
         assert all(same(state, expected) for state, expected in snapshots)
+
+
+@st.composite
+def reply_edits(draw, pool: list[int]):
+    """Tokens appended one at a time (from ``pool``: characters of several bytes, spaces, punctuation, and
+    any id at all), now and then a cut back (an undone step)."""
+    edits = []
+    for _ in range(draw(st.integers(20, 150))):
+        kind = draw(st.integers(0, 9))
+        if kind == 0:
+            edits.append(("cut", draw(st.integers(0, 40))))
+        else:
+            edits.append(("add", draw(st.integers(0, 49151) if kind == 1 else st.sampled_from(pool))))
+    return edits
+
+
+@pytest.mark.default_model
+def test_a_replys_text_decoded_a_few_tokens_at_a_time_is_the_whole_decoded(default_engine):
+    decode = default_engine.detokenize
+    text = "naïve café — 東京タワー 🙂🚀 x = {'a': 1}\n\tdef f():  return \"ü\"  . , ! ?   end"
+    pool = default_engine.tokenizer.encode(text, add_special_tokens=False)
+
+    class SettlingOften(ReplyText):  # a seam after every few tokens: more seams inside characters
+        SETTLE_EVERY = 2
+
+    @settings(max_examples=100, deadline=None)
+    @given(reply_edits(pool), st.sampled_from([ReplyText, SettlingOften]))
+    def check(edits, kind):
+        reply, tokens = kind(decode), []
+        for kind, value in edits:
+            if kind == "add":
+                tokens.append(value)
+            else:
+                del tokens[value:]
+            assert reply(tokens) == decode(tokens)
+
+    check()

@@ -118,6 +118,44 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
+class ReplyText:
+    """The text of a reply's tokens, as ``decode(tokens)`` gives it, decoded a few tokens at a time: the
+    text is asked for after every token, and decoding the whole reply each time costs O(reply) per token
+    (0.35 ms at 2,000 tokens on the default tokenizer). The text of a settled prefix is kept; each call
+    decodes the tokens after it together with ``CONTEXT`` before it (so spaces and merges at the seam come
+    out as in the whole), and the prefix moves on every ``SETTLE_EVERY`` tokens where the text ends on a
+    whole character. A seam that decodes otherwise, or a list cut below the settled prefix (an undone
+    step), falls back to decoding the whole. The list only grows or is cut (a ``Generation``'s own)."""
+
+    CONTEXT = 4
+    SETTLE_EVERY = 16
+
+    def __init__(self, decode):
+        self.decode = decode
+        self._settle(0, "", [])
+
+    def __call__(self, tokens: list[int]) -> str:
+        settled = self.settled
+        if len(tokens) < settled or (settled and tokens[settled - 1] != self._last_settled):
+            self._settle(0, "", tokens)
+            settled = 0
+        window = self.decode(tokens[self._seam :])
+        if not window.startswith(self._head):  # the seam decodes otherwise here: start over from the whole
+            self._settle(0, "", tokens)
+            return self.decode(tokens)
+        text = self.text + window[len(self._head) :]
+        if len(tokens) - settled >= self.SETTLE_EVERY and not text.endswith("\ufffd"):
+            self._settle(len(tokens), text, tokens)
+        return text
+
+    def _settle(self, count: int, text: str, tokens: list[int]) -> None:
+        """From now on ``tokens[:count]`` decode to ``text``: keep it, and the seam's context before it."""
+        self.settled, self.text = count, text
+        self._last_settled = tokens[count - 1] if count else None
+        self._seam = max(0, count - self.CONTEXT)
+        self._head = self.decode(tokens[self._seam : count]) if count else ""
+
+
 @dataclass
 class ReplyProgress:
     generated: list[int] = field(default_factory=list)
@@ -138,6 +176,7 @@ class Generation:
         self.finish: str | None = None
         self.closed = False
         self._undo = None
+        self._reply_text = ReplyText(session._decode)
         self._generator = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
         self.prompt_tokens, self.cached_tokens = session._begin_generation(self)
 
@@ -145,10 +184,6 @@ class Generation:
     def generated(self) -> list[int]:
         """Sampled tokens, the end-of-turn token excluded."""
         return self.progress.generated
-
-    @generated.setter
-    def generated(self, value: list[int]) -> None:
-        self.progress.generated = value
 
     @property
     def emitted(self) -> str:
@@ -182,7 +217,7 @@ class Generation:
             if len(self.generated) >= params.max_new_tokens or not session._room_for_one_more():
                 self.finish = "length"
                 return self._release(self._text())
-            state = session.snapshot(), (list(self.generated), self.emitted, self.finish)
+            state = session.snapshot(), (len(self.generated), self.emitted, self.finish)
             try:
                 with session.engine.batcher.expecting():
                     token = session._sample_next(params, self._generator, self)
@@ -210,7 +245,8 @@ class Generation:
         with self.session._lock:
             if self._undo is not None and not self.session.closed:
                 self.session.restore(self._undo[0])
-                self.generated, self.emitted, self.finish = self._undo[1]
+                count, self.emitted, self.finish = self._undo[1]
+                del self.generated[count:]
                 self._undo = None
             if self.finish is None:
                 self.finish = "cancelled"
@@ -227,7 +263,7 @@ class Generation:
             self.session._end_generation(self.progress)
 
     def _text(self) -> str:
-        return self.session._decode(self.generated)
+        return self._reply_text(self.generated)
 
     def _release(self, text: str) -> tuple[str, GenerationResult]:
         piece = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
