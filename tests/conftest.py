@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import shutil
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from transformers import (
 )
 
 from kvmemory import Engine
+from kvmemory.kernels import cpu_ops
 
 TINY = dict(
     vocab_size=256,
@@ -49,6 +51,20 @@ def reference_copy(model):
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("sdpa")
     return ref.eval()
+
+
+CAN_BUILD_KERNELS = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("c++") is not None
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels():
+    """kvmemory's CPU kernels, for the tests of them (``pytestmark = pytest.mark.usefixtures("cpu_kernels")``):
+    skipped where they cannot be built, required to build where they can."""
+    if not CAN_BUILD_KERNELS:
+        pytest.skip("the kernels need an x86-64 CPU with AVX2 and a C++ compiler")
+    ops = cpu_ops()
+    assert ops is not None, "the kernels should build here"
+    return ops
 
 
 @pytest.fixture(params=list(ARCHITECTURES))

@@ -3,8 +3,6 @@ and a session decodes the same with it as on sdpa, alone and batched."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,14 +15,7 @@ from kvmemory.runtime import batching
 from tests.conftest import random_tokens, tiny_model
 from tests.test_batching import KINDS, build, run_together, slow_passes
 
-CAN_BUILD = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("c++") is not None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernel():
-    if not CAN_BUILD:
-        pytest.skip("the kernel needs an x86-64 CPU with AVX2 and a C++ compiler")
-    assert decode_kernel.decode_op() is not None, "the kernel should build here"
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def reference(query, sessions, scale):

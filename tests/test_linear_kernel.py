@@ -13,9 +13,8 @@ from kvmemory.kernels import cpu_ops
 from kvmemory.runtime.weights import PackedFp16Linear, fuse_linears, store_linear_weights
 from tests.conftest import random_tokens, tiny_model
 from tests.test_batching import run_together, slow_passes
-from tests.test_decode_kernel import CAN_BUILD
 
-pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="the kernels need an x86-64 CPU with AVX2 and a C++ compiler")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @pytest.fixture(scope="module")

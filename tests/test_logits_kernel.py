@@ -3,8 +3,6 @@ float rounding, on any row count and width; each row's values are the same whate
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,14 +11,7 @@ from hypothesis import strategies as st
 from kvmemory.kernels import cpu_ops
 from kvmemory.runtime.logits import argmax_rows, logsumexp_rows
 
-CAN_BUILD = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("c++") is not None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernel():
-    if not CAN_BUILD:
-        pytest.skip("the kernel needs an x86-64 CPU with AVX2 and a C++ compiler")
-    assert cpu_ops() is not None, "the kernels should build here"
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @st.composite
