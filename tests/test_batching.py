@@ -265,6 +265,28 @@ def test_other_sessions_decode_between_the_layers_of_a_compaction(monkeypatch):
     assert tokens == alone[1]
 
 
+def test_compactions_of_two_sessions_at_once_each_end_as_alone(monkeypatch):
+    """One compaction's pause may run another session's whole compaction (it was queued meanwhile): each
+    cache ends exactly as when compacted alone."""
+    monkeypatch.setattr(compute, "SLICE_SECONDS", 0.0)
+    engine = Engine(tiny_model("llama", eos_token_id=None, num_hidden_layers=4))
+
+    def session(seed):
+        s = engine.session()
+        s.append_tokens(random_tokens(90, seed=seed))
+        return s
+
+    alone = []
+    for seed in (5, 6):
+        s = session(seed)
+        s.compact(LayerByLayer(engine), slots=30, keep_last=16)
+        alone.append(state_of(s))
+    sessions = [session(5), session(6)]
+    run_together(sessions, lambda s: s.compact(LayerByLayer(engine), slots=30, keep_last=16))
+    for s, expected in zip(sessions, alone):
+        assert_same_state(state_of(s), expected)
+
+
 @pytest.mark.default_model
 def test_concurrent_chats_on_the_default_model_match_their_lone_replies(default_engine):
     prompts = ["Name three primary colours.", "What is 12 times 12?", "Write a haiku about rain."]
