@@ -103,6 +103,23 @@ def rms_norm(norm):
     return apply
 
 
+def gated_activation(mlp, split: tuple[int, int], device: torch.device):
+    """``act(gate) · up`` of the gate and up halves of one fused projection's output. With SiLU on fp32
+    activations on a CPU it is kvmemory's one-pass kernel (``kvmemory/kernels/gated_mlp.cpp``: torch's split,
+    silu and product took ~12 µs a layer for one row, ~25 µs for eight)."""
+    act = mlp.act_fn.forward
+    silu = isinstance(mlp.act_fn, torch.nn.SiLU) or type(mlp.act_fn).__name__ == "SiLUActivation"
+    ops = cpu_ops() if silu and split[0] == split[1] and device.type == "cpu" else None
+
+    def apply(gate_up: torch.Tensor) -> torch.Tensor:
+        if ops is not None and gate_up.dtype == torch.float32:
+            return ops.silu_mul(gate_up)
+        gate, up = gate_up.split(split, dim=-1)
+        return act(gate) * up
+
+    return apply
+
+
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin with its first half negated), shaped to broadcast over heads: ``rotate`` then needs no
     concatenation (``sin``'s halves are equal, so this is transformers' ``rotate_half`` product exactly)."""
@@ -157,12 +174,16 @@ class DecoderLayer:
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         q_rows, kv_rows = attn.q_proj.out_features, attn.k_proj.out_features
         self.heads, self.kv_heads = q_rows // self.head_dim, kv_rows // self.head_dim
-        self.mlp_split = (mlp.gate_proj.out_features, mlp.up_proj.out_features)
         self.input_norm, self.post_norm = rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm)
         self.qkv, self.o = qkv.forward, attn.o_proj.forward
         qk_norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))  # Qwen3
         self.q_norm, self.k_norm = (rms_norm(n) for n in qk_norms) if qk_norms[0] is not None else (None, None)
-        self.gate_up, self.down, self.act = gate_up.forward, mlp.down_proj.forward, mlp.act_fn.forward
+        self.gate_up, self.down = gate_up.forward, mlp.down_proj.forward
+        split, device = (
+            (mlp.gate_proj.out_features, mlp.up_proj.out_features),
+            layer.post_attention_layernorm.weight.device,
+        )
+        self.activation = gated_activation(mlp, split, device)
 
     def __call__(self, x, cos, sin, cache, attention_path):
         qkv = self.qkv(self.input_norm(x)).view(*x.shape[:-1], -1, self.head_dim)
@@ -176,8 +197,7 @@ class DecoderLayer:
             self.attention, q, keys, values, None, self.scaling, packed_cache=cache, attention_path=attention_path
         )
         x = x + self.o(out.reshape(*x.shape[:-1], -1))
-        gate, up = self.gate_up(self.post_norm(x)).split(self.mlp_split, dim=-1)
-        return x + self.down(self.act(gate) * up)
+        return x + self.down(self.activation(self.gate_up(self.post_norm(x))))
 
 
 class DirectForward:
