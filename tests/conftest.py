@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import strategies as st
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -65,6 +66,16 @@ def cpu_kernels():
     ops = cpu_ops()
     assert ops is not None, "the kernels should build here"
     return ops
+
+
+@st.composite
+def kernel_rows(draw, max_rows: int, widths: list[int], scales: list[float]) -> torch.Tensor:
+    """(1, rows, width) fp32 input for a row-wise kernel: contiguous, or every other row of a larger tensor."""
+    rows, width, scale = draw(st.integers(1, max_rows)), draw(st.sampled_from(widths)), draw(st.sampled_from(scales))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    if draw(st.booleans()):
+        return torch.randn(1, 2 * rows, width, generator=generator)[:, ::2] * scale
+    return torch.randn(1, rows, width, generator=generator) * scale
 
 
 @pytest.fixture(params=list(ARCHITECTURES))
