@@ -2,14 +2,12 @@
 // See kvmemory/runtime/forward.py (`gated_activation`) for why it exists and when it runs.
 //
 // silu(g) = g · sigmoid(g), with sigmoid from e = exp(−|g|) (never overflows): 1/(1 + e) for g ≥ 0, e/(1 + e)
-// below. A row is computed by one thread, so its result does not depend on the other rows of the call.
+// below. A row is computed by one thread (each_row), so its result does not depend on the other rows of the call.
 
-#include <ATen/Parallel.h>  // at::get_num_threads
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -18,7 +16,7 @@
 
 namespace {
 
-using namespace kvmemory_simd;  // f8, kLanes, load8, exp8
+using namespace kvmemory_simd;  // f8, kLanes, load8, exp8, each_row
 
 constexpr int64_t kRowsPerThread = 8;  // below this many rows a thread's share costs more than it computes
 
@@ -48,10 +46,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty(shape, input.options());
   const float* x = input.data_ptr<float>();
   float* y = out.data_ptr<float>();
-  // OpenMP directly, as in logits.cpp; a decode step's few rows stay on this thread
-  const int threads = static_cast<int>(std::clamp<int64_t>(rows / kRowsPerThread, 1, at::get_num_threads()));
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t r = 0; r < rows; ++r) gate_row(x + r * width, x + r * width + n, y + r * n, n);
+  each_row(rows, kRowsPerThread, [&](int64_t r) { gate_row(x + r * width, x + r * width + n, y + r * n, n); });
   return out;
 }
 

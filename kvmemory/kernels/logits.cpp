@@ -5,7 +5,6 @@
 // call or on the thread count. The argmax is the first index of the largest value, NaN counting as largest,
 // as torch.argmax has it.
 
-#include <ATen/Parallel.h>  // at::get_num_threads
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -22,7 +21,7 @@
 
 namespace {
 
-using namespace kvmemory_simd;  // f8, kLanes, load8, sum8, exp8
+using namespace kvmemory_simd;  // f8, kLanes, load8, sum8, exp8, each_row
 
 // The largest value of row[0, n) and its first index (with NaNs: the first NaN and its index).
 std::pair<float, int64_t> top_of(const float* row, int64_t n) {
@@ -80,20 +79,17 @@ void check_logits(const at::Tensor& logits) {
 
 // `body(row, r, n)` for every row of a checked (rows, n) logits tensor, rows in parallel
 template <typename Body>
-void each_row(const at::Tensor& logits, Body body) {
-  const int64_t rows = logits.size(0), n = logits.size(1);
+void each_logits_row(const at::Tensor& logits, Body body) {
+  const int64_t n = logits.size(1);
   const float* x = logits.data_ptr<float>();
-  // OpenMP directly, as in decode_attention.cpp (at::parallel_for's inline setup would reset the team size)
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows)));
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
-  for (int64_t r = 0; r < rows; ++r) body(x + r * n, r, n);
+  each_row(logits.size(0), 1, [&](int64_t r) { body(x + r * n, r, n); });
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
   check_logits(logits);
   at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
   int64_t* index = out.data_ptr<int64_t>();
-  each_row(logits, [&](const float* row, int64_t r, int64_t n) { index[r] = top_of(row, n).second; });
+  each_logits_row(logits, [&](const float* row, int64_t r, int64_t n) { index[r] = top_of(row, n).second; });
   return out;
 }
 
@@ -101,7 +97,7 @@ at::Tensor logsumexp_rows(const at::Tensor& logits) {
   check_logits(logits);
   at::Tensor out = at::empty({logits.size(0)}, logits.options());
   float* lse = out.data_ptr<float>();
-  each_row(logits, [&](const float* row, int64_t r, int64_t n) { lse[r] = log_sum_exp(row, n, top_of(row, n).first); });
+  each_logits_row(logits, [&](const float* row, int64_t r, int64_t n) { lse[r] = log_sum_exp(row, n, top_of(row, n).first); });
   return out;
 }
 

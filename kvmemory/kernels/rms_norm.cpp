@@ -1,15 +1,13 @@
 // RMSNorm of fp32 rows in one pass per row: y = x · 1/sqrt(mean(x²) + eps) · weight.
 // See kvmemory/runtime/forward.py (`rms_norm`) for why it exists and when it runs.
 //
-// A row is computed by one thread in a fixed order, so its result does not depend on the other rows of the
-// call or on the thread count (a session's norm is the same in a packed pass as alone).
+// A row is computed by one thread in a fixed order (each_row), so a session's norm is the same in a packed
+// pass as alone.
 
-#include <ATen/Parallel.h>  // at::get_num_threads
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -17,7 +15,7 @@
 
 namespace {
 
-using namespace kvmemory_simd;  // f8, kLanes, load8, sum8
+using namespace kvmemory_simd;  // f8, kLanes, load8, sum8, each_row
 
 constexpr int64_t kRowsPerThread = 16;  // below this many rows a thread's share costs more than it computes
 
@@ -61,10 +59,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* w = weight.data_ptr<float>();
   float* y = out.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
-  // OpenMP directly, as in logits.cpp; a decode step's few rows stay on this thread
-  const int threads = static_cast<int>(std::clamp<int64_t>(rows / kRowsPerThread, 1, at::get_num_threads()));
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t r = 0; r < rows; ++r) normalise(in + r * n, w, y + r * n, n, epsilon);
+  each_row(rows, kRowsPerThread, [&](int64_t r) { normalise(in + r * n, w, y + r * n, n, epsilon); });
   return out;
 }
 

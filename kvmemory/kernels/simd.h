@@ -1,11 +1,13 @@
-// Eight-float vector helpers shared by kvmemory's CPU kernels (AVX2, FMA, F16C).
+// Helpers shared by kvmemory's CPU kernels: eight-float vectors (AVX2, FMA, F16C), and rows split over threads.
 #pragma once
 
+#include <ATen/Parallel.h>  // at::get_num_threads
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -56,6 +58,16 @@ inline f8 exp8(f8 x) {
   std::memcpy(&scale, &bits, sizeof scale);
   f8 out = p * scale;
   return x <= lo ? f8{} : out;
+}
+
+// body(r) for every row r in [0, rows): rows split over the threads, each thread at least `least` rows (fewer
+// rows stay on this thread). OpenMP directly: at::parallel_for's inline setup would reset the team size.
+// A row is computed whole by one thread, so its result does not depend on the other rows or the thread count.
+template <typename Body>
+inline void each_row(int64_t rows, int64_t least, Body body) {
+  const int threads = static_cast<int>(std::clamp<int64_t>(rows / least, 1, at::get_num_threads()));
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t r = 0; r < rows; ++r) body(r);
 }
 
 }  // namespace kvmemory_simd

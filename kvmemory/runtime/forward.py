@@ -30,6 +30,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import SiLUActivation
 
 from kvmemory.attention import kvmemory_attention
 from kvmemory.kernels import cpu_ops
@@ -109,7 +110,7 @@ def gated_activation(mlp, split: tuple[int, int], device: torch.device):
     (``kvmemory/kernels/gated_mlp.cpp``; the default model's forward on a 2-core AVX2 EPYC: 17.7 → 16.9 ms
     for one session, 32.9 → 31.7 ms for eight)."""
     act = mlp.act_fn.forward
-    silu = isinstance(mlp.act_fn, torch.nn.SiLU) or type(mlp.act_fn).__name__ == "SiLUActivation"
+    silu = isinstance(mlp.act_fn, (torch.nn.SiLU, SiLUActivation))
     ops = cpu_ops() if silu and split[0] == split[1] and device.type == "cpu" else None
 
     def apply(gate_up: torch.Tensor) -> torch.Tensor:
@@ -180,11 +181,8 @@ class DecoderLayer:
         qk_norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))  # Qwen3
         self.q_norm, self.k_norm = (rms_norm(n) for n in qk_norms) if qk_norms[0] is not None else (None, None)
         self.gate_up, self.down = gate_up.forward, mlp.down_proj.forward
-        split, device = (
-            (mlp.gate_proj.out_features, mlp.up_proj.out_features),
-            layer.post_attention_layernorm.weight.device,
-        )
-        self.activation = gated_activation(mlp, split, device)
+        split = (mlp.gate_proj.out_features, mlp.up_proj.out_features)
+        self.activation = gated_activation(mlp, split, layer.post_attention_layernorm.weight.device)
 
     def __call__(self, x, cos, sin, cache, attention_path):
         qkv = self.qkv(self.input_norm(x)).view(*x.shape[:-1], -1, self.head_dim)
