@@ -151,6 +151,32 @@ def test_sessions_starting_replies_together_share_their_first_pass():
     assert sizes[0] == len(sessions)
 
 
+def test_the_shorter_of_prefills_begun_together_runs_first_and_whole():
+    """Prefill chunks are taken by ``finish_by``, not arrival: of two prompts appended together, the shorter
+    one's chunks all run before the longer one's first, so it gets its first token as if it were alone
+    (taken in turn, both would finish near the end of the two)."""
+    engine = Engine(tiny_model("llama", eos_token_id=None), max_batch_tokens=16)  # one chunk a pass
+    engine.batcher.max_gather_seconds = 5.0  # only a bound: the first pass waits until both are queued
+    long, short = engine.session(prefill_chunk_size=16), engine.session(prefill_chunk_size=16)
+    served, forward = [], engine.batcher.forward
+
+    def recording(input_ids, rope, cache, *args):
+        served.append([r.cache for r in cache.requests])
+        return forward(input_ids, rope, cache, *args)
+
+    engine.batcher.forward = recording
+    both_in = threading.Barrier(2)
+
+    def append(session):  # announced as generate does, so neither request runs before the other is queued
+        with engine.batcher.expecting():
+            both_in.wait()
+            session.append_tokens(random_tokens(96 if session is long else 32, seed=5))
+
+    run_together([long, short], append)
+    assert served == [[short.cache]] * 2 + [[long.cache]] * 6
+    assert long.tokens[:32] == short.tokens  # the same prompt start: only the order of the passes differed
+
+
 def test_packed_logits_match_lone_logits_on_every_architecture(arch):
     engine = Engine(tiny_model(arch))
     prompts = [random_tokens(n, seed=n) for n in (5, 17, 40)]

@@ -31,6 +31,10 @@ from kvmemory.runtime.forward import forward_for
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
 
+CPU_PASS_TOKENS = 512 + 128  # ForwardBatcher's default bound on a pass's tokens on CPU, and elsewhere
+DEVICE_PASS_TOKENS = 2048
+
+
 @dataclass(eq=False)
 class ForwardRequest:
     """New tokens for one session's cache, at transcript positions ``start``, ``start + 1``, …"""
@@ -45,6 +49,9 @@ class ForwardRequest:
     # work on this request's logits that belongs where the model runs (surprisal, sampling): run right after
     # the pass, so a decoded token costs one hand-over to the compute thread, not three
     after: Callable[[torch.Tensor], Any] | None = None
+    # prefill order: the tokens the engine will have run when this request's prefill (all its chunks) is done,
+    # were it to run alone from when it began (``ForwardBatcher.due``); passes take the least first
+    finish_by: int = 0
     logits: torch.Tensor | None = None  # (T, V) with all_logits, else (1, V)
     outcome: Any = None  # what ``after`` returned
     error: BaseException | None = None
@@ -151,7 +158,11 @@ class BatchStats:
 class ForwardBatcher:
     """Runs queued forward requests as packed passes, one pass at a time (see the module docstring).
 
-    ``max_tokens`` bounds the new tokens of one pass (a request is never split: a longer one runs alone).
+    ``max_tokens`` bounds the new tokens of one pass (a request is never split: a longer one runs alone). By
+    default, on a CPU, one prefill chunk (512 tokens, ``Session.prefill_chunk_size``) and 128 more (decode
+    steps, short messages): prefill there is multiply-add bound, so chunks packed together run no faster than
+    one by one, and each would finish with the last (see ``_take``); elsewhere 2048, where wider passes use the
+    device better.
     After a pass, the next one waits briefly for the sessions that were in it, which are sampling their
     next token, so that concurrent decoders stay in step instead of splitting into groups that alternate:
     at most ``max_gather_seconds`` and half the last pass's time, and not at all once they are all back.
@@ -160,10 +171,10 @@ class ForwardBatcher:
     reply together share their first pass instead of one of them running it alone.
     """
 
-    def __init__(self, model, max_tokens: int = 2048, max_gather_seconds: float = 0.1, attention_path=None):
+    def __init__(self, model, max_tokens: int | None = None, max_gather_seconds: float = 0.1, attention_path=None):
         self.device = next(model.parameters()).device  # read once: execute() runs on every decode step
         self.attention_path = attention_path
-        self.max_tokens = max_tokens
+        self.max_tokens = max_tokens or (CPU_PASS_TOKENS if self.device.type == "cpu" else DEVICE_PASS_TOKENS)
         self.max_gather_seconds = max_gather_seconds
         self.stats = BatchStats()
         self._queue: list[ForwardRequest] = []
@@ -270,8 +281,23 @@ class ForwardBatcher:
         passes queued meanwhile run now, so the other sessions wait for one piece, not the whole job."""
         compute.pause()
 
+    def due(self, tokens: int) -> int:
+        """``ForwardRequest.finish_by`` for a prefill of ``tokens`` beginning now."""
+        return self.stats.tokens + tokens
+
     def _take(self) -> list[ForwardRequest]:
-        """The oldest queued requests whose tokens fit in one pass (at least one)."""
+        """The oldest queued requests whose tokens fit in one pass (at least one), the prefill chunks among
+        them in order of ``finish_by`` instead of arrival.
+
+        Prefill is multiply-add bound: packing several sessions' chunks into a pass runs no faster than
+        running them one after another, but every one of them finishes when the last does. Taken in order of
+        ``finish_by``, the prefills that began together finish shortest first (what lowers the mean time to
+        first token most), and one that began earlier is overtaken only by prefills shorter than what it had
+        left (none waits forever)."""
+        prefills = [i for i, r in enumerate(self._queue) if len(r.ids) > 1]
+        ordered = sorted((self._queue[i] for i in prefills), key=lambda r: r.finish_by)  # stable: ties by arrival
+        for i, request in zip(prefills, ordered):
+            self._queue[i] = request
         batch, tokens = [], 0
         while self._queue and (not batch or tokens + len(self._queue[0].ids) <= self.max_tokens):
             tokens += len(self._queue[0].ids)

@@ -54,6 +54,7 @@ class Engine:
     or a ``.gguf`` file; ``Engine(model, tokenizer)`` wraps a model already in memory. ``kv_dtype``
     ("float32", "float16", "bfloat16") is what every session's keys and values are stored in; by default
     fp16 under 16-bit or int4 weights on fp32 activations, else the model's dtype (``kv_storage_dtype``).
+    ``max_batch_tokens`` bounds the tokens of one packed pass (``ForwardBatcher``; 1 runs one session a pass).
     """
 
     def __init__(
@@ -65,7 +66,7 @@ class Engine:
         position_limit: int | None = None,
         rebase_positions: bool = True,
         rebase_at: int | None = None,
-        max_batch_tokens: int = 2048,
+        max_batch_tokens: int | None = None,
         attention_path: str | None = None,
         kv_dtype: torch.dtype | str | None = None,
     ):

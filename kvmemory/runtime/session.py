@@ -1028,13 +1028,14 @@ class Session:
         self._flush_pending()
         done, total = 0, len(ids)
         step = self.memory.chunk_size() if self.memory is not None else self.prefill_chunk_size
+        finish_by = self.engine.batcher.due(total)  # every chunk keeps the prefill's place (see ForwardBatcher)
         if self.show_progress and total > step:
             progress = _tqdm_progress(total, progress)
         while done < total:
             chunk = ids[done : done + step]
             if self.memory is not None:
                 self.memory.make_room(len(chunk))
-            self._forward(chunk, segment_id, positions_from=len(self.tokens))
+            self._forward(chunk, segment_id, positions_from=len(self.tokens), finish_by=finish_by)
             self.tokens.extend(chunk)
             self._replace_segment(segment_id, end=len(self.tokens))
             self._turn_prefilled += len(chunk)
@@ -1055,10 +1056,18 @@ class Session:
         self._pending = []
         return token
 
-    def _forward(self, ids: list[int], segment_id: int, positions_from: int, all_logits: bool = False) -> torch.Tensor:
-        """Run ``ids`` through the model at ``positions_from`` into the cache. Callers own the rollback
-        (``_atomic`` or ``scratch``)."""
-        return self._forward_then(ids, segment_id, positions_from, all_logits)[0]
+    def _forward(
+        self,
+        ids: list[int],
+        segment_id: int,
+        positions_from: int,
+        all_logits: bool = False,
+        finish_by: int | None = None,
+    ) -> torch.Tensor:
+        """Run ``ids`` through the model at ``positions_from`` into the cache (``finish_by``: the place of the
+        prefill they belong to, ``ForwardRequest.finish_by``; by default a prefill of their own). Callers own
+        the rollback (``_atomic`` or ``scratch``)."""
+        return self._forward_then(ids, segment_id, positions_from, all_logits, finish_by=finish_by)[0]
 
     def _forward_then(
         self,
@@ -1067,6 +1076,7 @@ class Session:
         positions_from: int,
         all_logits: bool = False,
         pick: Callable[[torch.Tensor], int] | None = None,
+        finish_by: int | None = None,
     ) -> tuple[torch.Tensor, int | None]:
         """``_forward``, and with ``pick`` the next token picked from the last logits. Both that and the
         tokens' surprisal run where the model runs, in the pass's own hand-over (``ForwardRequest.after``)."""
@@ -1093,6 +1103,7 @@ class Session:
             self.query_recorder,
             self.hidden_recorder,
             after if recording or pick is not None else None,
+            finish_by=engine.batcher.due(len(ids)) if finish_by is None else finish_by,
         )
         logits = engine.batcher.run(request)
         surprisal, token = request.outcome or (None, None)
