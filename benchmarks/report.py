@@ -426,7 +426,7 @@ def concurrency_section(d: dict) -> str:
             f"{r['sdpa_tok_s']:.1f}",
             f"{r['unbatched_tok_s']:.1f}",
             f"{r['transformers_tok_s']:.1f}",
-            f"{r['ttft_median_s']:.2f} / {r['unbatched_ttft_median_s']:.2f}",
+            f"{r['ttft_median_s']:.2f} ({r['ttft_max_s']:.2f}) / {r['unbatched_ttft_median_s']:.2f}",
             f"{r['kv_mb']:.0f} / {r['kv32_kv_mb']:.0f} / {r['transformers_kv_mb']:.0f}",
         ]
         for r in d["rows"]
@@ -441,7 +441,7 @@ def concurrency_section(d: dict) -> str:
         "sdpa tok/s",
         "unbatched tok/s",
         "transformers tok/s",
-        "TTFT s batched / unbatched",
+        "TTFT s batched median (longest) / unbatched median",
         "KV MiB kvmemory / fp32 cache / transformers",
     ]
     warmed = f"; each after an untimed {d['warm_up_tokens']}-token reply" if "warm_up_tokens" in d else ""
