@@ -30,7 +30,6 @@ from kvmemory.runtime import compute
 from kvmemory.runtime.forward import forward_for
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
-
 CPU_PASS_TOKENS = 512 + 128  # ForwardBatcher's default bound on a pass's tokens on CPU, and elsewhere
 DEVICE_PASS_TOKENS = 2048
 
