@@ -223,6 +223,12 @@ def test_a_bad_kv_dtype_is_named(bad):
         Engine(tiny_model("llama"), kv_dtype=bad)
 
 
+@pytest.mark.parametrize("bad", [0, -512])
+def test_a_pass_bound_below_one_token_is_named(bad):
+    with pytest.raises(InvalidArgumentError, match="max_batch_tokens"):
+        Engine(tiny_model("llama"), max_batch_tokens=bad)
+
+
 @pytest.mark.parametrize(
     "weights, kv_dtype, stored",
     [("fp32", None, torch.float32), ("fp16", None, torch.float16), ("bf16", None, torch.float16),

@@ -30,7 +30,9 @@ from kvmemory.runtime import compute
 from kvmemory.runtime.forward import forward_for
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
-CPU_PASS_TOKENS = 512 + 128  # ForwardBatcher's default bound on a pass's tokens on CPU, and elsewhere
+# ForwardBatcher's default bound on the tokens of a pass (see the class): on CPU, one 512-token prefill chunk
+# (a session's default) and 128 more; on an accelerator
+CPU_PASS_TOKENS = 512 + 128
 DEVICE_PASS_TOKENS = 2048
 
 
@@ -173,7 +175,9 @@ class ForwardBatcher:
     def __init__(self, model, max_tokens: int | None = None, max_gather_seconds: float = 0.1, attention_path=None):
         self.device = next(model.parameters()).device  # read once: execute() runs on every decode step
         self.attention_path = attention_path
-        self.max_tokens = max_tokens or (CPU_PASS_TOKENS if self.device.type == "cpu" else DEVICE_PASS_TOKENS)
+        if max_tokens is None:
+            max_tokens = CPU_PASS_TOKENS if self.device.type == "cpu" else DEVICE_PASS_TOKENS
+        self.max_tokens = max_tokens
         self.max_gather_seconds = max_gather_seconds
         self.stats = BatchStats()
         self._queue: list[ForwardRequest] = []

@@ -70,6 +70,8 @@ class Engine:
         attention_path: str | None = None,
         kv_dtype: torch.dtype | str | None = None,
     ):
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise InvalidArgumentError(f"max_batch_tokens must be at least 1 (or None), got {max_batch_tokens}")
         if attention_path not in ATTENTION_PATHS:
             raise InvalidArgumentError(f"attention_path must be one of {ATTENTION_PATHS}, got {attention_path!r}")
         self.kv_dtype = kv_storage_dtype(kv_dtype, next(model.parameters()).dtype, weight_format(model))
