@@ -224,9 +224,11 @@ def test_a_bad_kv_dtype_is_named(bad):
 
 
 @pytest.mark.parametrize("bad", [0, -512])
-def test_a_pass_bound_below_one_token_is_named(bad):
+def test_a_pass_bound_or_prefill_chunk_below_one_token_is_named(bad, tiny_engine):
     with pytest.raises(InvalidArgumentError, match="max_batch_tokens"):
         Engine(tiny_model("llama"), max_batch_tokens=bad)
+    with pytest.raises(InvalidArgumentError, match="prefill_chunk_size"):
+        tiny_engine.session(prefill_chunk_size=bad)
 
 
 @pytest.mark.parametrize(

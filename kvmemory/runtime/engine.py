@@ -12,7 +12,7 @@ import torch
 from kvmemory.attention import ATTENTION_NAME, ATTENTION_PATHS, decode_kernel
 from kvmemory.errors import InvalidArgumentError
 from kvmemory.runtime import compute
-from kvmemory.runtime.batching import ForwardBatcher
+from kvmemory.runtime.batching import CPU_PREFILL_CHUNK, DEVICE_PREFILL_CHUNK, ForwardBatcher
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.loading import (
     DEFAULT_MODEL,
@@ -96,6 +96,8 @@ class Engine:
         # Concurrent sessions' forwards run as packed passes over their own caches, one pass at a time.
         # ``attention_path``: None picks per device (kvmemory.attention); "flex" reads uneven heads in one call.
         self.batcher = ForwardBatcher(self.model, max_tokens=max_batch_tokens, attention_path=attention_path)
+        # a session's default prefill chunk: what a pass holds up the decode steps in it for (see batching)
+        self.prefill_chunk_size = CPU_PREFILL_CHUNK if self.device.type == "cpu" else DEVICE_PREFILL_CHUNK
         if attention_path is None and self.device.type == "cpu":
             decode_kernel.decode_op()  # built here, once per machine, rather than in a session's first step
         self._renderer: ChatRenderer | None = None
@@ -214,9 +216,14 @@ class Engine:
 
     # ---- sessions ------------------------------------------------------------------------------
     def session(
-        self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512, show_progress: bool = False
+        self,
+        session_id: str | None = None,
+        memory=None,
+        prefill_chunk_size: int | None = None,
+        show_progress: bool = False,
     ) -> Session:
-        """A new session (``with engine.session() as s``); for asyncio use ``engine.async_session()``."""
+        """A new session (``with engine.session() as s``); for asyncio use ``engine.async_session()``.
+        ``prefill_chunk_size``: tokens a forward prefills at most (None: the engine's ``prefill_chunk_size``)."""
         return Session(
             self,
             session_id=session_id,
@@ -232,7 +239,11 @@ class Engine:
         return load_session(self, path, session_id)
 
     def async_session(
-        self, session_id: str | None = None, memory=None, prefill_chunk_size: int = 512, show_progress: bool = False
+        self,
+        session_id: str | None = None,
+        memory=None,
+        prefill_chunk_size: int | None = None,
+        show_progress: bool = False,
     ):
         """A new session for asyncio (``async with engine.async_session() as s``): every blocking call is
         awaited in the session's worker thread."""

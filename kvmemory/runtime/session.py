@@ -130,9 +130,11 @@ class Session:
         engine,
         session_id: str | None = None,
         memory: SessionMemory | None = None,
-        prefill_chunk_size: int = 512,
+        prefill_chunk_size: int | None = None,
         show_progress: bool = False,
     ):
+        if prefill_chunk_size is not None and prefill_chunk_size < 1:
+            raise InvalidArgumentError(f"prefill_chunk_size must be at least 1 (or None), got {prefill_chunk_size}")
         self.engine = engine
         self.id = session_id or f"session-{id(self):x}"
         self.cache = CompactCache(engine.num_layers, engine.kv_dtype)
@@ -140,7 +142,7 @@ class Session:
         self._tokens_shared = 0  # snapshots hold ``tokens`` itself up to this length (``_cut_tokens``)
         self.segments: list[Segment] = []
         self._messages: list[dict] = []
-        self.prefill_chunk_size = prefill_chunk_size
+        self.prefill_chunk_size = prefill_chunk_size or engine.prefill_chunk_size  # None: the engine's default
         self.show_progress = show_progress  # tqdm bars for long prefills (quiet by default in library use)
         self.memory = memory
         self.closed = False
