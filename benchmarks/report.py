@@ -494,6 +494,27 @@ def compaction_stall_section(d: dict) -> str:
     )
 
 
+def prefill_stall_section(d: dict) -> str:
+    rows = [
+        [
+            r["chunk"] if r["chunk"] != d["default_chunk"] else f"{r['chunk']} (the default)",
+            r["pass_tokens"],
+            f"{r['prefill_tok_s']:.0f}",
+            f"{r['gap_ms']:.0f}",
+            f"{r['median_gap_ms']:.0f} / {r['longest_gap_ms']:.0f}",
+        ]
+        for r in d["rows"]
+    ]
+    columns = ["prefill chunk", "pass bound", "prefill tok/s", "decoder's gap ms alone", "during: median / longest"]
+    return (
+        f"**Prefill beside decoding** (`python -m benchmarks.prefill_stall`{on_cpu(d)}): one session decodes (an "
+        f"agent trace of up to {d['context']} tokens) while another appends {d['prefill']} tokens of log text with "
+        "each prefill chunk size (the engine's pass bound the chunk plus 128 tokens, as its CPU default is): the "
+        "prefill's speed and the decoder's gaps between tokens while it runs (one token per pass, and a pass "
+        f"holds one chunk); medians of {d['repeats']} rounds.\n\n" + md(rows, columns)
+    )
+
+
 def main() -> None:
     parts = []
     sections = (
@@ -507,6 +528,7 @@ def main() -> None:
         ("fp16_linear", fp16_linear_section),
         ("concurrency", concurrency_section),
         ("compaction_stall", compaction_stall_section),
+        ("prefill_stall", prefill_stall_section),
     )
     for name, fn in sections:
         data = load(name)
