@@ -78,9 +78,12 @@ def plot(rows: list[dict], path) -> None:
     chunks = [r["chunk"] for r in rows]
     left.plot(chunks, [r["median_gap_ms"] for r in rows], marker="o", label="median")
     left.plot(chunks, [r["longest_gap_ms"] for r in rows], marker="o", label="longest")
-    left.set_ylabel("decoder's gap between tokens during the prefill (ms)")
+    left.set_ylabel("decoder's gap between tokens (ms)")
+    left.set_title("the decoder, during the prefill")
     right.plot(chunks, [r["prefill_tok_s"] for r in rows], marker="o")
-    right.set_ylabel("prefill tokens/s beside the decoder")
+    right.set_ylim(0, 1.15 * max(r["prefill_tok_s"] for r in rows))
+    right.set_ylabel("tokens/s")
+    right.set_title("the prefill, beside the decoder")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xticks(chunks, [str(c) for c in chunks])

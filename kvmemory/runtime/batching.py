@@ -31,8 +31,9 @@ from kvmemory.runtime.forward import forward_for
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
 # A session's default prefill chunk (``Engine.prefill_chunk_size``). On CPU prefill is multiply-add bound from a
-# few hundred tokens on: 256-token chunks prefill as fast as 512-token ones (2% apart, within the noise; 128 tokens
-# ran 7-20% slower) and hold up the decode steps that share their pass half as long.
+# few hundred tokens on: 256-token chunks prefill as fast as 512-token ones, within the noise, and hold up the
+# decode steps that share their pass half as long (``benchmarks.prefill_stall``); 128-token chunks halve that
+# again but ran 7-20% slower in one of two measurements.
 CPU_PREFILL_CHUNK, DEVICE_PREFILL_CHUNK = 256, 512
 # ForwardBatcher's default bound on the tokens of a pass (see the class): on CPU one prefill chunk and 128 more
 CPU_PASS_TOKENS = CPU_PREFILL_CHUNK + 128
