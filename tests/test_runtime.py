@@ -424,6 +424,25 @@ def test_rerendered_earlier_turn_equals_a_fresh_session(default_engine):
     assert torch.allclose(session._last_logits, fresh._last_logits, atol=1e-4)
 
 
+def test_a_cut_that_would_empty_a_head_rebuilds_the_prefix_as_a_fresh_session_holds_it(default_engine):
+    """A re-rendered turn cuts every head back to its start; a head that kept only slots past the cut would be
+    left empty, so the prefix is prefilled again from the transcript (as one prefill, shortest-first order)."""
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "First question?"}]
+    session = default_engine.session(prefill_chunk_size=4)  # the rebuild runs in several chunks
+    session.set_messages(convo, add_generation_prompt=True)
+    n = session.cache.layers[0].length
+    plan = CompactionPlan.keep_all(session.cache)
+    plan.layers[0].keep = [torch.arange(n - 3, n)] + list(plan.layers[0].keep[1:])  # head 0 keeps the end only
+    session.apply_plan(plan)
+    edited = [convo[0], {"role": "user", "content": "Another question?"}]
+    session.set_messages(edited, add_generation_prompt=True)
+    fresh = default_engine.session(prefill_chunk_size=4)
+    fresh.set_messages(edited, add_generation_prompt=True)
+    assert session.tokens == fresh.tokens
+    assert session.cache.layers[0].lengths == fresh.cache.layers[0].lengths  # nothing compacted is left
+    assert torch.allclose(session._last_logits, fresh._last_logits, atol=1e-4)
+
+
 async def test_cancelled_stream_leaves_the_session_consistent(default_engine):
     session = default_engine.async_session()
     prompt = await session.append_text("Once upon a time, in a small village by the sea,")

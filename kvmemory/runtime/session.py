@@ -1170,9 +1170,11 @@ class Session:
         if self._reply is not None and self._reply[1] > position:
             self._reply = None
         if left < position:  # a compacted head lost every slot: rebuild the prefix from the transcript
+            finish_by = self.engine.batcher.due(position)  # one prefill, whatever its chunks and segments
             for seg in self.segments:
                 for i in range(seg.start, seg.end, self.prefill_chunk_size):
-                    self._forward(self.tokens[i : min(i + self.prefill_chunk_size, seg.end)], seg.id, positions_from=i)
+                    chunk = self.tokens[i : min(i + self.prefill_chunk_size, seg.end)]
+                    self._forward(chunk, seg.id, positions_from=i, finish_by=finish_by)
 
     def _cut_tokens(self, position: int) -> None:
         """Drop the transcript from ``position`` on. Snapshots hold the list itself up to ``_tokens_shared``
