@@ -158,6 +158,7 @@ def test_the_shorter_of_prefills_begun_together_runs_first_and_whole():
     engine = Engine(tiny_model("llama", eos_token_id=None), max_batch_tokens=16)  # one chunk a pass
     engine.batcher.max_gather_seconds = 5.0  # only a bound: the first pass waits until both are queued
     long, short = engine.session(prefill_chunk_size=16), engine.session(prefill_chunk_size=16)
+    slow_passes(engine, 0.05)  # the next pass waits half as long for the shorter one's next chunk
     served, forward = [], engine.batcher.forward
 
     def recording(input_ids, rope, cache, *args):
