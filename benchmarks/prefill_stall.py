@@ -8,8 +8,8 @@ down to a point; that point sets the engine's CPU default (``Engine.prefill_chun
 One session decodes greedy tokens (an agent-trace context of about ``--context`` tokens, as in
 ``benchmarks.concurrency``) while another, holding ``--context`` tokens of the logs text under the default
 memory policy (no compaction due), appends the next ``--prefill`` tokens of it, with each chunk size in turn
-(the engine's pass bound set to the chunk plus 128 tokens, as its CPU default is); ``--repeats`` rounds, every
-chunk size once a round (medians):
+(``Engine(prefill_chunk_size=...)``, whose pass bound on a CPU is the chunk plus 128 tokens); ``--repeats``
+rounds, every chunk size once a round (medians):
 
 * ``prefill_tok_s``: the appended tokens over the append's wall time;
 * ``gap_ms``: the decoder's median gap between tokens before the prefill starts (its pace);
@@ -32,7 +32,6 @@ from benchmarks.concurrency import contexts, open_sessions
 from benchmarks.texts import TEXT_KINDS
 from kvmemory import Engine, SamplingParams
 from kvmemory.memory import MemoryManager, default_policy
-from kvmemory.runtime.batching import CPU_PASS_TOKENS, CPU_PREFILL_CHUNK
 
 SETTLE_SECONDS = 0.5  # decoding before the prefill starts: its pace is measured here
 
@@ -107,10 +106,10 @@ def main() -> None:
     chosen = contexts(base, 1, args.context)
     setups = {}
     for chunk in args.chunks:
-        engine = Engine(**same, max_batch_tokens=chunk + CPU_PASS_TOKENS - CPU_PREFILL_CHUNK)
+        engine = Engine(**same, prefill_chunk_size=chunk)  # and the pass bound that goes with it
         decoder = open_sessions(engine, chosen, cap=4 * args.context)[0]
         policy = default_policy(max_slots=4 * args.context)  # as an agent's session: surprisal recorded, no compaction
-        prefilling = engine.session(memory=MemoryManager(policy), prefill_chunk_size=chunk)
+        prefilling = engine.session(memory=MemoryManager(policy))
         prefilling.append_tokens(start)
         setups[chunk] = decoder, prefilling
     runs = {}
@@ -120,7 +119,7 @@ def main() -> None:
     rows = [
         {
             "chunk": chunk,
-            "pass_tokens": chunk + CPU_PASS_TOKENS - CPU_PREFILL_CHUNK,
+            "pass_tokens": setups[chunk][0].engine.batcher.max_tokens,
             "prefill_tok_s": len(appended) / statistics.median(r["seconds"] for r in results),
             "gap_ms": 1e3 * statistics.median(r["gap"] for r in results),
             "median_gap_ms": 1e3 * statistics.median(r["median"] for r in results),

@@ -155,9 +155,9 @@ def test_the_shorter_of_prefills_begun_together_runs_first_and_whole():
     """Prefill chunks are taken by ``finish_by``, not arrival: of two prompts appended together, the shorter
     one's chunks all run before the longer one's first, so it gets its first token as if it were alone
     (taken in turn, both would finish near the end of the two)."""
-    engine = Engine(tiny_model("llama", eos_token_id=None), max_batch_tokens=16)  # one chunk a pass
+    engine = Engine(tiny_model("llama", eos_token_id=None), prefill_chunk_size=16, max_batch_tokens=16)  # 1 chunk
     engine.batcher.max_gather_seconds = 5.0  # only a bound: the first pass waits until both are queued
-    long, short = engine.session(prefill_chunk_size=16), engine.session(prefill_chunk_size=16)
+    long, short = engine.session(), engine.session()
     slow_passes(engine, 0.05)  # the next pass waits half as long for the shorter one's next chunk
     served, forward = [], engine.batcher.forward
 

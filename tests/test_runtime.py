@@ -228,6 +228,8 @@ def test_a_pass_bound_or_prefill_chunk_below_one_token_is_named(bad, tiny_engine
     with pytest.raises(InvalidArgumentError, match="max_batch_tokens"):
         Engine(tiny_model("llama"), max_batch_tokens=bad)
     with pytest.raises(InvalidArgumentError, match="prefill_chunk_size"):
+        Engine(tiny_model("llama"), prefill_chunk_size=bad)
+    with pytest.raises(InvalidArgumentError, match="prefill_chunk_size"):
         tiny_engine.session(prefill_chunk_size=bad)
 
 

@@ -30,15 +30,6 @@ from kvmemory.runtime import compute
 from kvmemory.runtime.forward import forward_for
 from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder
 
-# A session's default prefill chunk (``Engine.prefill_chunk_size``). On CPU prefill is multiply-add bound from a
-# few hundred tokens on: 256-token chunks prefill as fast as 512-token ones, within the noise, and hold up the
-# decode steps that share their pass half as long (``benchmarks.prefill_stall``); 128-token chunks halve that
-# again but ran 7-20% slower in one of two measurements.
-CPU_PREFILL_CHUNK, DEVICE_PREFILL_CHUNK = 256, 512
-# ForwardBatcher's default bound on the tokens of a pass (see the class): on CPU one prefill chunk and 128 more
-CPU_PASS_TOKENS = CPU_PREFILL_CHUNK + 128
-DEVICE_PASS_TOKENS = 2048
-
 
 @dataclass(eq=False)
 class ForwardRequest:
@@ -163,11 +154,10 @@ class BatchStats:
 class ForwardBatcher:
     """Runs queued forward requests as packed passes, one pass at a time (see the module docstring).
 
-    ``max_tokens`` bounds the new tokens of one pass (a request is never split: a longer one runs alone). By
-    default, on a CPU, one prefill chunk (``CPU_PREFILL_CHUNK``, a session's default) and 128 more (decode
-    steps, short messages): prefill there is multiply-add bound, so chunks packed together run no faster than
-    one by one, and each would finish with the last (see ``_take``); elsewhere 2048, where wider passes use the
-    device better.
+    ``max_tokens`` bounds the new tokens of one pass (a request is never split: a longer one runs alone). An
+    engine on a CPU sets it to one prefill chunk and 128 more tokens (decode steps, short messages): prefill
+    there is multiply-add bound, so chunks packed together run no faster than one by one, and each would finish
+    with the last (see ``_take``); elsewhere 2048, where wider passes use the device better.
     After a pass, the next one waits briefly for the sessions that were in it, which are sampling their
     next token, so that concurrent decoders stay in step instead of splitting into groups that alternate:
     at most ``max_gather_seconds`` and half the last pass's time, and not at all once they are all back.
@@ -176,11 +166,9 @@ class ForwardBatcher:
     reply together share their first pass instead of one of them running it alone.
     """
 
-    def __init__(self, model, max_tokens: int | None = None, max_gather_seconds: float = 0.1, attention_path=None):
+    def __init__(self, model, max_tokens: int = 2048, max_gather_seconds: float = 0.1, attention_path=None):
         self.device = next(model.parameters()).device  # read once: execute() runs on every decode step
         self.attention_path = attention_path
-        if max_tokens is None:
-            max_tokens = CPU_PASS_TOKENS if self.device.type == "cpu" else DEVICE_PASS_TOKENS
         self.max_tokens = max_tokens
         self.max_gather_seconds = max_gather_seconds
         self.stats = BatchStats()

@@ -12,7 +12,7 @@ import torch
 from kvmemory.attention import ATTENTION_NAME, ATTENTION_PATHS, decode_kernel
 from kvmemory.errors import InvalidArgumentError
 from kvmemory.runtime import compute
-from kvmemory.runtime.batching import CPU_PREFILL_CHUNK, DEVICE_PREFILL_CHUNK, ForwardBatcher
+from kvmemory.runtime.batching import ForwardBatcher
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.loading import (
     DEFAULT_MODEL,
@@ -28,6 +28,12 @@ from kvmemory.runtime.weights import check_weights, default_weights, store_linea
 
 MAX_LOGICAL_POSITIONS = 2**31 - 1  # the cache stores positions as int32
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# A session's default prefill chunk, and the tokens a packed pass holds beside one chunk on CPU (decode steps,
+# short messages). A decode step waits for the chunk in its pass: on CPU, 256-token chunks halve that wait against
+# 512-token ones for 5-9% of the prefill's speed (``benchmarks.prefill_stall``, two runs); 128-token chunks halve
+# it again for 3-14% (and 7-20% against 256 in a third measurement): 256 is the middle.
+CPU_PREFILL_CHUNK, DEVICE_PREFILL_CHUNK = 256, 512
+CPU_PASS_HEADROOM, DEVICE_PASS_TOKENS = 128, 2048
 
 
 def kv_storage_dtype(kv_dtype: torch.dtype | str | None, model_dtype: torch.dtype, weights: str) -> torch.dtype:
@@ -54,7 +60,9 @@ class Engine:
     or a ``.gguf`` file; ``Engine(model, tokenizer)`` wraps a model already in memory. ``kv_dtype``
     ("float32", "float16", "bfloat16") is what every session's keys and values are stored in; by default
     fp16 under 16-bit or int4 weights on fp32 activations, else the model's dtype (``kv_storage_dtype``).
-    ``max_batch_tokens`` bounds the tokens of one packed pass (``ForwardBatcher``; 1 runs one session a pass).
+    ``prefill_chunk_size`` is the most tokens a session prefills in one forward (256 on a CPU, 512 elsewhere; a
+    session may set its own) and ``max_batch_tokens`` bounds the tokens of one packed pass (``ForwardBatcher``;
+    on a CPU one chunk and 128 more, elsewhere 2048; 1 runs one session a pass).
     """
 
     def __init__(
@@ -69,9 +77,11 @@ class Engine:
         max_batch_tokens: int | None = None,
         attention_path: str | None = None,
         kv_dtype: torch.dtype | str | None = None,
+        prefill_chunk_size: int | None = None,
     ):
-        if max_batch_tokens is not None and max_batch_tokens < 1:
-            raise InvalidArgumentError(f"max_batch_tokens must be at least 1 (or None), got {max_batch_tokens}")
+        for name, value in (("max_batch_tokens", max_batch_tokens), ("prefill_chunk_size", prefill_chunk_size)):
+            if value is not None and value < 1:
+                raise InvalidArgumentError(f"{name} must be at least 1 (or None), got {value}")
         if attention_path not in ATTENTION_PATHS:
             raise InvalidArgumentError(f"attention_path must be one of {ATTENTION_PATHS}, got {attention_path!r}")
         self.kv_dtype = kv_storage_dtype(kv_dtype, next(model.parameters()).dtype, weight_format(model))
@@ -95,9 +105,11 @@ class Engine:
         self.position_limit = position_limit or unbounded
         # Concurrent sessions' forwards run as packed passes over their own caches, one pass at a time.
         # ``attention_path``: None picks per device (kvmemory.attention); "flex" reads uneven heads in one call.
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.prefill_chunk_size = prefill_chunk_size or (CPU_PREFILL_CHUNK if on_cpu else DEVICE_PREFILL_CHUNK)
+        if max_batch_tokens is None:
+            max_batch_tokens = self.prefill_chunk_size + CPU_PASS_HEADROOM if on_cpu else DEVICE_PASS_TOKENS
         self.batcher = ForwardBatcher(self.model, max_tokens=max_batch_tokens, attention_path=attention_path)
-        # a session's default prefill chunk: what a pass holds up the decode steps in it for (see batching)
-        self.prefill_chunk_size = CPU_PREFILL_CHUNK if self.device.type == "cpu" else DEVICE_PREFILL_CHUNK
         if attention_path is None and self.device.type == "cpu":
             decode_kernel.decode_op()  # built here, once per machine, rather than in a session's first step
         self._renderer: ChatRenderer | None = None
