@@ -15,7 +15,9 @@ valid reference) are replayed step by step, as an agent would send them, under e
   Attention Matching, AM under REAL head budgets, TAM, counter-causal surprise or SnapKV;
 * ``-kv16`` conditions (the default, whole-lines, drop-oldest, clear-tool-uses): the same on a cache stored in fp16
   (``Engine(kv_dtype="float16")``) under the same bytes, so about twice the tokens fit (a text agent on a
-  16-bit cache gets the same), against the same fp32 references.
+  16-bit cache gets the same), against the same fp32 references; ``-kv8`` conditions (the default,
+  drop-oldest): the same on 8-bit rows (``kv_dtype="int8"``, ``kvmemory.cache.int8_rows``), about 3.5 times
+  the tokens.
 
 Measured at the end of each trace, for each fact (a value the trace mentions exactly once, early): the
 answer's log-probability after the question, as the share of the gain the whole trace gives over no trace,
@@ -65,8 +67,10 @@ CONDITIONS = [
     "kvmemory-default",
     *KV_METHODS,
 ]
-KV16 = "-kv16"  # suffix: the condition on a cache stored in fp16 (``Engine(kv_dtype="float16")``), same bytes
-CONDITIONS += [c + KV16 for c in ("drop-oldest", "clear-tool-uses", "kvmemory-default", "whole-lines")]
+# suffix: the condition on a cache stored in this ``kv_dtype``, under the same bytes
+STORED = {"-kv16": "float16", "-kv8": "int8"}
+CONDITIONS += [c + "-kv16" for c in ("drop-oldest", "clear-tool-uses", "kvmemory-default", "whole-lines")]
+CONDITIONS += [c + "-kv8" for c in ("drop-oldest", "kvmemory-default")]
 OPEN_QUESTION = "In two sentences: what was wrong in this task, and what did you change?"
 ANSWER_TOKENS, REPLY_TOKENS, BOOTSTRAP = 16, 48, 2000
 
@@ -267,12 +271,18 @@ def degenerate(reply: str, context: str) -> str | None:
 
 
 def on_cache_of(engine, condition: str, cap_tokens: int) -> tuple:
-    """(engine, condition, token budget) a condition runs with: a ``-kv16`` one on an fp16 cache of the same
-    model, its budget the tokens that fit in the bytes ``cap_tokens`` cost in the model's own dtype."""
-    if not condition.endswith(KV16):
+    """(engine, condition, token budget) a condition runs with: a ``-kv16`` or ``-kv8`` one on a cache of the
+    same model stored in that dtype, its budget the tokens that fit in the bytes ``cap_tokens`` cost in the
+    model's own dtype."""
+    suffix = stored_suffix(condition)
+    if suffix is None:
         return engine, condition, cap_tokens
-    kv16 = Engine(engine.model, engine.tokenizer, name=engine.name, kv_dtype="float16")
-    return kv16, condition.removesuffix(KV16), cap_tokens * engine.kv_bytes_per_token // kv16.kv_bytes_per_token
+    stored = Engine(engine.model, engine.tokenizer, name=engine.name, kv_dtype=STORED[suffix])
+    return stored, condition.removesuffix(suffix), cap_tokens * engine.kv_bytes_per_token // stored.kv_bytes_per_token
+
+
+def stored_suffix(condition: str) -> str | None:
+    return next((suffix for suffix in STORED if condition.endswith(suffix)), None)
 
 
 def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -> dict:
@@ -428,9 +438,9 @@ def plot(summary: list[dict], path) -> None:
         values = [r["fact_gain_kept"] for r in mine]
         kv = ("kvmemory", *KV_METHODS)
         colors = [
-            ("tab:cyan" if r["condition"].endswith(KV16) else "tab:blue")
+            ("tab:cyan" if stored_suffix(r["condition"]) else "tab:blue")
             if r["condition"].startswith(kv)
-            else ("silver" if r["condition"].endswith(KV16) else "tab:gray")
+            else ("silver" if stored_suffix(r["condition"]) else "tab:gray")
             for r in mine
         ]
         ax.bar(range(len(mine)), values, color=colors)
@@ -510,7 +520,7 @@ def main() -> None:
         none = {(t, q): lp for t, q, lp in saved["no_trace"]}
         finish(saved["rows"], none, saved["caps"], saved["replies"], saved.get("weights", "fp32"))
         return
-    engine = Engine.from_pretrained("default", kv_dtype="float32")  # the references; -kv16 rows: fp16, same bytes
+    engine = Engine.from_pretrained("default", kv_dtype="float32")  # the references; -kv16 / -kv8 rows: same bytes
     traces = load_traces(args.traces)
     none = {(t["name"], q): lp for t in traces for (q, _), lp in zip(t["facts"], no_trace_logprobs(engine, t))}
     lengths = {t["name"]: len(engine.session().renderer.render(t["messages"])) for t in traces}

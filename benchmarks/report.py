@@ -34,6 +34,9 @@ def formats_of(d: dict) -> str:
     return f", {d['weights']} weights, {d['kv_dtype']} cache" if "kv_dtype" in d else ""
 
 
+NLL_COLUMN = "max Δ NLL (full cache)"
+
+
 def speed_section(d: dict) -> str:
     runners = [k.removesuffix(" decode tok/s") for k in d["contexts"][0] if k.endswith(" decode tok/s")]
     header = ["context"] + [f"{r} {what} tok/s" for r in runners for what in ("prefill", "decode")]
@@ -83,15 +86,34 @@ def speed_section(d: dict) -> str:
         )
     if "kv_dtype" in d:
         k = d["kv_dtype"]
-        text += (
-            f"\n\nThe cache stored in 16 bits (`kv_dtype`) at {k['context']} tokens (medians of {k['repeats']}): "
-            + ", ".join(
-                f"{r['kv_dtype']} {r['kv_bytes_per_token'] / 1024:.1f} KiB per token, prefill "
-                f"{r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s"
+        if "max_full_nll_change" in k["rows"][0]:
+            stored = [
+                [
+                    r["kv_dtype"],
+                    f"{r['kv_bytes_per_token'] / 1024:.1f}",
+                    f"{r['prefill_tok_s']:.0f}",
+                    f"{r['decode_tok_s']:.1f}",
+                    f"{r['max_full_nll_change']:.4f}",
+                    "yes" if r["same_method_order"] else "no",
+                ]
                 for r in k["rows"]
+            ]
+            text += (
+                f"\n\nThe cache stored in fewer bits (`kv_dtype`; prefill and decode at {k['context']} tokens, "
+                f"medians of {k['repeats']}; NLL change and order against the fp32 cache, as for weight formats "
+                "below):\n\n"
+                + md(stored, ["kv_dtype", "KiB per token", "prefill tok/s", "decode tok/s", NLL_COLUMN, "order"])
             )
-            + "."
-        )
+        else:
+            text += (
+                f"\n\nThe cache stored in 16 bits (`kv_dtype`) at {k['context']} tokens (medians of {k['repeats']}): "
+                + ", ".join(
+                    f"{r['kv_dtype']} {r['kv_bytes_per_token'] / 1024:.1f} KiB per token, prefill "
+                    f"{r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s"
+                    for r in k["rows"]
+                )
+                + "."
+            )
     if "weights" in d:
         weights = [
             [
@@ -108,7 +130,7 @@ def speed_section(d: dict) -> str:
             "\n\nWeight formats (`Engine.from_pretrained(weights=...)`; decode and prefill at 512 tokens; the NLL "
             "change is the largest over `benchmarks.quality`'s full-cache rows, one 2,048-token window per text "
             "kind; order: SnapKV, AM under REAL and TAM at 10× rank the same as with fp32 on every kind):\n\n"
-            + md(weights, ["weights", "decode tok/s", "prefill tok/s", "weight MB", "max Δ NLL (full cache)", "order"])
+            + md(weights, ["weights", "decode tok/s", "prefill tok/s", "weight MB", NLL_COLUMN, "order"])
         )
     if "kernels" in d:
         kernels = [[k["kernel"], f"{k['ms_per_token']:.1f}"] for k in d["kernels"]]

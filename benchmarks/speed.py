@@ -12,8 +12,9 @@ plain transformers, per weight format, and decode after compaction.
   worker thread (how a script, a server and an async API call a Session).
 * ``recording``: prefill and decode at 2,048 tokens with each token's surprisal recorded (what the default
   policy's selective context reads) against without.
-* ``kv_dtype``: prefill and decode at 2,048 tokens with the cache stored in fp32, fp16 and bf16
-  (``Engine(kv_dtype=...)``, the same model), and the KV bytes a token costs in each.
+* ``kv_dtype``: prefill and decode at 2,048 tokens with the cache stored in fp32, fp16, bf16 and 8-bit rows
+  (``Engine(kv_dtype=...)``, the same model), the KV bytes a token costs in each, and, as for weights, the
+  full-cache NLL and compaction results of ``benchmarks.quality`` beside the fp32 cache's.
 * ``compacted``: decode after compacting the longest context to 400 slots per head (even, and uneven heads
   of the same total) against the same session uncompacted and llama.cpp at that context, taking turns.
 * ``kernels``: one token through every linear weight of a model of the default model's shapes, per kernel
@@ -133,23 +134,16 @@ def weights_section(text_ids, n_dec, repeats):
     rows = []
     for name, engine in engines.items():
         prefill = statistics.median(session_runner(engine)(text_ids[:512], 0)[0] for _ in range(repeats))
-        scored = quality(engine, list(TEXT_KINDS), 2048, [10], QUALITY_METHODS, 1)
         rows.append(
             {
                 "weights": name,
                 "decode_tok_s": n_dec / decode[name],
                 "prefill_tok_s": 512 / prefill,
                 "weight_mb": weight_bytes(engine.model) / 1e6,
-                "nll": {f"{r['kind']}/{r['method']}": r["nll"] for r in scored},
+                "nll": scored_nll(engine),
             }
         )
-    reference = rows[0]["nll"]
-    for row in rows:
-        full = [k for k in reference if k.endswith("/full")]
-        row["max_full_nll_change"] = max(abs(row["nll"][k] - reference[k]) for k in full)
-        row["same_method_order"] = all(
-            method_order(row["nll"], kind) == method_order(reference, kind) for kind in TEXT_KINDS
-        )
+    compare_nll(rows)
     columns = ["weights", "decode_tok_s", "prefill_tok_s", "weight_mb", "max_full_nll_change", "same_method_order"]
     print(table(rows, columns), flush=True)
     return rows
@@ -227,8 +221,9 @@ def recording_section(engine, text_ids, n_dec, repeats):
 
 
 def kv_dtype_section(engine, text_ids, n_dec, repeats):
-    """What storing the cache in 16 bits costs a session in time (attention reads it back as fp32)."""
-    engines = {kv: Engine(engine.model, engine.tokenizer, kv_dtype=kv) for kv in ("float32", "float16", "bfloat16")}
+    """What storing the cache in fewer bits costs a session in time and in NLL, and saves in bytes."""
+    kinds = ("float32", "float16", "bfloat16", "int8")
+    engines = {kv: Engine(engine.model, engine.tokenizer, kv_dtype=kv) for kv in kinds}
     medians = alternate({kv: session_runner(e) for kv, e in engines.items()}, text_ids[:2048], n_dec, repeats)
     rows = [
         {
@@ -236,11 +231,31 @@ def kv_dtype_section(engine, text_ids, n_dec, repeats):
             "kv_bytes_per_token": engines[kv].kv_bytes_per_token,
             "prefill_tok_s": 2048 / prefill,
             "decode_tok_s": n_dec / decode,
+            "nll": scored_nll(engines[kv]),
         }
         for kv, (prefill, decode) in medians.items()
     ]
-    print(table(rows, list(rows[0])), flush=True)
+    compare_nll(rows)
+    columns = ["kv_dtype", "kv_bytes_per_token", "prefill_tok_s", "decode_tok_s", "max_full_nll_change"]
+    print(table(rows, columns + ["same_method_order"]), flush=True)
     return {"context": 2048, "repeats": repeats, "rows": rows}
+
+
+def scored_nll(engine) -> dict:
+    """``benchmarks.quality``'s NLL per text kind of the full cache and of each of ``QUALITY_METHODS`` at 10×."""
+    scored = quality(engine, list(TEXT_KINDS), 2048, [10], QUALITY_METHODS, 1)
+    return {f"{r['kind']}/{r['method']}": r["nll"] for r in scored}
+
+
+def compare_nll(rows: list[dict]) -> None:
+    """Each row's largest full-cache NLL change from the first row's, and whether the methods rank alike."""
+    reference = rows[0]["nll"]
+    for row in rows:
+        full = [k for k in reference if k.endswith("/full")]
+        row["max_full_nll_change"] = max(abs(row["nll"][k] - reference[k]) for k in full)
+        row["same_method_order"] = all(
+            method_order(row["nll"], kind) == method_order(reference, kind) for kind in TEXT_KINDS
+        )
 
 
 def transformers_plain(model):

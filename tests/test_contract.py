@@ -437,10 +437,10 @@ def tiny_chat_engine() -> Engine:
 
 
 @functools.cache
-def tiny_chat_engine_kv16() -> Engine:
-    """The tiny chat engine's model with its cache stored in fp16 (``Engine(kv_dtype=...)``)."""
+def tiny_chat_engine_storing(kv_dtype: str) -> Engine:
+    """The tiny chat engine's model with its cache stored in ``kv_dtype`` (``Engine(kv_dtype=...)``)."""
     base = tiny_chat_engine()
-    return Engine(base.model, base.tokenizer, kv_dtype="float16")
+    return Engine(base.model, base.tokenizer, kv_dtype=kv_dtype)
 
 
 CAP = 320
@@ -696,7 +696,12 @@ class SessionContractUnderCap(SessionContract):
 
 class SessionContractKV16UnderCap(SessionContract):
     with_memory = True
-    make_engine = staticmethod(tiny_chat_engine_kv16)
+    make_engine = staticmethod(functools.partial(tiny_chat_engine_storing, "float16"))
+
+
+class SessionContractKV8UnderCap(SessionContract):
+    with_memory = True
+    make_engine = staticmethod(functools.partial(tiny_chat_engine_storing, "int8"))
 
 
 class DefaultModelContractUnderCap(SessionContract):
@@ -719,5 +724,7 @@ TestSessionContractUnderCap = pytest.mark.default_model(SessionContractUnderCap.
 TestSessionContractUnderCap.settings = _settings("300")
 TestSessionContractKV16UnderCap = pytest.mark.default_model(SessionContractKV16UnderCap.TestCase)
 TestSessionContractKV16UnderCap.settings = _settings("100")
+TestSessionContractKV8UnderCap = pytest.mark.default_model(SessionContractKV8UnderCap.TestCase)
+TestSessionContractKV8UnderCap.settings = _settings("60")
 TestDefaultModelContractUnderCap = pytest.mark.default_model(DefaultModelContractUnderCap.TestCase)
 TestDefaultModelContractUnderCap.settings = _settings("20")

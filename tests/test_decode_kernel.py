@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvmemory import Engine
 from kvmemory.attention import decode_kernel
+from kvmemory.cache import int8_rows
 from kvmemory.cache.compact_cache import CompactCache, CompactLayer, LayerState, Slots
 from kvmemory.runtime import batching
 from tests.conftest import random_tokens, tiny_model
@@ -19,17 +20,19 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def reference(query, sessions, scale):
-    """softmax(scale·q·k + β)·v per query head in fp64, from each head's keys, values and β as stored."""
+    """softmax(scale·q·k + β)·v per query head in fp64, from each head's keys, values and β as stored (8-bit
+    rows decoded)."""
     out = []
     for i, heads in enumerate(sessions):
         groups = query.shape[1] // len(heads)
         rows = []
         for h, (k, v, bias) in enumerate(heads):
             q = query[0, h * groups : (h + 1) * groups, i].double()
-            logits = scale * q @ k.double().T
+            k, v = (int8_rows.read(t, t.dtype, torch.float64) for t in (k, v))
+            logits = scale * q @ k.T
             if bias is not None:
                 logits = logits + bias.double()
-            rows.append(logits.softmax(-1) @ v.double())
+            rows.append(logits.softmax(-1) @ v)
         out.append(torch.cat(rows))
     return torch.stack(out)[None].float()
 
@@ -40,7 +43,7 @@ def layers(draw):
     whether the kernel writes each head's last row itself (a decode step's new token)."""
     kv_heads, groups = draw(st.integers(1, 3)), draw(st.integers(1, 4))
     dim = draw(st.sampled_from([8, 16, 40, 64, 128]))  # value chunks: 8-float tails, 32-float blocks, both
-    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.int8]))
     count = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**16))
     lengths = st.integers(1, 300)
@@ -55,7 +58,7 @@ def layers(draw):
 
 
 def cache_layer(keys, values, bias, spare: int) -> CompactLayer:
-    """A real cache layer holding these heads, each followed by ``spare`` unused rows (headroom)."""
+    """A real cache layer holding these heads (rows as stored), each followed by ``spare`` unused rows."""
     lengths = tuple(len(k) for k in keys)
     capacities = tuple(n + spare for n in lengths)
     starts = tuple(sum(capacities[:h]) for h in range(len(keys)))
@@ -88,12 +91,14 @@ def test_the_kernel_computes_attention_on_every_cache_shape(layer):
     new_meta[:, 0] = 0  # a new token's β
     cache_layers, heads = [], []
     for i, (lengths, has_bias) in enumerate(zip(shapes, biased)):
-        keys = [torch.randn(n, dim, generator=generator).to(dtype) for n in lengths]
-        values = [torch.randn(n, dim, generator=generator).to(dtype) for n in lengths]
+        keys = [int8_rows.store(torch.randn(n, dim, generator=generator), dtype) for n in lengths]
+        values = [int8_rows.store(torch.randn(n, dim, generator=generator), dtype) for n in lengths]
         bias = [torch.randn(n, generator=generator) * 3 for n in lengths] if has_bias else None  # fitted β
         if writes:  # the last row of each head comes from the new token, written by the kernel
-            keys = [torch.cat([k[:-1], new_keys[0, h, i, None].to(dtype)]) for h, k in enumerate(keys)]
-            values = [torch.cat([v[:-1], new_values[0, h, i, None].to(dtype)]) for h, v in enumerate(values)]
+            new = [(int8_rows.store(new_keys[0, h, i, None], dtype), int8_rows.store(new_values[0, h, i, None], dtype))
+                   for h in range(kv_heads)]  # fmt: skip
+            keys = [torch.cat([k[:-1], new[h][0]]) for h, k in enumerate(keys)]
+            values = [torch.cat([v[:-1], new[h][1]]) for h, v in enumerate(values)]
             bias = None if bias is None else [torch.cat([b[:-1], torch.zeros(1)]) for b in bias]
             held = cache_layer([k[:-1] for k in keys], [v[:-1] for v in values], bias and [b[:-1] for b in bias], i)
             held.claim(1)  # grows the storage where there is no spare row (i = 0)
@@ -105,7 +110,7 @@ def test_the_kernel_computes_attention_on_every_cache_shape(layer):
     out = decode_kernel.decode_attention(query, cache_layers, dim**-0.5, new_rows)
     assert out.shape == (1, len(shapes), kv_heads * groups, dim)
     torch.testing.assert_close(out, reference(query, heads, dim**-0.5), atol=2e-6, rtol=1e-5)
-    if writes:  # exactly the rows copy_ would have written: keys and values rounded to the storage dtype
+    if writes:  # exactly the rows the cache would have written: rounded to the storage dtype, or encoded
         for i, held in enumerate(cache_layers):
             for h, (start, n) in enumerate(zip(held.starts, held.lengths)):
                 assert torch.equal(held.slots.keys[start + n - 1], heads[i][h][0][-1])
@@ -152,7 +157,7 @@ def paired_engines(kv_dtype=None) -> tuple[Engine, Engine]:
     return Engine(model, kv_dtype=kv_dtype), Engine(model, attention_path="mask", kv_dtype=kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16", "int8"])
 @pytest.mark.parametrize("shape", KINDS)
 def test_a_session_decodes_the_same_on_the_kernel_as_on_sdpa(shape, kv_dtype, kernel_calls):
     results = []
@@ -178,7 +183,7 @@ def test_batched_sessions_decode_the_same_on_the_kernel_as_on_sdpa(kernel_calls)
     assert replies[0] == replies[1]
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16", "int8"])
 def test_the_kernel_writes_a_decode_step_as_the_cache_would(monkeypatch, kv_dtype):
     """A decode step's rows written by the kernel (``PackedCache.kernel_writes``) leave every cache shape
     bit-identical to rows written by ``CompactLayer.update`` and then read by the same kernel. Sessions run

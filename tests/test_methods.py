@@ -277,9 +277,10 @@ def test_every_method_runs_on_every_architecture(arch_name, method_name):
     assert all(int(p[-1]) == seg.end - 1 for layer in session.cache.layers for p in layer.head_views("positions"))
 
 
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
 @pytest.mark.parametrize("method_name", available_methods())
-def test_every_method_compacts_a_16_bit_cache(method_name):
-    engine = Engine(tiny_model("llama"), kv_dtype="float16")
+def test_every_method_compacts_a_16_or_8_bit_cache(method_name, kv_dtype):
+    engine = Engine(tiny_model("llama"), kv_dtype=kv_dtype)
     session = engine.session()
     session.record_queries(16, context=32)
     session.record_last_layer_inputs()
@@ -287,8 +288,8 @@ def test_every_method_compacts_a_16_bit_cache(method_name):
     session.append_tokens(random_tokens(150))
     kwargs = {"scores": [[1.0, 2.0], [3.0, 0.5]]} if method_name == "real" else {}
     compact_span(session, torch.arange(4, 130), get_method(method_name, **kwargs), 24)
-    assert all(layer.slots.values.dtype == torch.float16 for layer in session.cache.layers)
-    assert all(bool(torch.isfinite(layer.slots.values).all()) for layer in session.cache.layers)
+    assert all(layer.slots.values.dtype == engine.kv_dtype for layer in session.cache.layers)
+    assert all(bool(torch.isfinite(layer.values).all()) for layer in session.cache.layers)  # decoded 8-bit rows
     session.generate(max_new_tokens=3)
     assert torch.isfinite(session._last_logits).all()
 

@@ -91,6 +91,29 @@ def test_a_16_bit_cache_round_trips_bit_identical_and_loads_widened_into_fp32(tm
     assert torch.allclose(widened.logprobs(probe), session.logprobs(probe), atol=0.02)
 
 
+def test_an_8_bit_cache_round_trips_bit_identical_and_converts_to_and_from_fp16(tmp_path):
+    model = tiny_model("llama")
+    eight, half = Engine(model, kv_dtype="int8"), Engine(model, kv_dtype="float16")
+    session = eight.session(memory=MemoryManager(capped_policy("attention_matching")))
+    for i in range(6):
+        session.append_tokens(random_tokens(40, seed=i))
+    assert session.cache.compactions > 0
+    path = session.save(tmp_path / "eight.kvm")
+    loaded = eight.load_session(path)
+    assert_same_state(state_of(loaded), state_of(session))
+    assert greedy(loaded) == greedy(session)
+    widened = half.load_session(path)  # decoded, then stored as fp16
+    for a, b in zip(widened.cache.layers, session.cache.layers):
+        n = b.length
+        assert a.slots.keys.dtype == torch.float16 and torch.equal(a.keys[:, :, :n], b.keys[:, :, :n].half())
+    back = eight.load_session(widened.save(tmp_path / "half.kvm"))  # fp16 file into an 8-bit engine: re-encoded
+    for a, b in zip(back.cache.layers, session.cache.layers):
+        n = b.length
+        assert torch.allclose(a.keys[:, :, :n], b.keys[:, :, :n], atol=b.keys.abs().max().item() / 127)
+    probe = random_tokens(20, seed=99)
+    assert torch.allclose(back.logprobs(probe), session.logprobs(probe), atol=0.02)
+
+
 def test_a_chat_session_keeps_its_conversation(tmp_path, default_engine):
     session = default_engine.session()
     session.set_messages([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True)

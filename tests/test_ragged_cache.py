@@ -103,13 +103,16 @@ def test_mask_and_folded_paths_read_ragged_heads(tiny_engine):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_path_equals_per_head_path(tiny_engine):
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_flex_path_equals_per_head_path(tiny_engine, kv_dtype):
     """The one-call FlexAttention path (CUDA's choice for uneven heads) over the flat storage, headroom rows
-    and all, equals per-head sdpa, for decode steps and prefill chunks (run eagerly on CPU)."""
-    flex = Engine(tiny_engine.model, attention_path="flex")
+    and all (8-bit rows decoded), equals per-head sdpa, for decode steps and prefill chunks (run eagerly on
+    CPU)."""
+    per_head = Engine(tiny_engine.model, attention_path="mask", kv_dtype=kv_dtype)
+    flex = Engine(tiny_engine.model, attention_path="flex", kv_dtype=kv_dtype)
     prompt, cont = random_tokens(80, seed=2), random_tokens(7, seed=3)
     sessions = []
-    for engine in (tiny_engine, flex):
+    for engine in (per_head, flex):
         session = engine.session()
         session.append_tokens(prompt)
         session.apply_plan(uneven_plan(session, seed=3))

@@ -24,6 +24,7 @@ from kvmemory import (
     UnsupportedArchitectureError,
 )
 from kvmemory.attention import folded_sdpa, mask_sdpa
+from kvmemory.cache import int8_rows
 from kvmemory.runtime.generation import ReplyText
 from kvmemory.runtime.recorders import SurprisalRecorder
 from tests.conftest import random_tokens, reference_copy, tiny_model
@@ -217,7 +218,39 @@ def test_a_16_bit_cache_costs_half_the_bytes_and_is_read_back_as_the_activations
     assert b.generate(max_new_tokens=4).token_ids == twin.generate(max_new_tokens=4).token_ids
 
 
-@pytest.mark.parametrize("bad", ["int8", torch.int8, "fp8", torch.float64])
+def test_an_8_bit_cache_stores_each_row_as_levels_and_a_scale_and_decodes_within_half_a_level():
+    model = tiny_model("qwen3")
+    full, eight = Engine(model), Engine(model, kv_dtype="int8")
+    ids = random_tokens(120, seed=4)
+    a, b = full.session(), eight.session()
+    a.append_tokens(ids)
+    b.append_tokens(ids)
+    heads, dim = eight.num_kv_heads, eight.head_dim
+    stored = b.cache.layers[0].slots.keys
+    assert stored.dtype == torch.int8 and stored.shape[-1] == dim + int8_rows.SCALE_BYTES
+    # the first layer's keys depend on the embeddings alone: decoded, each is within half a level of fp32's
+    exact, decoded = a.cache.layers[0].keys, b.cache.layers[0].keys
+    level = exact.abs().amax(-1, keepdim=True) / int8_rows.LEVELS
+    assert decoded.dtype == torch.float32 and bool(((decoded - exact).abs() <= level / 2 + 1e-6).all())
+    assert eight.kv_bytes_per_token == eight.num_layers * heads * (2 * (dim + 4) + 16)
+    assert b.cache.kv_bytes() == 120 * eight.kv_bytes_per_token < 0.4 * a.cache.kv_bytes()
+    assert torch.allclose(a._last_logits, b._last_logits, atol=0.05)
+    twin = b.fork()
+    assert twin.cache.layers[0].slots.keys.dtype == torch.int8
+    assert b.generate(max_new_tokens=4).token_ids == twin.generate(max_new_tokens=4).token_ids
+
+
+def test_8_bit_rows_encode_signs_symmetrically_and_zero_rows_exactly():
+    rows = torch.tensor([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, -3.0, 1.5, -0.01]])
+    stored = int8_rows.encode(rows)
+    assert torch.equal(int8_rows.encode(-rows)[:, :4], -stored[:, :4])
+    assert torch.equal(int8_rows.decode(stored)[1], rows[1])
+    assert stored[0, :4].tolist() == [64, -127, 32, 0]  # 63.5 rounds to even; the largest is ±127
+    assert torch.equal(int8_rows.convert(stored, torch.int8), stored)
+    assert torch.allclose(int8_rows.convert(stored, torch.float32), rows, atol=3 / 254)
+
+
+@pytest.mark.parametrize("bad", ["uint8", torch.uint8, "fp8", torch.float64])
 def test_a_bad_kv_dtype_is_named(bad):
     with pytest.raises(InvalidArgumentError, match="kv_dtype"):
         Engine(tiny_model("llama"), kv_dtype=bad)

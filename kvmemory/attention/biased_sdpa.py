@@ -107,8 +107,8 @@ def flex_ragged(query, layer, scaling):
     block_mask = create_block_mask(visible, 1, query.shape[1], q_len, rows, device=query.device)
     return _flex_attention(query.device.type)(
         query,
-        layer.slots.keys.to(query.dtype)[None, None],
-        layer.slots.values.to(query.dtype)[None, None],
+        layer.flat("keys", query.dtype)[None, None],
+        layer.flat("values", query.dtype)[None, None],
         score_mod=(lambda score, b, h, q, kv: score + bias[kv]) if layer.biased else None,
         block_mask=block_mask,
         scale=scaling,

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvmemory.cache import int8_rows
 from kvmemory.cache.plan import CompactionPlan, LayerPlan, pad_selection
 from kvmemory.errors import InvalidPlanError
 
@@ -174,16 +175,29 @@ class CompactLayer(CacheLayerMixin):
         return t.view(self.num_heads, self.capacities[0], *t.shape[1:])
 
     def _whole(self, name: str) -> torch.Tensor | None:
-        """(H, S, ...) of one field: a view when the heads are even, else a padded copy (module docstring)."""
+        """(H, S, ...) of one field: a view when the heads are even, else a padded copy (module docstring);
+        8-bit keys and values are decoded (fp32)."""
         if self.slots is None:
             return None
         if self.uniform:
-            return getattr(self._views, name)
+            out = getattr(self._views, name)
+        else:
+            t = getattr(self.slots, name)
+            out = t.new_full((self.num_heads, self.length, *t.shape[1:]), PADDING[name])
+            for h, rows in enumerate(self.head_views(name)):
+                out[h, : rows.shape[0]] = rows
+        return int8_rows.decode(out) if self.quantized and name in ("keys", "values") else out
+
+    @property
+    def quantized(self) -> bool:
+        """Whether keys and values are stored as 8-bit rows (``kvmemory.cache.int8_rows``)."""
+        return self.slots is not None and int8_rows.is_int8(self.slots.keys.dtype)
+
+    def flat(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The whole flat storage of ``keys`` or ``values`` as ``dtype`` numbers (rows past a head's length
+        included, as the one-call attention paths read it)."""
         t = getattr(self.slots, name)
-        out = t.new_full((self.num_heads, self.length, *t.shape[1:]), PADDING[name])
-        for h, rows in enumerate(self.head_views(name)):
-            out[h, : rows.shape[0]] = rows
-        return out
+        return int8_rows.read(t, t.dtype, dtype)
 
     keys = property(lambda self: None if self.slots is None else self._whole("keys")[None])
     values = property(lambda self: None if self.slots is None else self._whole("values")[None])
@@ -192,14 +206,15 @@ class CompactLayer(CacheLayerMixin):
     rope = property(lambda self: self._whole("rope"))
     segments = property(lambda self: self._whole("segments"))
 
-    def _allocate(self, capacities: tuple[int, ...], key_dim: int, value_dim: int) -> Slots:
+    def _allocate(self, capacities: tuple[int, ...], key_width: int, value_width: int) -> Slots:
+        """Fresh storage; the widths are stored row widths (``int8_rows.stored_width``)."""
         n = sum(capacities)
         kw = dict(dtype=self.dtype, device=self.device)
         meta = torch.full((n, 4), PAD_POSITION, dtype=torch.int32, device=self.device)  # segment −1 too
         meta[:, 0] = 0  # β = 0.0
         # zeros, not garbage: rows past a head's length are masked, but a masked row still meets a zero
         # attention weight in one-call kernels (flex), and 0 × NaN would not be 0
-        return Slots(torch.zeros(n, key_dim, **kw), torch.zeros(n, value_dim, **kw), meta)
+        return Slots(torch.zeros(n, key_width, **kw), torch.zeros(n, value_width, **kw), meta)
 
     def _relayout(self, capacities: tuple[int, ...]) -> None:
         """Move the live rows into fresh storage with these per-head capacities."""
@@ -214,7 +229,8 @@ class CompactLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = self.storage_dtype or key_states.dtype, key_states.device
         heads = key_states.shape[1]
-        slots = self._allocate((0,) * heads, key_states.shape[-1], value_states.shape[-1])
+        widths = (int8_rows.stored_width(t.shape[-1], self.dtype) for t in (key_states, value_states))
+        slots = self._allocate((0,) * heads, *widths)
         self._set(LayerState(slots, (0,) * heads, (0,) * heads, (0,) * heads, (0,) * heads, False))
         self.is_initialized = True
 
@@ -226,6 +242,8 @@ class CompactLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
         self._make_room(q)
+        if self.quantized:  # encoded once; attention reads the cache decoded (fp32) below
+            key_states, value_states = int8_rows.encode(key_states), int8_rows.encode(value_states)
         if self.uniform:
             views, n = self._views, self.lengths[0]
             end = n + q
@@ -233,7 +251,7 @@ class CompactLayer(CacheLayerMixin):
             views.values[:, n:end] = value_states[0]
             views.meta[:, n:end] = meta
             self._set_lengths((end,) * self.num_heads)
-            return views.keys[None, :, :end], views.values[None, :, :end]
+            return self._readable(views.keys[None, :, :end]), self._readable(views.values[None, :, :end])
         slots = self.slots
         for h, (start, n) in enumerate(zip(self.starts, self.lengths)):  # a few heads: slice copies are cheapest
             slots.keys[start + n : start + n + q] = key_states[0, h]
@@ -241,9 +259,13 @@ class CompactLayer(CacheLayerMixin):
             slots.meta[start + n : start + n + q] = meta
         self._set_lengths(tuple(n + q for n in self.lengths))
         return (
-            [k[None, None] for k in self.head_views("keys")],
-            [v[None, None] for v in self.head_views("values")],
+            [self._readable(k[None, None]) for k in self.head_views("keys")],
+            [self._readable(v[None, None]) for v in self.head_views("values")],
         )
+
+    def _readable(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows as attention reads them: views as stored (16- or 32-bit), decoded 8-bit rows."""
+        return int8_rows.decode(rows) if self.quantized else rows
 
     def claim(self, q: int) -> None:
         """Count ``q`` more rows per head as live without writing them: the caller writes each head's new rows
@@ -333,10 +355,10 @@ class CompactLayer(CacheLayerMixin):
                 raise InvalidPlanError(f"{where} head {h}: keeps zero slots (a head needs at least one)")
         if not self._keep_is_valid(keep):  # one batched check; the per-head pass below names the problem
             self._check_keep_per_head(keep, where)
-        if plan.values is not None and tuple(plan.values.shape) != (self.num_heads, t_max, self.slots.values.shape[-1]):
+        value_dim = self.slots.values.shape[-1] - (int8_rows.SCALE_BYTES if self.quantized else 0)
+        if plan.values is not None and tuple(plan.values.shape) != (self.num_heads, t_max, value_dim):
             raise InvalidPlanError(
-                f"{where}: values must be {(self.num_heads, t_max, self.slots.values.shape[-1])}, got "
-                f"{tuple(plan.values.shape)}"
+                f"{where}: values must be {(self.num_heads, t_max, value_dim)}, got {tuple(plan.values.shape)}"
             )
         if plan.bias is not None and tuple(plan.bias.shape) != (self.num_heads, t_max):
             raise InvalidPlanError(f"{where}: bias must be {(self.num_heads, t_max)}, got {tuple(plan.bias.shape)}")
@@ -368,7 +390,8 @@ class CompactLayer(CacheLayerMixin):
         starts = torch.tensor(self.starts, device=self.device)[:, None]
         slots = self.slots.take((starts + index)[valid])
         if plan.values is not None:
-            slots = slots._replace(values=plan.values.to(slots.values)[valid])
+            values = int8_rows.store(plan.values.to(self.device), slots.values.dtype)
+            slots = slots._replace(values=values[valid])
         if plan.bias is not None:
             slots.bias.copy_(plan.bias.to(self.device, torch.float32)[valid])  # fresh storage: written in place
         lengths = tuple(k.numel() for k in keep)
@@ -381,7 +404,9 @@ class CompactLayer(CacheLayerMixin):
         rows = _rows(self.starts, self.lengths, self.device)
         new = torch.cat([torch.arange(span - n, span, device=self.device) for n in self.lengths])
         delta = new - self.slots.rope[rows].long()
-        self.slots.keys[rows] = rotate(self.slots.keys[rows][None], delta[None], inv_freq)[0]
+        dtype = self.slots.keys.dtype
+        keys = int8_rows.read(self.slots.keys[rows], dtype, torch.float32)
+        self.slots.keys[rows] = int8_rows.store(rotate(keys[None], delta[None], inv_freq)[0], dtype)
         self.slots.rope[rows] = new.to(self.slots.rope)
 
     def head_slot_bytes(self) -> int:

@@ -10,6 +10,9 @@
 // independent chains, and 16-bit rows are fetched ahead into L1. Sums run in fp32.
 // When the caller hands over the step's new keys, values and metadata, each item first writes its head's
 // last row (rounded to the storage dtype as a tensor copy rounds), saving the per-session writes per layer.
+// 8-bit rows (kvmemory.cache.int8_rows: D levels, then their fp32 scale) are read as levels: a key's scale
+// multiplies its dot products, a value's scale its attention weight, and a written row is encoded as the cache
+// encodes it.
 // Head dims must be multiples of 8 (the vector width used here, 8 floats); it needs AVX2, FMA and F16C, which
 // kvmemory.kernels builds it for.
 
@@ -46,6 +49,16 @@ struct Item {
   int64_t bias_stride;
   float* out;  // (G, Dv)
 };
+
+template <typename T>
+constexpr bool kLevels = std::is_same_v<T, int8_t>;  // 8-bit rows: levels, then a scale
+
+// The fp32 scale stored after the `dim` levels of an 8-bit row
+inline float row_scale(const int8_t* row, int64_t dim) {
+  float scale;
+  std::memcpy(&scale, row + dim, sizeof scale);
+  return scale;
+}
 
 // 16-bit rows: the loops fetch the rows kAhead slots ahead into L1 (fp16 decode attention ~15% faster on a
 // 2-core AVX2 EPYC); fp32 rows stream at the memory's bandwidth without it, and the extra loads cost
@@ -116,6 +129,10 @@ void score(const Item<T>& item, int64_t groups, int64_t dim, float* scores) {
           rows[g * S + s] = sum8(a);
         }
       }
+    }
+    if constexpr (kLevels<T>) {
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t s = s0; s < s1; ++s) scores[g * S + s] *= row_scale(item.keys + s * stride, dim);
     }
     if (item.bias) {
       for (int64_t g = 0; g < groups; ++g)
@@ -244,7 +261,16 @@ struct NewRows {
 
 template <typename T>
 inline void write_row(T* to, const float* from, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) to[j] = static_cast<T>(from[j]);  // round to nearest even, as copy_ does
+  if constexpr (kLevels<T>) {  // int8_rows.encode: scale max|x| / 127, levels rounded to nearest even
+    float top = 0.0f;
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, std::fabs(from[j]));
+    const float scale = top / 127.0f;
+    for (int64_t j = 0; j < n; ++j)
+      to[j] = scale > 0.0f ? static_cast<int8_t>(std::clamp(std::nearbyint(from[j] / scale), -127.0f, 127.0f)) : 0;
+    std::memcpy(to + n, &scale, sizeof scale);
+  } else {
+    for (int64_t j = 0; j < n; ++j) to[j] = static_cast<T>(from[j]);  // round to nearest even, as copy_ does
+  }
 }
 
 template <typename T>
@@ -286,13 +312,19 @@ void run_items(const Rows& query, float scale, int64_t kv_heads, int64_t groups,
       scores.resize(groups * item.slots);
       score(item, groups, dim, scores.data());
       softmax(scores.data(), groups, item.slots);
+      if constexpr (kLevels<T>) {  // each weight times its value's scale: the mix then sums levels
+        for (int64_t s = 0; s < item.slots; ++s) {
+          const float scale = row_scale(item.values + s * item.value_stride, value_dim);
+          for (int64_t g = 0; g < groups; ++g) scores[g * item.slots + s] *= scale;
+        }
+      }
       mix(item, groups, value_dim, scores.data());
     }
   }
 }
 
 // One decode token per session over its cache layer as stored (kvmemory.cache.CompactLayer): keys[i] (N_i, D)
-// and values[i] (N_i, Dv) with contiguous rows, all fp32, fp16 or bf16; metas[i] the (N_i, 4) int32 slot
+// and values[i] (N_i, Dv) with contiguous rows, all fp32, fp16 or bf16, or all 8-bit rows (N_i, D + 4); metas[i] the (N_i, 4) int32 slot
 // metadata, whose beta is added where biased[i]; heads: per session and KV head its start row and length,
 // flattened. query (Hq, sessions, D) fp32, as attention has it (any strides but the last), multiplied here by
 // `scale`. With new_keys (KV heads, sessions, D), new_values (KV heads, sessions, Dv) fp32, laid out alike, and
@@ -312,7 +344,9 @@ at::Tensor decode_attention(const at::Tensor& query, double scale, at::TensorLis
     return t.dim() == 3 && t.size(0) == rows && t.size(1) == sessions && t.size(2) == width &&
            t.scalar_type() == at::kFloat && t.stride(2) == 1;
   };
-  const int64_t dim = query.dim() == 3 ? query.size(2) : 0, value_dim = values[0].size(-1);
+  const auto dtype = keys[0].scalar_type();
+  const int64_t scale_bytes = dtype == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0;  // 8-bit rows' scale
+  const int64_t dim = query.dim() == 3 ? query.size(2) : 0, value_dim = values[0].size(-1) - scale_bytes;
   TORCH_CHECK(query.dim() == 3 && query.size(0) % kv_heads == 0 && laid_out(query, query.size(0), dim),
               "query must be float32 (query heads, sessions, head dim), a whole number of groups per KV head, "
               "with contiguous rows");
@@ -329,14 +363,14 @@ at::Tensor decode_attention(const at::Tensor& query, double scale, at::TensorLis
                 "new_meta must be contiguous int32 (sessions, 4)");
     fresh = NewRows{rows(*new_keys), rows(*new_values), new_meta->data_ptr<int32_t>()};
   }
-  const auto dtype = keys[0].scalar_type();
   std::vector<Span> spans(items);
   for (int64_t i = 0; i < sessions; ++i) {
     const at::Tensor& k = keys[i];
     const at::Tensor& v = values[i];
     TORCH_CHECK(k.dim() == 2 && v.dim() == 2 && k.size(0) == v.size(0) && k.stride(1) == 1 && v.stride(1) == 1,
                 "session ", i, ": keys and values must be (N, D) with the same N and contiguous rows");
-    TORCH_CHECK(k.size(1) == dim && v.size(1) == value_dim, "session ", i, ": head dims differ");
+    TORCH_CHECK(k.size(1) == dim + scale_bytes && v.size(1) == value_dim + scale_bytes, "session ", i,
+                ": head dims differ");
     TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "session ", i, ": mixed cache dtypes");
     const at::Tensor& meta = metas[i];
     TORCH_CHECK(meta.dim() == 2 && meta.size(0) == k.size(0) && meta.size(1) == 4 && meta.scalar_type() == at::kInt &&
@@ -360,8 +394,10 @@ at::Tensor decode_attention(const at::Tensor& query, double scale, at::TensorLis
     run_items<at::Half>(rows(query), softmax_scale, kv_heads, groups, spans, writes, dim, value_dim, out);
   } else if (dtype == at::kBFloat16) {
     run_items<at::BFloat16>(rows(query), softmax_scale, kv_heads, groups, spans, writes, dim, value_dim, out);
+  } else if (dtype == at::kChar) {
+    run_items<int8_t>(rows(query), softmax_scale, kv_heads, groups, spans, writes, dim, value_dim, out);
   } else {
-    TORCH_CHECK(false, "keys and values must be float32, float16 or bfloat16");
+    TORCH_CHECK(false, "keys and values must be float32, float16, bfloat16 or 8-bit rows (int8)");
   }
   return out;
 }

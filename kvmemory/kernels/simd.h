@@ -39,6 +39,11 @@ inline f8 load8<c10::Half>(const c10::Half* p) {
   return (f8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+template <>
+inline f8 load8<int8_t>(const int8_t* p) {  // 8-bit levels (kvmemory.cache.int8_rows), their scale applied apart
+  return (f8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 inline float sum8(f8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }

@@ -10,6 +10,8 @@ from dataclasses import asdict
 import torch
 
 from kvmemory.attention import ATTENTION_NAME, ATTENTION_PATHS, decode_kernel
+from kvmemory.cache import int8_rows
+from kvmemory.cache.compact_cache import META_BYTES
 from kvmemory.errors import InvalidArgumentError
 from kvmemory.runtime import compute
 from kvmemory.runtime.batching import ForwardBatcher
@@ -27,7 +29,7 @@ from kvmemory.runtime.session import Session
 from kvmemory.runtime.weights import check_weights, default_weights, store_linear_weights, weight_format
 
 MAX_LOGICAL_POSITIONS = 2**31 - 1  # the cache stores positions as int32
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 # A session's default prefill chunk, and the tokens a packed pass holds beside one chunk on CPU (decode steps,
 # short messages). A decode step waits for the chunk in its pass: on CPU, 256-token chunks halve that wait against
 # 512-token ones for 5-9% of the prefill's speed (``benchmarks.prefill_stall``, two runs); 128-token chunks halve
@@ -44,7 +46,8 @@ def kv_storage_dtype(kv_dtype: torch.dtype | str | None, model_dtype: torch.dtyp
     products of weights rounded to 16 bits or fewer already, a token costs 52% of its fp32 bytes on the
     default model, so a byte cap holds 1.94× the tokens, and the CPU decode kernel reads half the bytes per
     step. fp16 keeps three more mantissa bits than bf16 at the range keys and values have; ``"float32"`` keeps
-    full precision (the exactness reference of the tests, with ``weights="fp32"``)."""
+    full precision (the exactness reference of the tests, with ``weights="fp32"``); ``"int8"`` stores each row
+    as 8-bit levels and a scale (``kvmemory.cache.int8_rows``): 0.56× fp16's bytes on the default model."""
     if kv_dtype is None:
         return torch.float16 if model_dtype == torch.float32 and weights != "fp32" else model_dtype
     dtype = KV_DTYPES.get(kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
@@ -58,7 +61,7 @@ class Engine:
 
     Use ``Engine.from_pretrained("default")`` for the embedded SmolLM2 model, any HF id or directory,
     or a ``.gguf`` file; ``Engine(model, tokenizer)`` wraps a model already in memory. ``kv_dtype``
-    ("float32", "float16", "bfloat16") is what every session's keys and values are stored in; by default
+    ("float32", "float16", "bfloat16", "int8") is what every session's keys and values are stored in; by default
     fp16 under 16-bit or int4 weights on fp32 activations, else the model's dtype (``kv_storage_dtype``).
     ``prefill_chunk_size`` is the most tokens a session prefills in one forward (256 on a CPU, 512 elsewhere; a
     session may set its own) and ``max_batch_tokens`` bounds the tokens of one packed pass (``ForwardBatcher``;
@@ -170,8 +173,8 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """Cache bytes one token costs across all layers and KV heads (keys, values, β, position, segment)."""
-        element = torch.empty((), dtype=self.kv_dtype).element_size()
-        return self.num_layers * self.num_kv_heads * (2 * self.head_dim * element + 16)
+        row = int8_rows.row_bytes(self.head_dim, self.kv_dtype)
+        return self.num_layers * self.num_kv_heads * (2 * row + META_BYTES)
 
     @property
     def vocab_size(self) -> int:

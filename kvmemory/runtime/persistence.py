@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from kvmemory.cache import int8_rows
 from kvmemory.cache.compact_cache import EMPTY_LAYER, FIELDS, CacheSnapshot, LayerState, Slots
 from kvmemory.errors import ModelMismatchError, SessionFileError
 from kvmemory.runtime.memory_hooks import memory_loader
@@ -254,11 +255,12 @@ def load_session(engine, path, session_id: str | None = None):
 
 def _layer_state(meta: dict, i: int, tensor, kv_dtype: torch.dtype) -> LayerState:
     """One layer of a saved cache, its keys and values in the engine's ``kv_dtype`` (bit for bit when the
-    file holds that dtype; version 1 files held the layer padded to the longest head: the padding goes)."""
+    file holds that dtype, converted otherwise; version 1 files held the layer padded to the longest head:
+    the padding goes)."""
     if not meta["initialized"]:
         return EMPTY_LAYER
     keys, values, bias, positions, rope, segments = (tensor(f"layer.{i}.{name}") for name in FIELDS)
-    keys, values = keys.to(kv_dtype), values.to(kv_dtype)
+    keys, values = int8_rows.convert(keys, kv_dtype), int8_rows.convert(values, kv_dtype)
     if "lengths" not in meta:
         return LayerState.from_padded(Slots.of(keys[0], values[0], bias[0], positions, rope, segments))
     slots = Slots.of(keys, values, bias, positions, rope, segments)
