@@ -19,7 +19,8 @@ warms the caches the condition before it left cold; a session's context grows by
   Its cache is the engine's default: fp16 under the default fp16 or int4 weights (the kernel reads it in
   place);
 * ``kvmemory fp32 cache``: the same with keys and values stored in fp32 (``kv_dtype="float32"``), under the
-  same slot cap, so twice the bytes;
+  same slot cap, so twice the bytes; ``kvmemory 8-bit cache``: stored as 8-bit rows (``kv_dtype="int8"``),
+  0.56× the bytes;
 * ``kvmemory sdpa``: the same with attention on torch's sdpa, one call per session (``attention_path="mask"``);
 * ``kvmemory unbatched``: one session per forward (``max_batch_tokens=1``), as an engine without batching;
 * ``transformers``: ``model.generate`` over the contexts left-padded into one batch (DynamicCache, sdpa,
@@ -212,6 +213,7 @@ def plot(rows: list[dict], path) -> None:
     for key, label in (
         ("kvmemory_tok_s", "kvmemory (batched)"),
         ("kv32_tok_s", "kvmemory, fp32 cache"),
+        ("kv8_tok_s", "kvmemory, 8-bit cache"),
         ("sdpa_tok_s", "kvmemory, attention on sdpa"),
         ("unbatched_tok_s", "kvmemory, one session per forward"),
         ("transformers_tok_s", "transformers generate, padded batch"),
@@ -241,6 +243,7 @@ def main() -> None:
     engines = {
         "kvmemory": engine,
         "kv32": Engine(**same, kv_dtype="float32"),
+        "kv8": Engine(**same, kv_dtype="int8"),
         "sdpa": Engine(**same, attention_path="mask"),
         "unbatched": Engine(**same, max_batch_tokens=1),
     }
@@ -263,7 +266,9 @@ def main() -> None:
             padded[count].append(generate.decode_tok_s())
     rows = []
     for count, chosen, ids, opened, generate in setups:
-        kv = {name: sum(s.cache.allocated_bytes() for s in opened[name]) / 2**20 for name in ("kvmemory", "kv32")}
+        kv = {
+            name: sum(s.cache.allocated_bytes() for s in opened[name]) / 2**20 for name in ("kvmemory", "kv32", "kv8")
+        }
         result = {name: summary(phases[count, name], turn_phase(opened[name], chosen, args.tokens)) for name in engines}
         for sessions in opened.values():
             for s in sessions:
@@ -277,6 +282,7 @@ def main() -> None:
                 "per_session_tok_s": batched["per_session_tok_s"],
                 "sessions_per_pass": batched["sessions_per_pass"],
                 "kv32_tok_s": result["kv32"]["decode_tok_s"],
+                "kv8_tok_s": result["kv8"]["decode_tok_s"],
                 "sdpa_tok_s": result["sdpa"]["decode_tok_s"],
                 "unbatched_tok_s": alone["decode_tok_s"],
                 "transformers_tok_s": statistics.median(padded[count]),
@@ -285,6 +291,7 @@ def main() -> None:
                 "unbatched_ttft_median_s": alone["ttft_median_s"],
                 "kv_mb": kv["kvmemory"],
                 "kv32_kv_mb": kv["kv32"],
+                "kv8_kv_mb": kv["kv8"],
                 "transformers_kv_mb": generate.kv_bytes / 2**20,
             }
         )

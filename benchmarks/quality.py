@@ -164,6 +164,32 @@ def quality(engine, kinds, n_context, ratios, labels, segments):
     return rows
 
 
+FORMAT_METHODS = ("snapkv", "am_real", "tam")  # what another weight or cache format must rank alike
+
+
+def scored_nll(engine) -> dict:
+    """NLL per text kind (one 2,048-token window) of the full cache and of each of ``FORMAT_METHODS`` at 10×:
+    what a weight or cache format is compared by."""
+    scored = quality(engine, list(TEXT_KINDS), 2048, [10], list(FORMAT_METHODS), 1)
+    return {f"{r['kind']}/{r['method']}": r["nll"] for r in scored}
+
+
+def beside_the_first(rows: list[dict]) -> None:
+    """Each row's largest full-cache NLL change from the first row's (``scored_nll`` in ``row["nll"]``), and
+    whether ``FORMAT_METHODS`` rank alike on every kind."""
+    reference = rows[0]["nll"]
+    full = [k for k in reference if k.endswith("/full")]
+    for row in rows:
+        row["max_full_nll_change"] = max(abs(row["nll"][k] - reference[k]) for k in full)
+        row["same_method_order"] = all(
+            method_order(row["nll"], kind) == method_order(reference, kind) for kind in TEXT_KINDS
+        )
+
+
+def method_order(nll: dict, kind: str) -> list[str]:
+    return sorted(FORMAT_METHODS, key=lambda m: nll[f"{kind}/{m}"])
+
+
 def mean_over_segments(rows):
     """One row per (kind, method, ratio): the mean NLL, NLL increase and milliseconds over the segments."""
     groups = {}

@@ -12,9 +12,6 @@ plain transformers, per weight format, and decode after compaction.
   worker thread (how a script, a server and an async API call a Session).
 * ``recording``: prefill and decode at 2,048 tokens with each token's surprisal recorded (what the default
   policy's selective context reads) against without.
-* ``kv_dtype``: prefill and decode at 2,048 tokens with the cache stored in fp32, fp16, bf16 and 8-bit rows
-  (``Engine(kv_dtype=...)``, the same model), the KV bytes a token costs in each, and, as for weights, the
-  full-cache NLL and compaction results of ``benchmarks.quality`` beside the fp32 cache's.
 * ``compacted``: decode after compacting the longest context to 400 slots per head (even, and uneven heads
   of the same total) against the same session uncompacted and llama.cpp at that context, taking turns.
 * ``kernels``: one token through every linear weight of a model of the default model's shapes, per kernel
@@ -38,17 +35,16 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from benchmarks.common import RESULTS, decode_once, decode_seconds, median_time, save, table
-from benchmarks.quality import quality
-from benchmarks.texts import TEXT_KINDS, source_text
+from benchmarks.quality import beside_the_first, scored_nll
+from benchmarks.texts import source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams, run_on_compute
 from kvmemory.kernels import cpu_ops
 from kvmemory.runtime.loading import default_model_file
 from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, PackedFp16Linear, quantize_int4
 
 WEIGHT_FORMATS = ["fp32", "bf16", "fp16", "int4"]
-QUALITY_METHODS = ["snapkv", "am_real", "tam"]
-SECTIONS = ["kernels", "weights", "callers", "recording", "kv_dtype", "contexts", "compacted"]
-ENGINE_SECTIONS = ["callers", "recording", "kv_dtype", "contexts", "compacted"]  # run on the default engine's weights
+SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted"]
+ENGINE_SECTIONS = ["callers", "recording", "contexts", "compacted"]  # run on the default engine's weights
 
 
 # ---- runners: each returns (prefill seconds, decode seconds) for ``ids`` then ``n`` greedy tokens ----------
@@ -143,7 +139,7 @@ def weights_section(text_ids, n_dec, repeats):
                 "nll": scored_nll(engine),
             }
         )
-    compare_nll(rows)
+    beside_the_first(rows)
     columns = ["weights", "decode_tok_s", "prefill_tok_s", "weight_mb", "max_full_nll_change", "same_method_order"]
     print(table(rows, columns), flush=True)
     return rows
@@ -154,10 +150,6 @@ def weight_bytes(model) -> int:
     weights, which are neither."""
     tensors = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     return tensors + sum(m.packed_bytes for m in model.modules() if isinstance(m, PackedFp16Linear))
-
-
-def method_order(nll: dict, kind: str) -> list[str]:
-    return sorted(QUALITY_METHODS, key=lambda m: nll[f"{kind}/{m}"])
 
 
 def contexts_section(engine, text_ids, contexts, n_dec, repeats):
@@ -218,44 +210,6 @@ def recording_section(engine, text_ids, n_dec, repeats):
     row["prefill cost"] = row["plain prefill tok/s"] / row["surprisal recorded prefill tok/s"] - 1
     print(table([row], list(row)), flush=True)
     return row
-
-
-def kv_dtype_section(engine, text_ids, n_dec, repeats):
-    """What storing the cache in fewer bits costs a session in time and in NLL, and saves in bytes."""
-    kinds = ("float32", "float16", "bfloat16", "int8")
-    engines = {kv: Engine(engine.model, engine.tokenizer, kv_dtype=kv) for kv in kinds}
-    medians = alternate({kv: session_runner(e) for kv, e in engines.items()}, text_ids[:2048], n_dec, repeats)
-    rows = [
-        {
-            "kv_dtype": kv,
-            "kv_bytes_per_token": engines[kv].kv_bytes_per_token,
-            "prefill_tok_s": 2048 / prefill,
-            "decode_tok_s": n_dec / decode,
-            "nll": scored_nll(engines[kv]),
-        }
-        for kv, (prefill, decode) in medians.items()
-    ]
-    compare_nll(rows)
-    columns = ["kv_dtype", "kv_bytes_per_token", "prefill_tok_s", "decode_tok_s", "max_full_nll_change"]
-    print(table(rows, columns + ["same_method_order"]), flush=True)
-    return {"context": 2048, "repeats": repeats, "rows": rows}
-
-
-def scored_nll(engine) -> dict:
-    """``benchmarks.quality``'s NLL per text kind of the full cache and of each of ``QUALITY_METHODS`` at 10×."""
-    scored = quality(engine, list(TEXT_KINDS), 2048, [10], QUALITY_METHODS, 1)
-    return {f"{r['kind']}/{r['method']}": r["nll"] for r in scored}
-
-
-def compare_nll(rows: list[dict]) -> None:
-    """Each row's largest full-cache NLL change from the first row's, and whether the methods rank alike."""
-    reference = rows[0]["nll"]
-    for row in rows:
-        full = [k for k in reference if k.endswith("/full")]
-        row["max_full_nll_change"] = max(abs(row["nll"][k] - reference[k]) for k in full)
-        row["same_method_order"] = all(
-            method_order(row["nll"], kind) == method_order(reference, kind) for kind in TEXT_KINDS
-        )
 
 
 def transformers_plain(model):
@@ -455,8 +409,6 @@ def main() -> None:
         out["callers"] = callers_section(engine, text_ids, n_dec, args.repeats)
     if "recording" in run:
         out["recording"] = recording_section(engine, text_ids, n_dec, args.repeats)
-    if "kv_dtype" in run:
-        out["kv_dtype"] = kv_dtype_section(engine, text_ids, n_dec, args.repeats)
     if "contexts" in run:
         out["contexts"] = contexts_section(engine, text_ids, args.contexts, n_dec, args.repeats)
     if "compacted" in run:

@@ -14,6 +14,8 @@ each keep only their own slots, and attention reads each head's rows directly (`
 Nothing is padded, so a cache's bytes are its kept slots' bytes. Compaction code that wants whole-layer
 tensors reads ``keys``/``values``/``bias``/``positions``/``rope``/``segments``: (heads, longest head, ...)
 views, or for uneven heads a padded copy (keys and values 0, β −∞, positions −1 on each shorter head's tail).
+Keys and values are stored in the engine's ``kv_dtype``; 8-bit rows carry their own scale
+(``kvmemory.cache.int8_rows``), and those views, and what ``update`` hands attention, decode them to fp32.
 
 The logical length (what new positions count from) is separate from the slot counts, so tokens appended
 after a compaction keep their true positions. Appends write into headroom left past each head's length;
