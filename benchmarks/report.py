@@ -37,6 +37,11 @@ def formats_of(d: dict) -> str:
 NLL_COLUMN = "max Δ NLL (full cache)"
 
 
+def beside_fp32(row: dict) -> list[str]:
+    """A weight or cache format's NLL change and method order cells (``benchmarks.quality.beside_the_first``)."""
+    return [f"{row['max_full_nll_change']:.4f}", "yes" if row["same_method_order"] else "no"]
+
+
 def speed_section(d: dict) -> str:
     runners = [k.removesuffix(" decode tok/s") for k in d["contexts"][0] if k.endswith(" decode tok/s")]
     header = ["context"] + [f"{r} {what} tok/s" for r in runners for what in ("prefill", "decode")]
@@ -102,8 +107,7 @@ def speed_section(d: dict) -> str:
                 f"{w['decode_tok_s']:.1f}",
                 f"{w['prefill_tok_s']:.0f}",
                 f"{w['weight_mb']:.0f}",
-                f"{w['max_full_nll_change']:.4f}",
-                "yes" if w["same_method_order"] else "no",
+                *beside_fp32(w),
             ]
             for w in d["weights"]
         ]
@@ -130,8 +134,7 @@ def kv_dtype_section(d: dict) -> str:
             f"{r['kv_bytes_per_token'] / 1024:.1f}",
             f"{r['prefill_tok_s']:.0f}",
             f"{r['decode_tok_s']:.1f}",
-            f"{r['max_full_nll_change']:.4f}",
-            "yes" if r["same_method_order"] else "no",
+            *beside_fp32(r),
         ]
         for r in d["rows"]
     ]
@@ -352,7 +355,8 @@ def agent_memory_section(d: dict) -> str:
         "head budgets (gaps closed per head); the other kvmemory rows switch its rules "
         "to that method and keep the gaps (they were measured before gaps were closed); *-kv16* rows run on a cache "
         'stored in fp16 (`Engine(kv_dtype="float16")`) under the same bytes, so about twice the tokens fit, the '
-        "text baselines included, against the same fp32 references. *Fact gain kept*: "
+        'text baselines included, against the same fp32 references, and *-kv8* rows on 8-bit rows (`kv_dtype="int8"`), '
+        "3.47 times the tokens. *Fact gain kept*: "
         "the share of the answer log-probability gain that the whole trace gives over no trace (1 = as good as "
         "uncompacted); *answers held*: the share of that gain whose answer the memory still holds at the end "
         "(its first token, in the KV heads that keep it; – where not measured); *degenerate*: empty, repetitive or "
@@ -450,11 +454,13 @@ def concurrency_section(d: dict) -> str:
             f"{r['sessions_per_pass']:.1f}",
             f"{r['per_session_tok_s']:.1f}",
             f"{r['kv32_tok_s']:.1f}",
+            f"{r['kv8_tok_s']:.1f}" if "kv8_tok_s" in r else "–",
             f"{r['sdpa_tok_s']:.1f}",
             f"{r['unbatched_tok_s']:.1f}",
             f"{r['transformers_tok_s']:.1f}",
             f"{r['ttft_median_s']:.2f} ({r['ttft_max_s']:.2f}) / {r['unbatched_ttft_median_s']:.2f}",
-            f"{r['kv_mb']:.0f} / {r['kv32_kv_mb']:.0f} / {r['transformers_kv_mb']:.0f}",
+            f"{r['kv_mb']:.0f} / {r['kv32_kv_mb']:.0f} / {r.get('kv8_kv_mb', float('nan')):.0f} / "
+            f"{r['transformers_kv_mb']:.0f}",
         ]
         for r in d["rows"]
     ]
@@ -465,11 +471,12 @@ def concurrency_section(d: dict) -> str:
         "sessions per pass",
         "per session tok/s",
         "fp32 cache tok/s",
+        "8-bit cache tok/s",
         "sdpa tok/s",
         "unbatched tok/s",
         "transformers tok/s",
         "TTFT s batched median (longest) / unbatched median",
-        "KV MiB kvmemory / fp32 cache / transformers",
+        "KV MiB kvmemory / fp32 cache / 8-bit cache / transformers",
     ]
     warmed = f"; each after an untimed {d['warm_up_tokens']}-token reply" if "warm_up_tokens" in d else ""
     return (
@@ -480,7 +487,8 @@ def concurrency_section(d: dict) -> str:
         f"tokens/s, median of {d['repeats']}{warmed}), then append their "
         "next tool result and stream a reply (time to first token). Side by side: the engine batching the sessions' "
         "forwards (on CPU attending in kvmemory's decode kernel), the same with the cache stored in fp32 (twice "
-        "the bytes), the same with attention on torch's sdpa, the same engine one session per forward, and "
+        'the bytes) and in 8-bit rows (`kv_dtype="int8"`, 0.56× the bytes), the same with attention on '
+        "torch's sdpa, the same engine one session per forward, and "
         "transformers `generate` over the same contexts left-padded into one batch (its decode timed from the "
         "first generated token to the last).\n\n" + md(rows, columns)
     )
