@@ -3,10 +3,9 @@
 Each cached key or value row of one KV head (``D`` numbers) is stored as ``D`` int8 levels followed by the fp32
 scale they are multiplied by (its 4 bytes, in the same row): ``x ≈ level × scale`` with ``scale = max|x| / 127``
 and levels rounded to nearest (ties to even). That is llama.cpp's ``q8_0`` cache layout with one scale per
-head row instead of per 32 numbers, and the absmax per-token scheme serving engines use for 8-bit caches: a
-row keeps its own range, so a key with a large channel does not coarsen the others' rows. On the default model
-a 64-dim row costs 68 bytes against 128 in fp16, and the teacher-forced NLL of ``benchmarks.quality``'s texts
-moves by at most 0.003 nats (within what its weight formats move it).
+head row instead of per 32 numbers: each token's row keeps its own range, so a token with a large key does not
+coarsen the others' rows. On the default model a 64-dim row costs 68 bytes against 128 in fp16, and the
+teacher-forced NLL of ``benchmarks.quality``'s texts moves by at most 0.0063 nats (``benchmarks.kv_dtype``).
 
 Rows are encoded once, when they enter the cache (or when compaction writes fitted values or re-rotated
 keys); attention reads them as they are stored on the CPU decode kernel, which applies the scales itself,

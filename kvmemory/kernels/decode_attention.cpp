@@ -324,10 +324,10 @@ void run_items(const Rows& query, float scale, int64_t kv_heads, int64_t groups,
 }
 
 // One decode token per session over its cache layer as stored (kvmemory.cache.CompactLayer): keys[i] (N_i, D)
-// and values[i] (N_i, Dv) with contiguous rows, all fp32, fp16 or bf16, or all 8-bit rows (N_i, D + 4); metas[i] the (N_i, 4) int32 slot
-// metadata, whose beta is added where biased[i]; heads: per session and KV head its start row and length,
-// flattened. query (Hq, sessions, D) fp32, as attention has it (any strides but the last), multiplied here by
-// `scale`. With new_keys (KV heads, sessions, D), new_values (KV heads, sessions, Dv) fp32, laid out alike, and
+// and values[i] (N_i, Dv) with contiguous rows, all fp32, fp16 or bf16, or all 8-bit rows (N_i, D + 4 bytes);
+// metas[i] the (N_i, 4) int32 slot metadata, whose beta is added where biased[i]; heads: per session and KV
+// head its start row and length, flattened. query (Hq, sessions, D) fp32, as attention has it (any strides but
+// the last), multiplied here by `scale`. With new_keys (KV heads, sessions, D), new_values (KV heads, sessions, Dv) fp32, laid out alike, and
 // new_meta (sessions, 4) int32, each head's last row is first written from them (the token being decoded).
 // Returns (sessions x KV heads, G, Dv) fp32: per session its Hq heads' outputs.
 at::Tensor decode_attention(const at::Tensor& query, double scale, at::TensorList keys, at::TensorList values,
