@@ -28,7 +28,7 @@ def reference(query, sessions, scale):
         rows = []
         for h, (k, v, bias) in enumerate(heads):
             q = query[0, h * groups : (h + 1) * groups, i].double()
-            k, v = (int8_rows.read(t, t.dtype, torch.float64) for t in (k, v))
+            k, v = (int8_rows.read(t, torch.float64) for t in (k, v))
             logits = scale * q @ k.T
             if bias is not None:
                 logits = logits + bias.double()

@@ -198,8 +198,7 @@ class CompactLayer(CacheLayerMixin):
     def flat(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The whole flat storage of ``keys`` or ``values`` as ``dtype`` numbers (rows past a head's length
         included, as the one-call attention paths read it)."""
-        t = getattr(self.slots, name)
-        return int8_rows.read(t, t.dtype, dtype)
+        return int8_rows.read(getattr(self.slots, name), dtype)
 
     keys = property(lambda self: None if self.slots is None else self._whole("keys")[None])
     values = property(lambda self: None if self.slots is None else self._whole("values")[None])
@@ -406,9 +405,8 @@ class CompactLayer(CacheLayerMixin):
         rows = _rows(self.starts, self.lengths, self.device)
         new = torch.cat([torch.arange(span - n, span, device=self.device) for n in self.lengths])
         delta = new - self.slots.rope[rows].long()
-        dtype = self.slots.keys.dtype
-        keys = int8_rows.read(self.slots.keys[rows], dtype, torch.float32)
-        self.slots.keys[rows] = int8_rows.store(rotate(keys[None], delta[None], inv_freq)[0], dtype)
+        keys = int8_rows.read(self.slots.keys[rows], torch.float32)
+        self.slots.keys[rows] = int8_rows.store(rotate(keys[None], delta[None], inv_freq)[0], self.slots.keys.dtype)
         self.slots.rope[rows] = new.to(self.slots.rope)
 
     def head_slot_bytes(self) -> int:

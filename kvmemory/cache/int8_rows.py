@@ -47,9 +47,9 @@ def decode(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return (rows[..., :-SCALE_BYTES].float() * scale).to(dtype)
 
 
-def read(rows: torch.Tensor, storage_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
-    """Stored rows as ``dtype`` numbers (a cast for float storage)."""
-    return decode(rows, dtype) if is_int8(storage_dtype) else rows.to(dtype)
+def read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored rows (of any storage dtype) as ``dtype`` numbers: decoded 8-bit rows, a cast of float ones."""
+    return decode(rows, dtype) if is_int8(rows.dtype) else rows.to(dtype)
 
 
 def store(rows: torch.Tensor, storage_dtype: torch.dtype) -> torch.Tensor:
@@ -62,4 +62,4 @@ def convert(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     are when the dtype is the same, so a file loads bit for bit."""
     if rows.dtype == dtype:
         return rows
-    return store(read(rows, rows.dtype, torch.float32), dtype)
+    return store(read(rows, torch.float32), dtype)

@@ -113,7 +113,7 @@ class Engine:
         if max_batch_tokens is None:
             max_batch_tokens = self.prefill_chunk_size + CPU_PASS_HEADROOM if on_cpu else DEVICE_PASS_TOKENS
         self.batcher = ForwardBatcher(self.model, max_tokens=max_batch_tokens, attention_path=attention_path)
-        if attention_path is None and self.device.type == "cpu":
+        if attention_path is None and on_cpu:
             decode_kernel.decode_op()  # built here, once per machine, rather than in a session's first step
         self._renderer: ChatRenderer | None = None
         self.sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every session made on this engine
