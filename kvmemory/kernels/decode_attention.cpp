@@ -209,13 +209,21 @@ inline void mix1(const T* values, int64_t stride, const float* p, int64_t s0, in
 }
 
 // out[g] = sum_s p[g][s] v_s: queries three at a time, value chunks four at a time (32 floats), over a block
-// of slots that stays in L1 while every query reads it
+// of slots that stays in L1 while every query reads it. On 8-bit rows each weight is first multiplied by its
+// value's scale, a block at a time, so the mix sums levels and reading the scales brings the block's rows into L1
+// for it (a separate pass over every row's scale before the mix cost a second read of the values)
 template <typename T>
-void mix(const Item<T>& item, int64_t groups, int64_t value_dim, const float* weights) {
+void mix(const Item<T>& item, int64_t groups, int64_t value_dim, float* weights) {
   const int64_t S = item.slots, stride = item.value_stride;
   std::memset(item.out, 0, sizeof(float) * groups * value_dim);
   for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
     const int64_t s1 = s0 + kBlock < S ? s0 + kBlock : S;
+    if constexpr (kLevels<T>) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const float scale = row_scale(item.values + s * stride, value_dim);
+        for (int64_t g = 0; g < groups; ++g) weights[g * S + s] *= scale;
+      }
+    }
     for (int64_t g0 = 0; g0 < groups; g0 += 3) {
       const int64_t gb = std::min<int64_t>(3, groups - g0);
       const float* p = weights + g0 * S;
@@ -312,12 +320,6 @@ void run_items(const Rows& query, float scale, int64_t kv_heads, int64_t groups,
       scores.resize(groups * item.slots);
       score(item, groups, dim, scores.data());
       softmax(scores.data(), groups, item.slots);
-      if constexpr (kLevels<T>) {  // each weight times its value's scale: the mix then sums levels
-        for (int64_t s = 0; s < item.slots; ++s) {
-          const float scale = row_scale(item.values + s * item.value_stride, value_dim);
-          for (int64_t g = 0; g < groups; ++g) scores[g * item.slots + s] *= scale;
-        }
-      }
       mix(item, groups, value_dim, scores.data());
     }
   }
