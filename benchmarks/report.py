@@ -445,6 +445,31 @@ def fp16_linear_section(d: dict) -> str:
     )
 
 
+def decode_kernel_section(d: dict) -> str:
+    rows = [
+        [
+            r["sessions"],
+            r["kv_dtype"],
+            f"{r['streamed_ms']:.2f}",
+            f"{r['resident_ms']:.2f}",
+            f"{r['reading_share']:.0%}",
+            f"{r['gb_per_s']:.1f}",
+            f"{r['vs_float16']:.2f}×",
+        ]
+        for r in d["rows"]
+    ]
+    columns = ["sessions", "cache", "ms per pass", "caches resident ms", "reading share", "GB/s read", "vs fp16"]
+    return (
+        f"**Decode kernel** (`python -m benchmarks.decode_kernel`{on_cpu(d)}): the CPU decode-attention kernel "
+        "alone (`kvmemory/kernels/decode_attention.cpp`), one decode pass of S sessions through every layer of the "
+        f"default model's shapes, {d['slots']:,} slots per KV head with β, each cache format as the engine stores "
+        "it; *ms per pass* with every layer's caches distinct (read from memory, as in the model), *caches "
+        "resident* with every layer reading the first layer's (they stay in the CPU's caches), *reading share* "
+        "the part of the time reading from memory adds; the formats taking turns, medians of "
+        f"{d['repeats']} rounds.\n\n" + md(rows, columns)
+    )
+
+
 def concurrency_section(d: dict) -> str:
     rows = [
         [
@@ -562,6 +587,7 @@ def main() -> None:
         ("persistence", persistence_section),
         ("serve", serve_section),
         ("fp16_linear", fp16_linear_section),
+        ("decode_kernel", decode_kernel_section),
         ("concurrency", concurrency_section),
         ("compaction_stall", compaction_stall_section),
         ("prefill_stall", prefill_stall_section),
