@@ -18,6 +18,7 @@ The formats take turns within each round (``--repeats`` rounds, medians). Writes
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -32,8 +33,9 @@ from kvmemory.runtime.loading import default_model_file
 FORMATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
+@functools.cache
 def model_shapes() -> tuple[int, int, int, int]:
-    """(layers, query heads, KV heads, head dim) of the default model."""
+    """(layers, query heads, KV heads, head dim) of the default model (its config read once)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(default_model_file().parent), gguf_file=default_model_file().name)
