@@ -28,6 +28,7 @@ from benchmarks.common import RESULTS, save, table
 from kvmemory import run_on_compute
 from kvmemory.attention.decode_kernel import decode_op
 from kvmemory.cache import int8_rows
+from kvmemory.cache.compact_cache import META_BYTES
 from kvmemory.runtime.loading import default_model_file
 
 FORMATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
@@ -68,10 +69,10 @@ def kernel_calls(sessions: int, slots: int, dtype: torch.dtype, distinct_layers:
 
 
 def bytes_read(sessions: int, slots: int, dtype: torch.dtype) -> int:
-    """KV bytes one pass reads: keys and values of every layer, session and KV head, and their metadata."""
+    """KV bytes one pass reads: keys and values of every layer, session and KV head, and their metadata (what
+    ``Engine.kv_bytes_per_token`` counts for a token, here without loading the model)."""
     layers, _, kv_heads, dim = model_shapes()
-    per_slot = 2 * int8_rows.row_bytes(dim, dtype) + 4 * 4
-    return layers * sessions * kv_heads * slots * per_slot
+    return layers * sessions * kv_heads * slots * (2 * int8_rows.row_bytes(dim, dtype) + META_BYTES)
 
 
 def measure(session_counts: list[int], slots: int, repeats: int) -> list[dict]:
