@@ -25,7 +25,7 @@ def ops():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    rows=st.integers(0, 110),  # past two tiles of 48 rows: blocks of every size 1..6
+    rows=st.integers(0, 110),  # past two tiles of 48 rows: lone blocks of 1..6 rows, wide blocks of 1 or 2
     inputs=st.one_of(st.integers(0, 70), st.integers(120, 400)),  # one chunk of k, or several (128 a chunk)
     outputs=st.integers(1, 90),  # whole and partial panels of 16, groups of 1..4 panels
     has_bias=st.booleans(),
