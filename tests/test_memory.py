@@ -423,3 +423,33 @@ def test_uneven_head_budgets_never_grow_a_head_past_the_models_context(cap):
     uneven = session.cache.longest_layer > session.cache.physical_length
     assert uneven == (cap < engine.max_context)  # a cap at the context leaves no head room above the mean
     assert torch.isfinite(session.logprobs(random_tokens(8, seed=99))).all()
+
+
+def test_the_default_policy_keeps_the_chat_frames_of_the_last_messages(default_engine):
+    """The role header and end of turn of each of the last ``recent_frames`` messages survive compaction, while
+    their content is compacted around them: the model still reads whose turn is next."""
+    renderer = default_engine.renderer
+    assert renderer.frame("assistant") == (4, 2) and renderer.frame("tool") == (3, 2)  # ChatML, SmolLM2's tokens
+    policy = default_policy(max_slots=192, recent_tokens=16)
+    assert policy.budget.recent_frames == 4
+    session = default_engine.session(memory=MemoryManager(policy))
+    messages = [{"role": "system", "content": "You maintain the billing service."}]
+    for i in range(8):
+        lines = [f"line {j} of file {i}: value {(i * 37 + j * 11) % 97} at port {8000 + i * 13 + j}" for j in range(5)]
+        messages.append({"role": "assistant", "content": f"Reading file {i}."})
+        messages.append({"role": "tool", "name": "read_file", "content": "\n".join(lines)})
+        if i % 2:
+            session.append_messages(messages)
+    assert session.cache.compactions > 0
+    held = set(session.cache.layers[0].positions[0, : session.cache.layers[0].length].tolist())
+    last = [s for s in session.segments if s.message_index is not None][-4:]
+    for segment in last:
+        head, tail = renderer.frame(segment.role)
+        frame = list(range(segment.start, segment.start + head)) + list(range(segment.end - tail, segment.end))
+        assert set(frame) <= held
+        text = default_engine.tokenizer.decode(session.tokens[segment.start : segment.start + head])
+        assert text == f"<|im_start|>{segment.role}\n"
+    assert any(not set(range(s.start, s.end)) <= held for s in last)  # their content was compacted
+    for layer in session.cache.layers:  # every head keeps them (the default ranks tokens alike in every head)
+        for positions in layer.head_views("positions"):
+            assert held <= set(positions.tolist()) <= held

@@ -192,11 +192,11 @@ class MemoryManager:
 
     def _compact(self, session, trigger: str, goal_slots: int | None) -> list[CompactionRecord]:
         items = self._budgets(goal_slots)
-        jobs, head_ratio = [], self.max_head_ratio()
+        jobs, head_ratio, frames = [], self.max_head_ratio(), self._recent_frames()
         for span, slots, _ in items:
             method = self._method(span.rule)
             source = span.rule.query_source if method.uses_queries else "window"
-            jobs.append(SpanJob(span.positions, method, slots, source, max_head_ratio=head_ratio))
+            jobs.append(SpanJob(span.positions, method, slots, source, frames, max_head_ratio=head_ratio))
         records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
         if records and self.policy.budget.close_gaps and session.engine.rebase_positions:
             session._rebase()  # in the transaction: undone with the compaction if anything later fails
@@ -215,6 +215,17 @@ class MemoryManager:
         if records:
             self._record(trigger)
         return records
+
+    def _recent_frames(self) -> set[int]:
+        """Positions of the chat frames of the last ``recent_frames`` messages (``MemoryBudget.recent_frames``)."""
+        count = self.policy.budget.recent_frames
+        messages = [s for s in self.session.segments if s.message_index is not None][-count:] if count else []
+        positions = set()
+        for segment in messages:
+            head, tail = self.session.renderer.frame(segment.role)
+            positions.update(range(segment.start, min(segment.start + head, segment.end)))
+            positions.update(range(max(segment.end - tail, segment.start), segment.end))
+        return positions
 
     def _method(self, rule: CompactionRule):
         key = rule.model_dump_json(include={"method", "params"})

@@ -144,6 +144,13 @@ class MemoryBudget(BaseModel):
     interval: int | None = Field(None, ge=1, description="P: compact every P new tokens")
     recent_tokens: int = Field(256, ge=0, description="τ: the last τ tokens are never compacted")
     sink_tokens: int = Field(4, ge=0, description="the session's first tokens are never compacted")
+    recent_frames: int = Field(
+        0,
+        ge=0,
+        description="the chat template's frame of each of the last N messages (its role header and end of "
+        "turn, ChatRenderer.frame) is never compacted: the model still reads who said what, and whose turn is "
+        "next",
+    )
     target_fraction: float = Field(
         0.75, gt=0, le=1, description="a cap-triggered compaction aims this far below the cap"
     )
@@ -224,5 +231,7 @@ def default_policy(max_slots: int | None = None, recent_tokens: int = 128) -> Me
             CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
         ],
         default=CompactionRule(name="context", method="selective_context", params={"evict_predictable_below": 1.0}),
-        budget=MemoryBudget(max_slots=max_slots, recent_tokens=recent_tokens, target_fraction=0.9, close_gaps=True),
+        budget=MemoryBudget(
+            max_slots=max_slots, recent_tokens=recent_tokens, recent_frames=4, target_fraction=0.9, close_gaps=True
+        ),
     )

@@ -41,7 +41,7 @@ class ChatRenderer:
             raise InvalidArgumentError("this model's tokenizer has no chat template; use append_text / append_tokens")
         self.tokenizer = tokenizer
         self.native_tools = "tools" in tokenizer.chat_template
-        self._turn_end: list[int] | None = None
+        self._frames: dict[str, tuple[list[int], list[int]]] = {}
 
     def prepare(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
         """Normalise messages so the template can render them (tools folded in when it cannot)."""
@@ -80,13 +80,31 @@ class ChatRenderer:
     def turn_end(self) -> list[int]:
         """The tokens the template writes after an assistant message's content (ChatML: ``<|im_end|>`` and a
         newline): what closes a generated reply before the next message."""
-        if self._turn_end is None:
+        return list(self._frame("assistant")[1])
+
+    def frame(self, role: str) -> tuple[int, int]:
+        """How many tokens the template writes before and after the content of a message of ``role`` (ChatML:
+        ``<|im_start|>role`` and a newline; ``<|im_end|>`` and a newline): the scaffolding that tells the model
+        who speaks, which a memory keeps for recent messages (``MemoryBudget.recent_frames``)."""
+        head, tail = self._frame(role)
+        return len(head), len(tail)
+
+    def _frame(self, role: str) -> tuple[list[int], list[int]]:
+        """(head, tail) token ids around a message's content, found by rendering a sentinel after a user
+        message; either is empty where the template renders that message in a way this cannot split."""
+        if role not in self._frames:
             sentinel = "\u2063kvmemory\u2063"
-            convo = self.prepare([{"role": "user", "content": "x"}, {"role": "assistant", "content": sentinel}], None)
-            text = self.tokenizer.apply_chat_template(convo, tokenize=False)
-            tail = text[text.rfind(sentinel) + len(sentinel) :] if sentinel in text else ""
-            self._turn_end = self.tokenizer.encode(tail, add_special_tokens=False) if tail else []
-        return list(self._turn_end)
+            lead = [{"role": "user", "content": "x"}]
+            message = {"role": role, "content": sentinel, **({"name": "tool"} if role == "tool" else {})}
+            before = self.tokenizer.apply_chat_template(self.prepare(lead, None), tokenize=False)
+            text = self.tokenizer.apply_chat_template(self.prepare(lead + [message], None), tokenize=False)
+            at = text.find(sentinel)
+            head = text[len(before) : at] if at >= 0 and text.startswith(before) else ""
+            tail = text[at + len(sentinel) :] if at >= 0 else ""
+            self._frames[role] = tuple(
+                self.tokenizer.encode(part, add_special_tokens=False) if part else [] for part in (head, tail)
+            )
+        return self._frames[role]
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
