@@ -350,10 +350,11 @@ def agent_memory_section(d: dict) -> str:
         f"{fact_range} single-mention facts each, asked at the end; {d.get('weights', 'fp32')} weights), "
         "replayed step by step under a cap of 1/N of each trace; kvmemory conditions at equal KV bytes, text "
         "baselines at the same token budget; the default policy evicts the tokens it predicted at under 1 nat "
-        "before any line (`evict_predictable_below=1.0`) and closes the gaps its compactions leave "
-        "(`close_gaps`), *whole-lines* is the same keeping whole lines, *lines-real* the same ranking under REAL's "
-        "head budgets (gaps closed per head); the other kvmemory rows switch its rules "
-        "to that method and keep the gaps (they were measured before gaps were closed); *-kv16* rows run on a cache "
+        "before any line (`evict_predictable_below=1.0`), closes the gaps its compactions leave "
+        "(`close_gaps`) and keeps the chat frames of the last 4 messages (`recent_frames`), *whole-lines* is the "
+        "same keeping whole lines, *lines-real* the same ranking under REAL's head budgets (gaps closed per head), "
+        "both measured before frames were kept; the other kvmemory rows switch its rules to that method and keep "
+        "the gaps (they were measured before gaps were closed or frames kept); *-kv16* rows run on a cache "
         'stored in fp16 (`Engine(kv_dtype="float16")`) under the same bytes, so about twice the tokens fit, the '
         'text baselines included, against the same fp32 references, and *-kv8* rows on 8-bit rows (`kv_dtype="int8"`), '
         "3.47 times the tokens. *Fact gain kept*: "

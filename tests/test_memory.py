@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from kvmemory import ContextLengthError, Engine, MemoryCapError, PolicyError
 from kvmemory.memory import MemoryManager, MemoryPolicy, Segment, SegmentMatch, default_policy, plot_memory_map
 from kvmemory.memory.policy import CompactionRule
+from kvmemory.runtime.chat import ChatRenderer
 from tests.conftest import random_tokens, tiny_model
 
 
@@ -453,3 +455,14 @@ def test_the_default_policy_keeps_the_chat_frames_of_the_last_messages(default_e
     for layer in session.cache.layers:  # every head keeps them (the default ranks tokens alike in every head)
         for positions in layer.head_views("positions"):
             assert held <= set(positions.tolist()) <= held
+
+
+def test_a_template_that_will_not_render_a_role_after_a_user_gives_it_no_frame(default_engine):
+    tokenizer = copy.copy(default_engine.tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('roles must alternate') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    renderer = ChatRenderer(tokenizer)
+    assert renderer.frame("tool") == (0, 0) and renderer.frame("assistant") == (4, 2)
+    assert renderer.turn_end() == default_engine.renderer.turn_end()

@@ -224,7 +224,9 @@ def default_policy(max_slots: int | None = None, recent_tokens: int = 128) -> Me
     ranking by the attention of recent queries (SnapKV, TAM, Attention Matching) lose. Every head keeps the
     same lines, so the gaps they leave are closed after each compaction (``close_gaps``): a fact then sits as
     near the question as in a trimmed prompt, which this model answers from far better than across thousands
-    of positions. Without ``max_slots`` the cap is the model's context."""
+    of positions. The chat frames of the last four messages stay (``recent_frames``): their role headers are
+    predictable, so they would go first, and without them the model loses track of whose turn is next.
+    Without ``max_slots`` the cap is the model's context."""
     return MemoryPolicy(
         rules=[
             CompactionRule(name="system", match=SegmentMatch(kind=["system", "tool_schema"]), protected=True),

@@ -85,8 +85,13 @@ class ChatRenderer:
     def frame(self, role: str) -> tuple[int, int]:
         """How many tokens the template writes before and after the content of a message of ``role`` (ChatML:
         ``<|im_start|>role`` and a newline; ``<|im_end|>`` and a newline): the scaffolding that tells the model
-        who speaks, which a memory keeps for recent messages (``MemoryBudget.recent_frames``)."""
-        head, tail = self._frame(role)
+        who speaks, which a memory keeps for recent messages (``MemoryBudget.recent_frames``). (0, 0) where the
+        template will not render such a message after a user's (strict role alternation)."""
+        try:
+            head, tail = self._frame(role)
+        except Exception:  # the template's own error (jinja2's, or one it raises): no frame to keep
+            self._frames[role] = ([], [])
+            return 0, 0
         return len(head), len(tail)
 
     def _frame(self, role: str) -> tuple[list[int], list[int]]:
