@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import statistics
@@ -92,3 +93,14 @@ def save(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2, default=float))
     return path
+
+
+@functools.cache
+def default_model_config():
+    """The default model's transformers config, read from its GGUF file once (for shapes, without the weights)."""
+    from transformers import AutoConfig
+
+    from kvmemory.runtime.loading import default_model_file
+
+    path = default_model_file()
+    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)

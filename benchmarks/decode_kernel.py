@@ -18,28 +18,23 @@ The formats take turns within each round (``--repeats`` rounds, medians). Writes
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 
 import torch
 
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import RESULTS, default_model_config, save, table
 from kvmemory import run_on_compute
 from kvmemory.attention.decode_kernel import decode_op
 from kvmemory.cache import int8_rows
 from kvmemory.cache.compact_cache import META_BYTES
-from kvmemory.runtime.loading import default_model_file
 
 FORMATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
-@functools.cache
 def model_shapes() -> tuple[int, int, int, int]:
-    """(layers, query heads, KV heads, head dim) of the default model (its config read once)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(default_model_file().parent), gguf_file=default_model_file().name)
+    """(layers, query heads, KV heads, head dim) of the default model."""
+    config = default_model_config()
     dim = config.hidden_size // config.num_attention_heads
     return config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, dim
 

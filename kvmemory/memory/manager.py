@@ -196,7 +196,9 @@ class MemoryManager:
         for span, slots, _ in items:
             method = self._method(span.rule)
             source = span.rule.query_source if method.uses_queries else "window"
-            jobs.append(SpanJob(span.positions, method, slots, source, frames, max_head_ratio=head_ratio))
+            jobs.append(
+                SpanJob(span.positions, method, slots, source, protected_positions=frames, max_head_ratio=head_ratio)
+            )
         records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
         if records and self.policy.budget.close_gaps and session.engine.rebase_positions:
             session._rebase()  # in the transaction: undone with the compaction if anything later fails
