@@ -24,7 +24,8 @@ answer's log-probability after the question, as the share of the gain the whole 
 ``(lp - lp_none) / (lp_full - lp_none)`` summed over the facts the trace helps; greedy exact match. Also the
 teacher-forced NLL of the trace's last turn given the (compacted) earlier part, and the share of degenerate
 free replies (empty, repetitive or off-topic) among sampled answers to an open question. Intervals are 95%
-bootstrap intervals over facts.
+bootstrap intervals: over facts for the fact metrics, over traces for the NLL (one value per trace, so with
+four traces it shows how far one trace moves the mean, not a fine resolution).
 
     python -m benchmarks.agent_memory [--caps 8 4] [--conditions ...] [--traces ...] [--replies 4]
     python -m benchmarks.agent_memory --from-saved   # summarise what a stopped run saved
@@ -382,8 +383,10 @@ def summarise(rows: list[dict], none: dict, divisor: int) -> list[dict]:
         ]
         exact = [float(f["exact"]) for r in mine for f in r["facts"]]
         replies = [p for r in mine for p in r["replies"]]
+        deltas = [r["nll_last_turn"] - full_nll[r["trace"]] for r in mine]
         share_lo, share_hi = bootstrap(triples, gain_share)
         exact_lo, exact_hi = bootstrap(exact, statistics.fmean)
+        nll_lo, nll_hi = bootstrap(deltas, statistics.fmean)
         out.append(
             {
                 "cap": f"1/{divisor}",
@@ -393,7 +396,8 @@ def summarise(rows: list[dict], none: dict, divisor: int) -> list[dict]:
                 "gain_ci": f"[{share_lo:.2f}, {share_hi:.2f}]",
                 "exact_match": statistics.fmean(exact),
                 "exact_ci": f"[{exact_lo:.2f}, {exact_hi:.2f}]",
-                "delta_nll_last_turn": statistics.fmean(r["nll_last_turn"] - full_nll[r["trace"]] for r in mine),
+                "delta_nll_last_turn": statistics.fmean(deltas),
+                "nll_ci": f"[{nll_lo:+.3f}, {nll_hi:+.3f}]",
                 "degenerate_replies": sum(p["degenerate"] is not None for p in replies) / len(replies),
                 "peak_kv_mb": max(r["peak_kv_bytes"] for r in mine) / 1e6,
                 "seconds": sum(r["seconds"] for r in mine),
