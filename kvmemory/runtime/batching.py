@@ -218,9 +218,11 @@ class ForwardBatcher:
             wait = self._gather_until - time.perf_counter()
             if (self._returning or self._starting and self._expected) and wait > 0:
                 if self._gathering:
-                    self._pass_ended.wait()
+                    self._pass_ended.wait(wait)  # bounded: however the gathering ends, the pass starts by then
                 else:
                     self._gather(wait)
+                    if request.done:  # it ran in another thread's pass meanwhile: whoever waited on this
+                        self._pass_ended.notify()  # thread's gathering takes it over (this one leaves)
                 continue
             batch = self._take()
             self._busy, self._starting = True, False
