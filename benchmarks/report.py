@@ -362,7 +362,8 @@ def agent_memory_section(d: dict) -> str:
         "the share of the answer log-probability gain that the whole trace gives over no trace (1 = as good as "
         "uncompacted); *answers held*: the share of that gain whose answer the memory still holds at the end "
         "(its first token, in the KV heads that keep it; – where not measured); *degenerate*: empty, repetitive or "
-        "off-topic free replies; *compaction s*: seconds the memory "
+        "off-topic free replies; *95% CI (traces)*: the ΔNLL's interval resampling the traces (one value each); "
+        "*compaction s*: seconds the memory "
         "manager spent compacting per 2,048 slots it compacted (– where it compacted nothing)."
     ]
     for cap in dict.fromkeys(r["cap"] for r in d["summary"]):
