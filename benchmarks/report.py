@@ -375,7 +375,7 @@ def agent_memory_section(d: dict) -> str:
                 "–" if r.get("answers_held") is None else f"{r['answers_held']:.2f}",
                 f"{r['exact_match']:.0%}",
                 f"{r['delta_nll_last_turn']:+.3f}",
-                r.get("nll_ci", "–"),
+                r["nll_ci"],
                 f"{r['degenerate_replies']:.0%}",
                 f"{r['peak_kv_mb']:.0f}",
                 "–" if not r.get("pause_s_per_2048_slots") else f"{r['pause_s_per_2048_slots']:.1f}",
