@@ -50,12 +50,13 @@ inline float sum8(f8 v) {
 
 // exp on 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative
 // error < 2e-7), 2^n built in the exponent bits. Inputs are max-subtracted, so x <= 0; below -87 the
-// result flushes to 0 (as expf underflows), and -inf gives 0.
+// result flushes to 0 (as expf underflows), and -inf gives 0. n is rounded by one vroundps (ties to even):
+// rounding through a select and two conversions made the decode kernel's softmax ~30% slower.
 inline f8 exp8(f8 x) {
   const f8 lo = f8{} - 87.0f;
   x = x < lo ? lo : x;
-  f8 n = x * 1.44269504088896341f;
-  n = __builtin_convertvector(__builtin_convertvector(n + (n < 0 ? -0.5f : 0.5f), i8), f8);  // round
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const f8 n = (f8)_mm256_round_ps((__m256)(x * 1.44269504088896341f), kNearest);
   f8 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;  // ln2 split for an exact product
   f8 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
   i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
