@@ -30,6 +30,8 @@ four traces it shows how far one trace moves the mean, not a fine resolution).
     python -m benchmarks.agent_memory [--caps 8 4] [--conditions ...] [--traces ...] [--replies 4]
     python -m benchmarks.agent_memory --from-saved   # summarise what a stopped run saved
     python -m benchmarks.agent_memory --update --conditions am-real --caps 8   # remeasure some conditions
+    python -m benchmarks.agent_memory --turns 4 --caps 8 --conditions uncompacted drop-oldest-kv16 ...
+        # only the NLL of each of the last 4 step groups (finer than the last turn alone; no facts)
 """
 
 from __future__ import annotations
@@ -286,10 +288,10 @@ def stored_suffix(condition: str) -> str | None:
     return next((suffix for suffix in STORED if condition.endswith(suffix)), None)
 
 
-def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -> dict:
-    """Send the trace step by step as ``condition``; measure the last turn's NLL, the facts and free replies."""
-    named, (engine, condition, cap_tokens) = condition, on_cache_of(engine, condition, cap_tokens)
-    messages, renderer = trace["messages"], engine.session().renderer
+def setup(engine, condition: str, cap_tokens: int) -> tuple:
+    """(engine, view, memory manager, token budget) a condition runs with (see ``on_cache_of``)."""
+    engine, condition, cap_tokens = on_cache_of(engine, condition, cap_tokens)
+    renderer = engine.session().renderer
 
     def count_tokens(lc_messages) -> int:
         return len(renderer.render(to_chat_dicts(lc_messages)))
@@ -306,15 +308,33 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
         memory = MemoryManager(
             capped_policy(cap_tokens * engine.kv_bytes_per_token, method, params, condition in CLOSE_GAPS)
         )
-    session = engine.session(memory=memory)
-    started, peak = time.perf_counter(), 0
-    step_ends = list(range(5, len(messages) + 1, 3))  # after each (tool call, tool output, note)
-    for end in step_ends[:-1]:
+    return engine, view, memory, cap_tokens
+
+
+def step_through(session, view, messages: list[dict], scored: int) -> tuple[list[float], int]:
+    """Send the trace step by step as ``view`` shows it (after each tool call, tool output and note); return the
+    teacher-forced NLL of each of the last ``scored`` step groups, each given the state the session had just
+    before it (the last group runs to the trace's end), and the peak KV bytes along the way."""
+    ends = list(range(5, len(messages) + 1, 3))
+    nlls, peak = [], 0
+    for i, end in enumerate(ends[:-1]):
         shown = view.show(messages[:end])
         session.set_messages(shown)
         peak = max(peak, session.stats().kv_bytes)
-    last_turn = continuation_ids(renderer, shown, messages[step_ends[-2] :])
-    nll = float(-session.logprobs(last_turn).mean())
+        if i >= len(ends) - 1 - scored:
+            stop = ends[i + 1] if i + 2 < len(ends) else len(messages)
+            turn = continuation_ids(session.renderer, shown, messages[end:stop])
+            nlls.append(float(-session.logprobs(turn).mean()))
+    return nlls, peak
+
+
+def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -> dict:
+    """Send the trace step by step as ``condition``; measure the last turn's NLL, the facts and free replies."""
+    named, (engine, view, memory, cap_tokens) = condition, setup(engine, condition, cap_tokens)
+    messages = trace["messages"]
+    session = engine.session(memory=memory)
+    started = time.perf_counter()
+    (nll,), peak = step_through(session, view, messages, scored=1)
     session.set_messages(view.show(messages))
     peak = max(peak, session.stats().kv_bytes, memory.peak_slots * engine.kv_bytes_per_token if memory else 0)
     held = held_in_cache(session, [answer for _, answer in trace["facts"]])
@@ -502,6 +522,74 @@ def update_saved(conditions: list[str], caps: list[int], replies: int) -> None:
     finish(rows, {(t, q): lp for t, q, lp in saved["no_trace"]}, caps, saved["replies"], weights)
 
 
+def last_turns(conditions: list[str], caps: list[int], scored: int, names: list[str] | None) -> None:
+    """``--turns K``: only the NLL of each of the last K step groups of every trace, each given the state the
+    session had just before it, against the uncompacted run (no facts, no replies). The last turn alone gives one
+    value a trace, and a test name kept or lost moves it by tenths of a nat; K groups a trace resolve finer."""
+    engine = Engine.from_pretrained("default", kv_dtype="float32")
+    rows = []
+    for trace in load_traces(names):
+        length = len(engine.session().renderer.render(trace["messages"]))
+        runs = [("uncompacted", 1)] + [(c, d) for d in caps for c in conditions if c != "uncompacted"]
+        for condition, divisor in runs:
+            stored, view, memory, _ = setup(engine, condition, length // divisor)
+            session = stored.session(memory=memory)
+            nlls, _ = step_through(session, view, trace["messages"], scored)
+            session.close()
+            rows.append({"trace": trace["name"], "condition": condition, "divisor": divisor, "nll_turns": nlls})
+            shown = " ".join(f"{x:.3f}" for x in nlls)
+            print(f"1/{divisor} {trace['name']:<10} {condition:<22} NLL {shown}", flush=True)
+    full = {r["trace"]: r["nll_turns"] for r in rows if r["condition"] == "uncompacted"}
+    summary = []
+    for divisor in caps:
+        for condition in (c for c in CONDITIONS if c in conditions and c != "uncompacted"):
+            mine = [r for r in rows if r["condition"] == condition and r["divisor"] == divisor]
+            per_trace = {r["trace"]: [x - y for x, y in zip(r["nll_turns"], full[r["trace"]])] for r in mine}
+            deltas = [d for values in per_trace.values() for d in values]
+            low, high = bootstrap(deltas, statistics.fmean)
+            summary.append(
+                {
+                    "cap": f"1/{divisor}",
+                    "condition": condition,
+                    "delta_nll_turns": statistics.fmean(deltas),
+                    "ci": f"[{low:+.3f}, {high:+.3f}]",
+                    **{f"{trace} (mean)": statistics.fmean(values) for trace, values in per_trace.items()},
+                }
+            )
+    print(table(summary, list(summary[0])), flush=True)
+    plot_turns(summary, RESULTS / "agent_memory_turns.png")
+    print(f"saved {save('agent_memory_turns', {'caps': caps, 'turns': scored, 'summary': summary, 'rows': rows})}")
+
+
+def plot_turns(summary: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = list(dict.fromkeys(r["cap"] for r in summary))
+    fig, axes = plt.subplots(1, len(caps), figsize=(5 * len(caps), 4), squeeze=False)
+    for ax, cap in zip(axes[0], caps):
+        mine = [r for r in summary if r["cap"] == cap]
+        values = [r["delta_nll_turns"] for r in mine]
+        bounds = [[float(x) for x in r["ci"][1:-1].split(",")] for r in mine]
+        colors = ["tab:blue" if "kvmemory" in r["condition"] else "tab:gray" for r in mine]
+        ax.bar(range(len(mine)), values, color=colors)
+        ax.errorbar(
+            range(len(mine)),
+            values,
+            yerr=[[v - lo for v, (lo, _) in zip(values, bounds)], [hi - v for v, (_, hi) in zip(values, bounds)]],
+            fmt="none",
+            color="black",
+            capsize=3,
+        )
+        ax.set_xticks(range(len(mine)), [r["condition"] for r in mine], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("NLL increase over the uncompacted run (nats/token)")
+        ax.set_title(f"last step groups, cap = {cap} of the trace")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--caps", type=int, nargs="+", default=[8, 4], help="cap = trace tokens / N")
@@ -515,7 +603,17 @@ def main() -> None:
         help="rerun only --conditions at --caps and replace their rows in the saved results (keeping its "
         "uncompacted references and no-trace log-probabilities)",
     )
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        metavar="K",
+        help="measure only the NLL of each of the last K step groups (agent_memory_turns.json), not the facts",
+    )
     args = parser.parse_args()
+    if args.turns:
+        last_turns(args.conditions, args.caps, args.turns, args.traces)
+        return
     if args.update:
         update_saved(args.conditions, args.caps, args.replies)
         return

@@ -387,6 +387,25 @@ def agent_memory_section(d: dict) -> str:
     return "\n".join(out)
 
 
+def agent_turns_section(d: dict) -> str:
+    traces = [key.removesuffix(" (mean)") for key in d["summary"][0] if key.endswith(" (mean)")]
+    out = [
+        f"**Agent memory, last {d['turns']} turns** (`python -m benchmarks.agent_memory --turns {d['turns']}`): the "
+        f"same replays, scoring the teacher-forced NLL of each of the last {d['turns']} step groups (tool call, tool "
+        "output, note) given the state the session had just before it, against the uncompacted run; "
+        f"{len(traces) * d['turns']} values a condition instead of {len(traces)}. *95% CI*: resampling those values."
+    ]
+    columns = ["condition", f"ΔNLL last {d['turns']} turns", "95% CI", *traces]
+    for cap in dict.fromkeys(r["cap"] for r in d["summary"]):
+        body = [
+            [r["condition"], f"{r['delta_nll_turns']:+.3f}", r["ci"], *(f"{r[t + ' (mean)']:+.3f}" for t in traces)]
+            for r in d["summary"]
+            if r["cap"] == cap
+        ]
+        out.append(f"\n*cap {cap}*\n\n" + md(body, columns))
+    return "\n".join(out)
+
+
 def persistence_section(d: dict) -> str:
     rows = [
         [
@@ -587,6 +606,7 @@ def main() -> None:
         ("quality", quality_section),
         ("head_budgets", head_budgets_section),
         ("agent_memory", agent_memory_section),
+        ("agent_memory_turns", agent_turns_section),
         ("agent_session", agent_section),
         ("persistence", persistence_section),
         ("serve", serve_section),
