@@ -611,6 +611,8 @@ def main() -> None:
         help="measure only the NLL of each of the last K step groups (agent_memory_turns.json), not the facts",
     )
     args = parser.parse_args()
+    if args.turns is not None and args.turns < 1:
+        parser.error(f"--turns must be at least 1, got {args.turns}")
     if args.turns:
         last_turns(args.conditions, args.caps, args.turns, args.traces)
         return
