@@ -31,7 +31,8 @@ four traces it shows how far one trace moves the mean, not a fine resolution).
     python -m benchmarks.agent_memory --from-saved   # summarise what a stopped run saved
     python -m benchmarks.agent_memory --update --conditions am-real --caps 8   # remeasure some conditions
     python -m benchmarks.agent_memory --turns 4 --caps 8 --conditions uncompacted drop-oldest-kv16 ...
-        # only the NLL of each of the last 4 step groups (finer than the last turn alone; no facts)
+        # only the NLL of each of the last 4 step groups (finer than the last turn alone; no facts);
+        # with --update, only those conditions run again
 """
 
 from __future__ import annotations
@@ -522,15 +523,25 @@ def update_saved(conditions: list[str], caps: list[int], replies: int) -> None:
     finish(rows, {(t, q): lp for t, q, lp in saved["no_trace"]}, caps, saved["replies"], weights)
 
 
-def last_turns(conditions: list[str], caps: list[int], scored: int, names: list[str] | None) -> None:
+def last_turns(conditions: list[str], caps: list[int], scored: int, names: list[str] | None, update: bool) -> None:
     """``--turns K``: only the NLL of each of the last K step groups of every trace, each given the state the
     session had just before it, against the uncompacted run (no facts, no replies). The last turn alone gives one
-    value a trace, and a test name kept or lost moves it by tenths of a nat; K groups a trace resolve finer."""
+    value a trace, and a test name kept or lost moves it by tenths of a nat; K groups a trace resolve finer.
+    With ``update``, only ``conditions`` at ``caps`` run again; the saved run's other rows stay."""
     engine = Engine.from_pretrained("default", kv_dtype="float32")
-    rows = []
+    rows, redo = [], {(c, d) for c in conditions for d in caps}
+    if update:
+        saved = json.loads((RESULTS / "agent_memory_turns.json").read_text())
+        if saved["turns"] != scored:
+            raise SystemExit(f"the saved run scored {saved['turns']} turns, not {scored}")
+        rows = [r for r in saved["rows"] if (r["condition"], r["divisor"]) not in redo]
+        names = list(dict.fromkeys(r["trace"] for r in rows))
+        caps = sorted(set(saved["caps"]) | set(caps), reverse=True)
+        conditions = list(dict.fromkeys([r["condition"] for r in rows] + conditions))
     for trace in load_traces(names):
         length = len(engine.session().renderer.render(trace["messages"]))
-        runs = [("uncompacted", 1)] + [(c, d) for d in caps for c in conditions if c != "uncompacted"]
+        runs = [("uncompacted", 1)] if not update else []
+        runs += [(c, d) for d in caps for c in conditions if c != "uncompacted" and (c, d) in redo]
         for condition, divisor in runs:
             stored, view, memory, _ = setup(engine, condition, length // divisor)
             session = stored.session(memory=memory)
@@ -544,6 +555,8 @@ def last_turns(conditions: list[str], caps: list[int], scored: int, names: list[
     for divisor in caps:
         for condition in (c for c in CONDITIONS if c in conditions and c != "uncompacted"):
             mine = [r for r in rows if r["condition"] == condition and r["divisor"] == divisor]
+            if not mine:
+                continue
             per_trace = {r["trace"]: [x - y for x, y in zip(r["nll_turns"], full[r["trace"]])] for r in mine}
             deltas = [d for values in per_trace.values() for d in values]
             low, high = bootstrap(deltas, statistics.fmean)
@@ -601,7 +614,7 @@ def main() -> None:
         "--update",
         action="store_true",
         help="rerun only --conditions at --caps and replace their rows in the saved results (keeping its "
-        "uncompacted references and no-trace log-probabilities)",
+        "uncompacted references and no-trace log-probabilities; with --turns, in the saved turns run)",
     )
     parser.add_argument(
         "--turns",
@@ -614,7 +627,7 @@ def main() -> None:
     if args.turns is not None and args.turns < 1:
         parser.error(f"--turns must be at least 1, got {args.turns}")
     if args.turns:
-        last_turns(args.conditions, args.caps, args.turns, args.traces)
+        last_turns(args.conditions, args.caps, args.turns, args.traces, args.update)
         return
     if args.update:
         update_saved(args.conditions, args.caps, args.replies)
