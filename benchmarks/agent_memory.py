@@ -597,7 +597,7 @@ def plot_turns(summary: list[dict], path) -> None:
             capsize=3,
         )
         ax.set_xticks(range(len(mine)), [r["condition"] for r in mine], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("NLL increase over the uncompacted run (nats/token)")
+        ax.set_ylabel("ΔNLL vs uncompacted (nats/token)")
         ax.set_title(f"last step groups, cap = {cap} of the trace")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
