@@ -448,6 +448,29 @@ def pause_per_2048(rows: list[dict]) -> float | None:
     return sum(r["compaction_ms"] for r in rows) / 1e3 / slots * 2048 if slots else 0.0
 
 
+def interval(text: str) -> tuple[float, float]:
+    """The bounds of a ``[low, high]`` interval as the summaries store it."""
+    low, high = text[1:-1].split(",")
+    return float(low), float(high)
+
+
+def condition_color(condition: str) -> str:
+    """Blue for kvmemory, gray for text baselines; lighter on a cache stored in fewer bits."""
+    stored = stored_suffix(condition) is not None
+    if condition.startswith(("kvmemory", *KV_METHODS)):
+        return "tab:cyan" if stored else "tab:blue"
+    return "silver" if stored else "tab:gray"
+
+
+def bars(ax, mine: list[dict], values: list[float], bounds: list[tuple[float, float]]) -> None:
+    """One bar per summary row with its 95% interval, labelled by condition."""
+    ax.bar(range(len(mine)), values, color=[condition_color(r["condition"]) for r in mine])
+    below = [max(v - low, 0.0) for v, (low, _) in zip(values, bounds)]  # the bounds are rounded, the values not
+    above = [max(high - v, 0.0) for v, (_, high) in zip(values, bounds)]
+    ax.errorbar(range(len(mine)), values, yerr=[below, above], fmt="none", color="black", capsize=3)
+    ax.set_xticks(range(len(mine)), [r["condition"] for r in mine], rotation=35, ha="right", fontsize=8)
+
+
 def plot(summary: list[dict], path) -> None:
     import matplotlib
 
@@ -458,28 +481,9 @@ def plot(summary: list[dict], path) -> None:
     fig, axes = plt.subplots(1, len(caps), figsize=(6 * len(caps), 4.5), squeeze=False)
     for ax, cap in zip(axes[0], caps):
         mine = [r for r in summary if r["cap"] == cap and r["condition"] != "uncompacted"]
-        lows = [float(r["gain_ci"][1:-1].split(",")[0]) for r in mine]
-        highs = [float(r["gain_ci"][1:-1].split(",")[1]) for r in mine]
-        values = [r["fact_gain_kept"] for r in mine]
-        kv = ("kvmemory", *KV_METHODS)
-        colors = [
-            ("tab:cyan" if stored_suffix(r["condition"]) else "tab:blue")
-            if r["condition"].startswith(kv)
-            else ("silver" if stored_suffix(r["condition"]) else "tab:gray")
-            for r in mine
-        ]
-        ax.bar(range(len(mine)), values, color=colors)
-        ax.errorbar(
-            range(len(mine)),
-            values,
-            yerr=[[v - lo for v, lo in zip(values, lows)], [hi - v for v, hi in zip(values, highs)]],
-            fmt="none",
-            color="black",
-            capsize=3,
-        )
+        bars(ax, mine, [r["fact_gain_kept"] for r in mine], [interval(r["gain_ci"]) for r in mine])
         ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="uncompacted")
         ax.axhline(0.0, color="black", linewidth=0.5)
-        ax.set_xticks(range(len(mine)), [r["condition"] for r in mine], rotation=35, ha="right", fontsize=8)
         ax.set_ylabel("share of the full trace's fact gain kept")
         ax.set_title(f"cap = {cap} of the trace (equal KV bytes / tokens)")
     fig.tight_layout()
@@ -566,10 +570,11 @@ def last_turns(conditions: list[str], caps: list[int], scored: int, names: list[
                     "condition": condition,
                     "delta_nll_turns": statistics.fmean(deltas),
                     "ci": f"[{low:+.3f}, {high:+.3f}]",
-                    **{f"{trace} (mean)": statistics.fmean(values) for trace, values in per_trace.items()},
+                    "per_trace": {trace: statistics.fmean(values) for trace, values in per_trace.items()},
                 }
             )
-    print(table(summary, list(summary[0])), flush=True)
+    flat = [{**{k: v for k, v in r.items() if k != "per_trace"}, **r["per_trace"]} for r in summary]
+    print(table(flat, list(flat[0])), flush=True)
     plot_turns(summary, RESULTS / "agent_memory_turns.png")
     print(f"saved {save('agent_memory_turns', {'caps': caps, 'turns': scored, 'summary': summary, 'rows': rows})}")
 
@@ -584,19 +589,7 @@ def plot_turns(summary: list[dict], path) -> None:
     fig, axes = plt.subplots(1, len(caps), figsize=(5 * len(caps), 4), squeeze=False)
     for ax, cap in zip(axes[0], caps):
         mine = [r for r in summary if r["cap"] == cap]
-        values = [r["delta_nll_turns"] for r in mine]
-        bounds = [[float(x) for x in r["ci"][1:-1].split(",")] for r in mine]
-        colors = ["tab:blue" if "kvmemory" in r["condition"] else "tab:gray" for r in mine]
-        ax.bar(range(len(mine)), values, color=colors)
-        ax.errorbar(
-            range(len(mine)),
-            values,
-            yerr=[[v - lo for v, (lo, _) in zip(values, bounds)], [hi - v for v, (_, hi) in zip(values, bounds)]],
-            fmt="none",
-            color="black",
-            capsize=3,
-        )
-        ax.set_xticks(range(len(mine)), [r["condition"] for r in mine], rotation=30, ha="right", fontsize=8)
+        bars(ax, mine, [r["delta_nll_turns"] for r in mine], [interval(r["ci"]) for r in mine])
         ax.set_ylabel("ΔNLL vs uncompacted (nats/token)")
         ax.set_title(f"last step groups, cap = {cap} of the trace")
     fig.tight_layout()

@@ -390,7 +390,7 @@ def agent_memory_section(d: dict) -> str:
 
 
 def agent_turns_section(d: dict) -> str:
-    traces = [key.removesuffix(" (mean)") for key in d["summary"][0] if key.endswith(" (mean)")]
+    traces = list(d["summary"][0]["per_trace"])
     out = [
         f"**Agent memory, last {d['turns']} turns** (`python -m benchmarks.agent_memory --turns {d['turns']}`): the "
         f"same replays, scoring the teacher-forced NLL of each of the last {d['turns']} step groups (tool call, tool "
@@ -400,7 +400,7 @@ def agent_turns_section(d: dict) -> str:
     columns = ["condition", f"ΔNLL last {d['turns']} turns", "95% CI", *traces]
     for cap in dict.fromkeys(r["cap"] for r in d["summary"]):
         body = [
-            [r["condition"], f"{r['delta_nll_turns']:+.3f}", r["ci"], *(f"{r[t + ' (mean)']:+.3f}" for t in traces)]
+            [r["condition"], f"{r['delta_nll_turns']:+.3f}", r["ci"], *(f"{r['per_trace'][t]:+.3f}" for t in traces)]
             for r in d["summary"]
             if r["cap"] == cap
         ]
