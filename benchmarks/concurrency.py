@@ -26,9 +26,13 @@ warms the caches the condition before it left cold; a session's context grows by
 * ``transformers``: ``model.generate`` over the contexts left-padded into one batch (DynamicCache, sdpa,
   no compaction): decode tokens/s from the first generated token to the last (a streamer stamps each).
 
+Then, for each count S > 1, ``--pairs`` pairs of ``kvmemory`` decode phases back to back, one session's and S
+sessions', which goes first alternating: the *paired speedup* is the median of the pairs' ratios of aggregate
+tokens/s (``paired_speedups`` says why the ratio of the rounds' medians is not enough here).
+
 KV bytes are what the caches hold after the decode phases. Writes ``concurrency.json`` and ``.png``.
 
-    python -m benchmarks.concurrency [--sessions 1 2 4 8 16] [--context 1024] [--tokens 32] [--repeats 3]
+    python -m benchmarks.concurrency [--sessions 1 2 4 8 16] [--context 1024] [--tokens 32] [--repeats 3] [--pairs 7]
 """
 
 from __future__ import annotations
@@ -145,6 +149,24 @@ def turn_phase(sessions, chosen, tokens: int) -> list[float]:
     return all_at_once(sessions, turn(following, tokens))[1]
 
 
+def paired_speedups(engine: Engine, one: list, many: list, tokens: int, pairs: int) -> list[float]:
+    """``many`` sessions' aggregate decode tokens/s over ``one`` session's, each from two decode phases run
+    back to back, which goes first alternating. This machine's speed drifts by tens of percent within a
+    minute, and a round puts a minute of other conditions between the two counts' phases, so their medians
+    alone come from different machines; a pair's two phases are seconds apart. Each phase runs on forks of
+    the sessions (their memory managers copied), so every pair starts from the same contexts."""
+    ratios = []
+    for i in range(pairs):
+        forks = {"one": [s.fork(with_memory=True) for s in one], "many": [s.fork(with_memory=True) for s in many]}
+        order = ("one", "many") if i % 2 == 0 else ("many", "one")
+        speed = {name: decode_phase(engine, forks[name], tokens)["tok_s"] for name in order}
+        for sessions in forks.values():
+            for session in sessions:
+                session.close()
+        ratios.append(speed["many"] / speed["one"])
+    return ratios
+
+
 def summary(phases: list[dict], firsts: list[float]) -> dict:
     return {
         "decode_tok_s": statistics.median(p["tok_s"] for p in phases),
@@ -237,6 +259,7 @@ def main() -> None:
     parser.add_argument("--cap", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3, help="decode phases per run; tokens/s is their median")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, help="default: the engine's default")
+    parser.add_argument("--pairs", type=int, default=7, help="back-to-back pairs per count for the paired speedup")
     args = parser.parse_args()
     engine = Engine.from_pretrained("default", weights=args.weights)
     same = dict(model=engine.model, tokenizer=engine.tokenizer, name=engine.name)
@@ -264,6 +287,12 @@ def main() -> None:
             for name, sessions in opened.items():
                 phases[count, name].append(decode_phase(engines[name], sessions, args.tokens))
             padded[count].append(generate.decode_tok_s())
+    alone = next((opened["kvmemory"] for count, _, _, opened, _ in setups if count == 1), None)
+    paired = {  # after the rounds, count by count: each pair against the same one session
+        count: paired_speedups(engine, alone, opened["kvmemory"], args.tokens, args.pairs)
+        for count, _, _, opened, _ in setups
+        if alone is not None and count > 1
+    }
     rows = []
     for count, chosen, ids, opened, generate in setups:
         kv = {
@@ -298,9 +327,13 @@ def main() -> None:
     one = rows[0]["kvmemory_tok_s"] if rows[0]["sessions"] == 1 else None
     for row in rows:
         row["speedup_vs_one"] = row["kvmemory_tok_s"] / one if one else None
+        ratios = paired.get(row["sessions"], [1.0] if row["sessions"] == 1 else [])
+        row["paired_speedups"] = ratios
+        row["paired_speedup"] = statistics.median(ratios) if ratios else None
     print(table(rows, list(rows[0])))
     plot(rows, RESULTS / "concurrency.png")
     settings = {"context": args.context, "tokens": args.tokens, "cap": args.cap, "repeats": args.repeats}
+    settings["pairs"] = args.pairs
     settings["warm_up_tokens"] = WARM_UP_TOKENS
     settings["weights"], settings["kv_dtype"] = engine.weights, str(engine.kv_dtype).removeprefix("torch.")
     settings["default_method"] = default_policy().default.method

@@ -495,12 +495,24 @@ def decode_kernel_section(d: dict) -> str:
     )
 
 
+def paired_speedup(row: dict) -> str:
+    """The median of a count's back-to-back ratios against one session, and their range ("–" for runs saved
+    before pairs were measured)."""
+    ratios = row.get("paired_speedups")
+    if not ratios:
+        return "–"
+    if row["sessions"] == 1:
+        return "1.0×"
+    return f"{row['paired_speedup']:.2f}× ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def concurrency_section(d: dict) -> str:
     rows = [
         [
             r["sessions"],
             f"{r['kvmemory_tok_s']:.1f}",
             f"{r['speedup_vs_one']:.1f}×",
+            paired_speedup(r),
             f"{r['sessions_per_pass']:.1f}",
             f"{r['per_session_tok_s']:.1f}",
             f"{r['kv32_tok_s']:.1f}",
@@ -518,6 +530,7 @@ def concurrency_section(d: dict) -> str:
         "sessions",
         "kvmemory tok/s",
         "vs 1 session",
+        "paired vs 1 session (range)",
         "sessions per pass",
         "per session tok/s",
         "fp32 cache tok/s",
@@ -540,7 +553,17 @@ def concurrency_section(d: dict) -> str:
         'the bytes) and in 8-bit rows (`kv_dtype="int8"`, 0.56× the bytes), the same with attention on '
         "torch's sdpa, the same engine one session per forward, and "
         "transformers `generate` over the same contexts left-padded into one batch (its decode timed from the "
-        "first generated token to the last).\n\n" + md(rows, columns)
+        "first generated token to the last)." + paired_note(d) + "\n\n" + md(rows, columns)
+    )
+
+
+def paired_note(d: dict) -> str:
+    if "pairs" not in d:
+        return ""
+    return (
+        f" *Paired*: the median over {d['pairs']} pairs of batched decode phases run back to back, one session's "
+        "and the count's, of the ratio of their aggregate tokens/s (this machine's speed drifts by tens of percent "
+        "within a minute, and a round puts a minute between two counts' phases)."
     )
 
 
