@@ -327,9 +327,7 @@ def main() -> None:
     one = rows[0]["kvmemory_tok_s"] if rows[0]["sessions"] == 1 else None
     for row in rows:
         row["speedup_vs_one"] = row["kvmemory_tok_s"] / one if one else None
-        ratios = paired.get(row["sessions"], [1.0] if row["sessions"] == 1 else [])
-        row["paired_speedups"] = ratios
-        row["paired_speedup"] = statistics.median(ratios) if ratios else None
+        row["paired_speedups"] = paired.get(row["sessions"], [])
     print(table(rows, list(rows[0])))
     plot(rows, RESULTS / "concurrency.png")
     settings = {"context": args.context, "tokens": args.tokens, "cap": args.cap, "repeats": args.repeats}

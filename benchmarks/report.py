@@ -6,6 +6,7 @@ python -m benchmarks.report
 from __future__ import annotations
 
 import json
+import statistics
 
 from benchmarks.common import RESULTS
 
@@ -495,15 +496,13 @@ def decode_kernel_section(d: dict) -> str:
     )
 
 
-def paired_speedup(row: dict) -> str:
-    """The median of a count's back-to-back ratios against one session, and their range ("–" for runs saved
-    before pairs were measured)."""
+def paired_speedup(row: dict, measured: bool) -> str:
+    """The median of a count's back-to-back ratios against one session, and their range; one session is the
+    reference ("–" for runs saved before pairs were measured)."""
     ratios = row.get("paired_speedups")
-    if not ratios:
-        return "–"
-    if row["sessions"] == 1:
-        return "1.0×"
-    return f"{row['paired_speedup']:.2f}× ({min(ratios):.2f}-{max(ratios):.2f})"
+    if ratios:
+        return f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}-{max(ratios):.2f})"
+    return "1.0×" if measured and row["sessions"] == 1 else "–"
 
 
 def concurrency_section(d: dict) -> str:
@@ -512,7 +511,7 @@ def concurrency_section(d: dict) -> str:
             r["sessions"],
             f"{r['kvmemory_tok_s']:.1f}",
             f"{r['speedup_vs_one']:.1f}×",
-            paired_speedup(r),
+            paired_speedup(r, "pairs" in d),
             f"{r['sessions_per_pass']:.1f}",
             f"{r['per_session_tok_s']:.1f}",
             f"{r['kv32_tok_s']:.1f}",
