@@ -355,10 +355,9 @@ def agent_memory_section(d: dict) -> str:
         "before any line (`evict_predictable_below=1.0`), closes the gaps its compactions leave "
         "(`close_gaps`), keeps the chat frames of the last 4 messages (`recent_frames`) and, when the cap forces a "
         "compaction, aims at 95% of it (`target_fraction`), *whole-lines* is the same keeping whole lines, "
-        "*lines-real* the same ranking under REAL's head budgets (gaps closed per head), both measured at 90% "
-        "before frames were kept; the other kvmemory rows switch its rules to that method and keep the gaps "
-        "(their heads keep different tokens), at 1/8 under the default's budget otherwise (95%, frames kept), "
-        "at 1/4 measured at 90% before gaps were closed or frames kept; *-kv16* rows run on a cache "
+        "*lines-real* the same ranking under REAL's head budgets (gaps closed per head); the other kvmemory rows "
+        "switch its rules to that method and keep the gaps (their heads keep different tokens), under the "
+        "default's budget otherwise (95%, frames kept); *-kv16* rows run on a cache "
         'stored in fp16 (`Engine(kv_dtype="float16")`) under the same bytes, so about twice the tokens fit, the '
         'text baselines included, against the same fp32 references, and *-kv8* rows on 8-bit rows (`kv_dtype="int8"`), '
         "3.47 times the tokens. *Fact gain kept*: "
