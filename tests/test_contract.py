@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +83,22 @@ def assert_same_state(a: dict, b: dict) -> None:
             assert la[0] == lb[0]
             for ta, tb in zip(la[1:], lb[1:]):
                 assert torch.equal(ta, tb)
+
+
+def same_queries(a, b) -> bool:
+    """Whether two query recorders' ``state()`` hold the same queries, bit for bit, however their lists of
+    pieces are split (a saved recorder comes back with each list joined into one piece)."""
+    (recent_a, context_a, segment_a), (recent_b, context_b, segment_b) = a, b
+
+    def same(x: list, y: list) -> bool:
+        return (not x and not y) or (bool(x) and bool(y) and torch.equal(torch.cat(x, dim=2), torch.cat(y, dim=2)))
+
+    return (
+        segment_a == segment_b
+        and context_a.keys() == context_b.keys()
+        and same(recent_a, recent_b)
+        and all(same(context_a[k], context_b[k]) for k in context_a)
+    )
 
 
 def uneven_plan(session, seed: int = 0) -> CompactionPlan:
@@ -636,6 +654,36 @@ class SessionContract(RuleBasedStateMachine):
         child.append_text("fork only")
         assert_same_state(before, state_of(self.s))
         child.close()
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def save_and_load(self):
+        """Saving changes nothing, and the loaded session is the saved one bit for bit (cache, transcript,
+        recorders, memory manager): the run goes on with it, so whatever follows checks it behaves the same."""
+        before = state_of(self.s)
+        with tempfile.TemporaryDirectory() as folder:
+            loaded = self.engine.load_session(self.s.save(Path(folder) / "session"))
+        assert_same_state(before, state_of(self.s))
+        assert_same_state(before, state_of(loaded))
+        assert same_queries(loaded.query_recorder.state(), self.s.query_recorder.state())
+        self.s.close()
+        self.s, self.memory = loaded, loaded.memory
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def rebase(self):
+        """Closing the gaps moves RoPE phases only: what the session holds and where it came from stay."""
+        if not self.s.tokens:
+            return
+        before = state_of(self.s)
+        self.s.rebase_positions()
+        after = state_of(self.s)
+        for key in ("tokens", "pending", "segments", "messages", "log", "memory"):
+            assert after[key] == before[key], key
+        assert after["counters"][0] == before["counters"][0]  # the logical length: new tokens count on from it
+        for was, now in zip(before["layers"], after["layers"]):
+            if was is not None:  # each head keeps its slots, keys re-rotated, at consecutive phases
+                assert now[0] == was[0] and torch.equal(now[2], was[2]) and torch.equal(now[4], was[4])
 
     @precondition(lambda self: not self.closed)
     @rule()
