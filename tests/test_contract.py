@@ -672,7 +672,8 @@ class SessionContract(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed)
     @rule()
     def rebase(self):
-        """Closing the gaps moves RoPE phases only: what the session holds and where it came from stay."""
+        """Closing the gaps moves RoPE phases only: every head keeps its slots, values, β, positions and segments,
+        at consecutive phases that end where the next token's begins."""
         if not self.s.tokens:
             return
         before = state_of(self.s)
@@ -682,8 +683,12 @@ class SessionContract(RuleBasedStateMachine):
             assert after[key] == before[key], key
         assert after["counters"][0] == before["counters"][0]  # the logical length: new tokens count on from it
         for was, now in zip(before["layers"], after["layers"]):
-            if was is not None:  # each head keeps its slots, keys re-rotated, at consecutive phases
-                assert now[0] == was[0] and torch.equal(now[2], was[2]) and torch.equal(now[4], was[4])
+            if was is None:
+                continue
+            assert now[0] == was[0] and all(torch.equal(now[i], was[i]) for i in (2, 3, 4, 6))
+            for positions, phases in zip(now[4], now[5]):
+                kept = phases[positions >= 0]
+                assert torch.equal(kept, torch.arange(after["counters"][1] - len(kept), after["counters"][1]))
 
     @precondition(lambda self: not self.closed)
     @rule()
