@@ -265,6 +265,7 @@ def test_every_method_runs_on_every_architecture(arch_name, method_name):
         "am_counter_causal": ("attention_matching", {"selector": "counter_causal"}),
         "am_omp": ("attention_matching", {"selector": "omp"}),
         "real": ("real", {"scores": [[1.0, 2.0], [3.0, 0.5]]}),
+        "retrieval_lines": ("retrieval_lines", {"scores": [[1.0, 2.0], [3.0, 0.5]]}),
     }
     name, kwargs = params.get(method_name, (method_name, {}))
     record = compact_span(session, torch.arange(4, 130), get_method(name, **kwargs), 24)
@@ -286,7 +287,7 @@ def test_every_method_compacts_a_16_or_8_bit_cache(method_name, kv_dtype):
     session.record_last_layer_inputs()
     session.record_surprisal()
     session.append_tokens(random_tokens(150))
-    kwargs = {"scores": [[1.0, 2.0], [3.0, 0.5]]} if method_name == "real" else {}
+    kwargs = {"scores": [[1.0, 2.0], [3.0, 0.5]]} if method_name in ("real", "retrieval_lines") else {}
     compact_span(session, torch.arange(4, 130), get_method(method_name, **kwargs), 24)
     assert all(layer.slots.values.dtype == engine.kv_dtype for layer in session.cache.layers)
     assert all(bool(torch.isfinite(layer.values).all()) for layer in session.cache.layers)  # decoded 8-bit rows
@@ -513,6 +514,41 @@ def test_selective_context_without_recorded_surprisal_names_the_fix(tiny_engine)
     before = state_of(session)
     with pytest.raises(InvalidArgumentError, match="record_surprisal"):
         session.compact("selective_context", ratio=4, keep_last=8)
+    assert_same_state(state_of(session), before)
+
+
+def test_retrieval_lines_keeps_lines_in_the_top_scored_heads_and_snapkv_in_the_others(tiny_engine):
+    """The heads of the top half of scores keep exactly selective context's slots, the others SnapKV's."""
+    session = tiny_engine.session()
+    session.record_queries(16, context=32)
+    session.record_surprisal()
+    session.append_tokens(random_tokens(150, seed=4))
+    kept = {}
+    for name, params in {
+        "retrieval_lines": {"scores": [[0.1, 2.0], [3.0, 0.5]], "line_heads": 0.5},
+        "selective_context": {"evict_predictable_below": 1.0},
+        "snapkv": {},
+    }.items():
+        fork = session.fork()
+        compact_span(fork, torch.arange(4, 130), get_method(name, **params), 24)
+        kept[name] = [[p.tolist() for p in layer.head_views("positions")] for layer in fork.cache.layers]
+    assert kept["selective_context"] != kept["snapkv"]  # else the test could not tell them apart
+    for layer, heads in enumerate(kept["retrieval_lines"]):
+        for head, positions in enumerate(heads):
+            like = "selective_context" if (layer, head) in {(0, 1), (1, 0)} else "snapkv"
+            assert positions == kept[like][layer][head], (layer, head, like)
+
+
+def test_retrieval_lines_refuses_head_scores_of_another_shape_before_changing_anything(tiny_engine):
+    from tests.test_contract import assert_same_state, state_of
+
+    session = tiny_engine.session()
+    session.record_queries(16, context=32)
+    session.record_surprisal()
+    session.append_tokens(random_tokens(80))
+    before = state_of(session)
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        session.compact("retrieval_lines", ratio=4, keep_last=8, scores=[[1.0, 2.0, 3.0]])
     assert_same_state(state_of(session), before)
 
 

@@ -166,6 +166,7 @@ def test_every_method_compacts_a_cache_whose_heads_are_already_uneven(method_nam
     params = {
         "am_counter_causal": ("attention_matching", {"selector": "counter_causal"}),
         "real": ("real", {"scores": [[1.0, 2.0], [3.0, 0.5], [0.7, 1.4]]}),
+        "retrieval_lines": ("retrieval_lines", {"scores": [[1.0, 2.0], [3.0, 0.5], [0.7, 1.4]]}),
     }
     name, kwargs = params.get(method_name, (method_name, {}))
     record = compact_span(session, torch.arange(4, 120), get_method(name, **kwargs), 12)

@@ -278,7 +278,8 @@ def test_every_compaction_method_runs_on_narrow_weights(method_name, weights_for
     session.record_last_layer_inputs()
     session.record_surprisal()
     session.append_tokens(list(range(3, 123)))
-    kwargs = {"real": {"scores": [[1.0, 2.0, 0.5, 1.5], [3.0, 0.5, 1.0, 2.0]]}}.get(method_name, {})
+    scores = {"scores": [[1.0, 2.0, 0.5, 1.5], [3.0, 0.5, 1.0, 2.0]]}
+    kwargs = scores if method_name in ("real", "retrieval_lines") else {}
     record = compact_span(session, torch.arange(4, 100), get_method(method_name, **kwargs), 24)
     assert record.slots_after == 24
     assert len(session.generate(max_new_tokens=3).token_ids) == 3 and torch.isfinite(session._last_logits).all()

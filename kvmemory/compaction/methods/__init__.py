@@ -6,6 +6,7 @@ from kvmemory.compaction.methods.h2o import H2O, H2OConfig
 from kvmemory.compaction.methods.key_norm import KeyNorm, KeyNormConfig
 from kvmemory.compaction.methods.random_eviction import RandomEviction, RandomEvictionConfig
 from kvmemory.compaction.methods.real import REAL, REALConfig
+from kvmemory.compaction.methods.retrieval_lines import RetrievalLines, RetrievalLinesConfig
 from kvmemory.compaction.methods.selective_context import SelectiveContext, SelectiveContextConfig
 from kvmemory.compaction.methods.snapkv import SnapKV, SnapKVConfig
 from kvmemory.compaction.methods.streaming_llm import StreamingLLM, StreamingLLMConfig
@@ -25,6 +26,8 @@ __all__ = [
     "REALConfig",
     "RandomEviction",
     "RandomEvictionConfig",
+    "RetrievalLines",
+    "RetrievalLinesConfig",
     "SelectiveContext",
     "SelectiveContextConfig",
     "SnapKV",
