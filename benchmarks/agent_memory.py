@@ -57,6 +57,8 @@ KV_METHODS = {  # condition: (registry name, params) every compacted rule of the
     "whole-lines": ("selective_context", {}),  # the default without evicting predictable tokens first
     # the default's ranking under REAL's head budgets (what continuation NLL on single texts favours)
     "lines-real": ("real", {"inner": "selective_context", "inner_params": {"evict_predictable_below": 1.0}}),
+    # retrieval heads keep the default's lines, the others SnapKV's choice, under REAL's head budgets
+    "retrieval-lines": ("real", {"inner": "retrieval_lines"}),
     "am": ("attention_matching", {}),
     "am-real": ("real", {"inner": "attention_matching"}),
     "tam": ("tam", {}),
@@ -73,13 +75,16 @@ CONDITIONS = [
 ]
 # suffix: the condition on a cache stored in this ``kv_dtype``, under the same bytes
 STORED = {"-kv16": "float16", "-kv8": "int8"}
-CONDITIONS += [c + "-kv16" for c in ("drop-oldest", "clear-tool-uses", "kvmemory-default", "whole-lines")]
+CONDITIONS += [
+    c + "-kv16" for c in ("drop-oldest", "clear-tool-uses", "kvmemory-default", "whole-lines", "retrieval-lines")
+]
 CONDITIONS += [c + "-kv8" for c in ("drop-oldest", "kvmemory-default")]
 OPEN_QUESTION = "In two sentences: what was wrong in this task, and what did you change?"
 ANSWER_TOKENS, REPLY_TOKENS, BOOTSTRAP = 16, 48, 2000
 
 
-CLOSE_GAPS = {"kvmemory-default", "whole-lines", "lines-real"}  # the default's ranking; the others keep their gaps
+# the default's ranking, alone or in some heads; the others keep their gaps
+CLOSE_GAPS = {"kvmemory-default", "whole-lines", "lines-real", "retrieval-lines"}
 
 
 def capped_policy(

@@ -5,7 +5,8 @@ For every text kind and method, an N-token context is compacted to exactly N/rat
 first 4 tokens and the last 32 are kept verbatim by every method), then the next 256 tokens are scored
 teacher-forced, and the KV bytes the compacted cache holds are reported beside the slots (``default`` is the
 default policy's rule, its gaps closed afterwards as the memory manager does; ``default_real`` the same
-ranking under REAL's head budgets); each kind is
+ranking under REAL's head budgets; ``retrieval_lines`` that ranking in the heads REAL's profile scores
+highest and SnapKV's in the others, under REAL's budgets, its gaps closed too); each kind is
 measured on several disjoint windows of its text and the tables give means (with one window per kind,
 single texts decided which method won). Retrieval: facts planted in long pytest
 logs; after compaction the question is appended and the answer's log-probability and greedy exact match
@@ -53,9 +54,10 @@ METHODS = {  # label: (registry name, params, reference-query sources)
     "selective_context": ("selective_context", {}, "window"),
     "default": (DEFAULT_RULE.method, DEFAULT_RULE.params, "window"),
     "default_real": ("real", {"inner": DEFAULT_RULE.method, "inner_params": DEFAULT_RULE.params}, "window"),
+    "retrieval_lines": ("real", {"inner": "retrieval_lines"}, "window"),
 }
 # as the memory manager does under the default policy
-CLOSES_GAPS = {"default", "default_real"} if DEFAULT_POLICY.budget.close_gaps else set()
+CLOSES_GAPS = {"default", "default_real", "retrieval_lines"} if DEFAULT_POLICY.budget.close_gaps else set()
 EVICTION = (
     "streaming_llm",
     "h2o",
@@ -68,6 +70,7 @@ EVICTION = (
     "selective_context",
     "default",
     "default_real",
+    "retrieval_lines",
 )
 PROBES = [
     (

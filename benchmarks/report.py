@@ -171,6 +171,12 @@ def quality_section(d: dict) -> str:
             + ", ".join(f"`{k}={v}`" for k, v in d["methods"]["default"][1].items())
             + ") followed, as the memory manager runs it, by closing the gaps it leaves, "
             "and `default_real` the same under REAL's head budgets"
+            + (
+                "; `retrieval_lines` is REAL with `retrieval_lines` inside: the default's ranking in the third "
+                "of KV heads REAL's profile scores highest, SnapKV's in the others, gaps closed too"
+                if "retrieval_lines" in d["methods"]
+                else ""
+            )
             if "default" in d["methods"]
             else ""
         )
@@ -355,7 +361,9 @@ def agent_memory_section(d: dict) -> str:
         "before any line (`evict_predictable_below=1.0`), closes the gaps its compactions leave "
         "(`close_gaps`), keeps the chat frames of the last 4 messages (`recent_frames`) and, when the cap forces a "
         "compaction, aims at 95% of it (`target_fraction`), *whole-lines* is the same keeping whole lines, "
-        "*lines-real* the same ranking under REAL's head budgets (gaps closed per head); the other kvmemory rows "
+        "*lines-real* the same ranking under REAL's head budgets (gaps closed per head), *retrieval-lines* that "
+        "ranking in the third of KV heads REAL's profile scores highest and SnapKV's in the others, under REAL's "
+        'budgets (`real` with `inner="retrieval_lines"`, gaps closed per head); the other kvmemory rows '
         "switch its rules to that method and keep the gaps (their heads keep different tokens), under the "
         "default's budget otherwise (95%, frames kept); *-kv16* rows run on a cache "
         'stored in fp16 (`Engine(kv_dtype="float16")`) under the same bytes, so about twice the tokens fit, the '

@@ -404,6 +404,30 @@ def test_the_default_policy_closes_the_gaps_its_compactions_leave(tiny_engine, c
     assert torch.isfinite(session.logprobs(random_tokens(5, seed=99))).all()
 
 
+def test_the_default_policy_runs_retrieval_lines_under_real_within_its_byte_cap(tiny_engine):
+    """The swap the README offers: the default policy's rule on REAL with ``retrieval_lines`` inside. The
+    memory manager switches on the surprisal it reads, holds the byte cap and closes each head's gaps."""
+    scores = [[0.1, 2.0], [3.0, 0.5]]
+    rule = CompactionRule(
+        name="context",
+        method="real",
+        params={"scores": scores, "inner": "retrieval_lines", "inner_params": {"scores": scores}},
+    )
+    policy = default_policy(recent_tokens=8)
+    policy = policy.model_copy(update={"default": rule})
+    policy.budget.max_bytes = 64 * tiny_engine.kv_bytes_per_token
+    session = tiny_engine.session(memory=MemoryManager(policy))
+    for i in range(6):
+        session.append_tokens(random_tokens(40, seed=i), kind="text")
+        assert session.stats().kv_bytes <= policy.budget.max_bytes
+    assert session.cache.compactions > 0 and session.surprisal_recorder is not None
+    ropes = [rope.long() for layer in session.cache.layers for rope in layer.head_views("rope")]
+    assert len({len(rope) for rope in ropes}) > 1  # REAL's budgets: heads of different lengths
+    for rope in ropes:  # each head's gaps closed: consecutive, its newest slot where every head's is
+        assert torch.equal(rope, torch.arange(len(rope)) + int(ropes[0][-1]) + 1 - len(rope))
+    assert torch.isfinite(session.logprobs(random_tokens(5, seed=99))).all()
+
+
 @pytest.mark.parametrize("cap", [40, 64, 96])
 def test_uneven_head_budgets_never_grow_a_head_past_the_models_context(cap):
     """REAL gives its pool to the heads its profile scores high; compacted again and again, such a head kept
