@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from kvmemory.errors import InvalidArgumentError
+
 PROFILE_DIR = Path.home() / ".cache" / "kvmemory" / "head_profiles"
 SHIPPED_DIR = Path(__file__).parent / "profiles"  # profiles made with this module for the default model
 HAYSTACK_MODULES = (
@@ -83,6 +85,18 @@ def profile_for(engine, path: str | Path | None = None) -> HeadProfile:
     profile = profile_heads(engine, model_name=engine.name)
     profile.save()
     return profile
+
+
+def head_scores(span, given: list[list[float]] | None, path: str | Path | None, which: str) -> torch.Tensor:
+    """(L, H) head scores for ``span``'s model: ``given`` directly, else ``which`` score of its profile
+    (``profile_for``). Scores of another shape than the model's (layers, KV heads) are refused, naming both."""
+    scores = torch.tensor(given) if given is not None else profile_for(span.model.engine, path).scores(which)
+    expected = tuple(span.head_capacity().shape)
+    if tuple(scores.shape) != expected:
+        raise InvalidArgumentError(
+            f"head scores have shape {tuple(scores.shape)}, the model has {expected} (layers, KV heads)"
+        )
+    return scores
 
 
 def haystack_text() -> str:

@@ -15,6 +15,7 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, MethodConfig
 from kvmemory.compaction.head_budgets import headkv_budgets
+from kvmemory.compaction.head_profiling import head_scores
 from kvmemory.compaction.registry import get_method, register
 
 
@@ -45,7 +46,6 @@ class REAL(CompactionMethod):
         else:
             super().__init__(config, **({} if inner is None else {"inner": inner}), **params)
             self.inner = get_method(self.config.inner, **self.config.inner_params)
-        self._scores = torch.tensor(self.config.scores) if self.config.scores is not None else None
 
     @property
     def uses_queries(self) -> bool:
@@ -59,20 +59,8 @@ class REAL(CompactionMethod):
     def needs_surprisal(self) -> bool:
         return self.inner.needs_surprisal
 
-    def head_scores(self, span: CacheSpan) -> torch.Tensor:
-        if self._scores is None:
-            from kvmemory.compaction.head_profiling import profile_for
-
-            self._scores = profile_for(span.model.engine, self.config.profile).scores(self.config.score)
-        return self._scores
-
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
+        scores = head_scores(span, self.config.scores, self.config.profile, self.config.score)
         capacity = span.head_capacity()
-        scores = self.head_scores(span)
-        if tuple(scores.shape) != tuple(capacity.shape):
-            raise ValueError(
-                f"head profile has shape {tuple(scores.shape)}, the model has {tuple(capacity.shape)} "
-                "(layers, KV heads)"
-            )
         budgets = headkv_budgets(int(budgets.sum()), scores, capacity, self.config.beta, self.config.temperature)
         return self.inner.compact(span, budgets)

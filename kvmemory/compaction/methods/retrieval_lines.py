@@ -21,10 +21,10 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.head_profiling import head_scores
 from kvmemory.compaction.methods.selective_context import line_surprisal
 from kvmemory.compaction.methods.snapkv import SnapKV
 from kvmemory.compaction.registry import register
-from kvmemory.errors import InvalidArgumentError
 
 
 class RetrievalLinesConfig(MethodConfig):
@@ -59,37 +59,19 @@ class RetrievalLines(ScoreEviction):
     def __init__(self, config: RetrievalLinesConfig | None = None, **params):
         super().__init__(config, **params)
         self.attended = SnapKV(window=self.config.window, kernel=self.config.kernel)
-        self._line_heads: torch.Tensor | None = None
 
     @property
     def needs_surprisal(self) -> bool:
         return True
 
-    def line_heads(self, span: CacheSpan) -> torch.Tensor:
-        """(L, H) True for the heads that keep lines (from the head scores given or the model's profile, read
-        once); a profile of another shape is refused before anything is compacted."""
-        if self._line_heads is None:
-            from kvmemory.compaction.head_profiling import profile_for
-
-            if self.config.scores is not None:
-                scores = torch.tensor(self.config.scores)
-            else:
-                scores = profile_for(span.model.engine, self.config.profile).scores(self.config.score)
-            self._line_heads = top_heads(scores, self.config.line_heads)
-        if tuple(self._line_heads.shape) != tuple(span.head_capacity().shape):
-            raise InvalidArgumentError(
-                f"head scores have shape {tuple(self._line_heads.shape)}, the model has "
-                f"{tuple(span.head_capacity().shape)} (layers, KV heads)"
-            )
-        return self._line_heads
-
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
-        self._heads = self.line_heads(span)
+        scores = head_scores(span, self.config.scores, self.config.profile, self.config.score)
+        self._line_heads = top_heads(scores, self.config.line_heads)
         self._lines = line_surprisal(span, self.config.max_unit_tokens, self.config.evict_predictable_below)
         return super().compact(span, budgets)
 
     def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:
         attended = self.attended.score(layer, span).float()
         lines = self._lines.score_slots(layer.positions.cpu()).to(attended)
-        keeps_lines = self._heads[layer.layer].to(attended.device)
+        keeps_lines = self._line_heads[layer.layer].to(attended.device)
         return torch.where(keeps_lines[:, None], lines, attended)
