@@ -7,6 +7,8 @@ distinct so that they stream from memory as in the model, as each kernel runs th
 
 * ``kvmemory``: ``kvmemory/kernels/linear_fp16.cpp`` (``PackedFp16Linear``): weights in panels of 16 output
   columns, q/k/v and gate/up fused as the engine fuses them;
+* ``kvmemory_256``: the same kernel held to 8-float (AVX2) vectors, on a CPU with AVX-512 where the kernel
+  otherwise takes 16-float ones (``vector_bits``; without AVX-512 the two are the same run, timed once);
 * ``fbgemm``: torch's ``quantized::linear_dynamic_fp16``, the kernel fp16 weights ran on before, one call
   per projection (its packed weights do not fuse).
 
@@ -42,7 +44,7 @@ def model_shapes():
 def prepared(per_layer, layers, head):
     """Per kernel, the (weight, input features) calls of one pass: fbgemm one per projection, kvmemory's fused."""
     generator = torch.Generator().manual_seed(0)
-    calls = {"fbgemm": [], "kvmemory": []}
+    calls = {"fbgemm": [], "kvmemory": [], "kvmemory_256": []}
     for _ in range(layers):
         linears = []
         for out_features, in_features in per_layer:
@@ -55,13 +57,27 @@ def prepared(per_layer, layers, head):
         q, k, v, o, gate, up, down = panels
         for module in (fuse_linears([q, k, v]), o, fuse_linears([gate, up]), down):
             calls["kvmemory"].append((module.forward, module.in_features))
+            calls["kvmemory_256"].append((held_to_256(module), module.in_features))
     head_weight = torch.randn(*head, generator=generator) * 0.02
     packed_head = torch.ops.quantized.linear_prepack_fp16(head_weight.half().float(), None)
     calls["fbgemm"].append((lambda x: torch.ops.quantized.linear_dynamic_fp16(x, packed_head), head[1]))
     head_linear = torch.nn.Linear(head[1], head[0], bias=False)
     head_linear.weight.data = head_weight
-    calls["kvmemory"].append((PackedFp16Linear(head_linear).forward, head[1]))
+    head_module = PackedFp16Linear(head_linear)
+    calls["kvmemory"].append((head_module.forward, head[1]))
+    calls["kvmemory_256"].append((held_to_256(head_module), head[1]))
+    if not has_avx512():
+        del calls["kvmemory_256"]
     return calls
+
+
+def has_avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def held_to_256(module: PackedFp16Linear):
+    """The module's product on 8-float vectors only (no bias: the benchmark's layers have none)."""
+    return lambda x: cpu_ops().linear_fp16(x, module.panels, module.out_features, None, vector_bits=256)
 
 
 def measure(rows_list: list[int], repeats: int) -> list[dict]:
@@ -77,13 +93,13 @@ def measure(rows_list: list[int], repeats: int) -> list[dict]:
                     fn(inputs[in_features])
                 seconds[name].append(time.perf_counter() - start)
         ms = {name: 1e3 * statistics.median(times[1:]) for name, times in seconds.items()}
-        row = {"rows": rows, "kvmemory_ms": ms["kvmemory"], "fbgemm_ms": ms["fbgemm"]}
+        row = {"rows": rows, **{f"{name}_ms": value for name, value in ms.items()}}
         row["speedup"] = ms["fbgemm"] / ms["kvmemory"]
         results.append(row)
-        print(f"{rows} rows: kvmemory {ms['kvmemory']:.1f} ms, fbgemm {ms['fbgemm']:.1f} ms", flush=True)
+        print(f"{rows} rows: " + ", ".join(f"{name} {value:.1f} ms" for name, value in ms.items()), flush=True)
     for row in results:
-        row["kvmemory_vs_one_row"] = row["kvmemory_ms"] / results[0]["kvmemory_ms"]
-        row["fbgemm_vs_one_row"] = row["fbgemm_ms"] / results[0]["fbgemm_ms"]
+        for name in calls:
+            row[f"{name}_vs_one_row"] = row[f"{name}_ms"] / results[0][f"{name}_ms"]
     print(table(results, list(results[0])), flush=True)
     return results
 
@@ -96,8 +112,14 @@ def plot(rows: list[dict], path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     counts = [r["rows"] for r in rows]
-    for key, label in (("kvmemory_ms", "kvmemory (panels, fused)"), ("fbgemm_ms", "fbgemm fp16")):
-        ax.plot(counts, [r[key] for r in rows], marker="o", label=label)
+    labels = {
+        "kvmemory_ms": "kvmemory (panels, fused)",
+        "kvmemory_256_ms": "kvmemory on 8-float vectors",
+        "fbgemm_ms": "fbgemm fp16",
+    }
+    for key, label in labels.items():
+        if key in rows[0]:
+            ax.plot(counts, [r[key] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(counts, [str(c) for c in counts])
@@ -118,7 +140,8 @@ def main() -> None:
         parser.error("needs kvmemory's CPU kernels and fbgemm (an x86-64 CPU with AVX2 and a C++ compiler)")
     rows = run_on_compute(measure, args.rows, args.repeats)  # on the thread every CPU forward runs on
     plot(rows, RESULTS / "fp16_linear.png")
-    print(f"saved {save('fp16_linear', {'repeats': args.repeats, 'rows': rows})}")
+    saved = {"repeats": args.repeats, "vector_bits": 512 if has_avx512() else 256, "rows": rows}
+    print(f"saved {save('fp16_linear', saved)}")
 
 
 if __name__ == "__main__":

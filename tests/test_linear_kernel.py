@@ -1,5 +1,6 @@
 """The fp16-weight linear kernel (kvmemory/kernels/linear_fp16.cpp) computes x·Wᵀ + b with only the weight
-rounded, and each output is the same bit for bit whichever rows and panels share its call."""
+rounded, and each output is the same bit for bit whichever rows and panels share its call, and whichever vector
+width (8 or 16 floats) computes it."""
 
 from __future__ import annotations
 
@@ -47,6 +48,35 @@ def test_the_product_rounds_only_the_weight_and_a_row_never_depends_on_the_other
     for i in range(0, rows, 7):  # alone, and in a pass of other rows: the same bits
         assert torch.equal(ops.linear_fp16(x[i : i + 1].contiguous(), packed, outputs, bias)[0], out[i])
         assert torch.equal(ops.linear_fp16(x[i : i + 9].contiguous(), packed, outputs, bias), out[i : i + 9])
+
+
+def has_avx512(ops) -> bool:
+    try:
+        ops.linear_fp16(torch.zeros(1, 16), ops.pack_fp16_weight(torch.zeros(16, 16).half()), 16, None, 512)
+    except RuntimeError as error:
+        assert "needs a CPU with AVX-512" in str(error)
+        return False
+    return True
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 110),  # 16-float blocks: a lone block of 1..8 rows, or tiles of blocks of up to 8
+    inputs=st.one_of(st.integers(0, 70), st.integers(120, 400)),
+    outputs=st.integers(1, 90),
+    has_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_both_vector_widths_give_the_same_bits(ops, rows, inputs, outputs, has_bias, seed):
+    if not has_avx512(ops):
+        pytest.skip("the 16-float path needs a CPU with AVX-512")
+    g = torch.Generator().manual_seed(seed)
+    packed = ops.pack_fp16_weight(torch.randn(outputs, inputs, generator=g).half())
+    bias = torch.randn(outputs, generator=g) if has_bias else None
+    x = torch.randn(rows, inputs, generator=g) * 30
+    wide = ops.linear_fp16(x, packed, outputs, bias, vector_bits=512)
+    assert torch.equal(wide, ops.linear_fp16(x, packed, outputs, bias, vector_bits=256))
+    assert torch.equal(wide, ops.linear_fp16(x, packed, outputs, bias))  # the default takes the widest
 
 
 def test_fused_layers_compute_their_parts_bit_for_bit():
@@ -98,5 +128,7 @@ def test_bad_input_is_refused(ops):
         ops.linear_fp16(x, packed, 16)
     with pytest.raises(RuntimeError, match="bias must be"):
         ops.linear_fp16(x, packed, 20, torch.randn(19))
+    with pytest.raises(RuntimeError, match="vector_bits must be 0"):
+        ops.linear_fp16(x, packed, 20, None, vector_bits=128)
     with pytest.raises(RuntimeError, match="weight must be"):
         ops.pack_fp16_weight(torch.randn(2, 3, 4))

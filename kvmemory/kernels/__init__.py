@@ -11,7 +11,8 @@
 
 ``torch.utils.cpp_extension`` builds them with the C++ compiler torch's extensions use when the first CPU
 engine is made (about 30 s on 2 cores; then cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when a source
-changes), for x86-64 CPUs with AVX2, FMA and F16C. Where they cannot be built, or with
+changes), for x86-64 CPUs with AVX2, FMA and F16C; ``linear_fp16.cpp`` also holds a path on 16-float vectors
+that it takes where the CPU has AVX-512. Where they cannot be built, or with
 ``KVMEMORY_CPU_KERNELS=0``, attention runs on sdpa and fp16 weights on fbgemm.
 """
 
