@@ -21,7 +21,7 @@
 // issue per instruction. Every output is still the one fp32 FMA chain over k, so both widths give the same
 // bits (`vector_bits` picks one; 0, the default, takes the widest the CPU has). Through every linear weight of
 // the default model on a 2-core AVX-512 Xeon (`python -m benchmarks.fp16_linear`, both widths side by side):
-// 8 rows 12.3 ms against 20.7 on 8-float vectors, 48 rows 48 against 94, one row 10.6 against 10.4.
+// 8 rows 12.6 ms against 21.3 on 8-float vectors, 48 rows 59 against 102, one row 10.7 against 10.7.
 
 #include <ATen/Parallel.h>  // at::get_num_threads
 #include <ATen/core/Tensor.h>

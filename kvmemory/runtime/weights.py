@@ -115,7 +115,7 @@ class PackedFp16Linear(nn.Module):
     model (2-core AVX2; ``python -m benchmarks.fp16_linear``) it took 11.4 ms for 1 row and 17.6 for 8, where
     fbgemm's fp16 GEMM, which blocks rows by 6 and so reads the weight twice for 7-12 rows, took 16.0 and
     24.6. On a CPU with AVX-512 the kernel runs on 16-float vectors, with the same bits: 8 rows then cost
-    about what one does (12.3 against 10.6 ms on a 2-core Xeon, where 8-float vectors took 20.7). Elsewhere
+    about what one does (12.6 against 10.7 ms on a 2-core Xeon, where 8-float vectors took 21.3). Elsewhere
     on x86 the weight goes to fbgemm's packed layout (``quantized::linear_dynamic_fp16``), whose kernel choice
     by row count can change a row's last bits. Either way ``weight`` is unpacked on first read."""
 
