@@ -66,13 +66,9 @@ def prepared(per_layer, layers, head):
     head_module = PackedFp16Linear(head_linear)
     calls["kvmemory"].append((head_module.forward, head[1]))
     calls["kvmemory_256"].append((held_to_256(head_module), head[1]))
-    if not has_avx512():
+    if cpu_ops().linear_fp16_vector_bits() == 256:
         del calls["kvmemory_256"]
     return calls
-
-
-def has_avx512() -> bool:
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def held_to_256(module: PackedFp16Linear):
@@ -140,7 +136,7 @@ def main() -> None:
         parser.error("needs kvmemory's CPU kernels and fbgemm (an x86-64 CPU with AVX2 and a C++ compiler)")
     rows = run_on_compute(measure, args.rows, args.repeats)  # on the thread every CPU forward runs on
     plot(rows, RESULTS / "fp16_linear.png")
-    saved = {"repeats": args.repeats, "vector_bits": 512 if has_avx512() else 256, "rows": rows}
+    saved = {"repeats": args.repeats, "vector_bits": cpu_ops().linear_fp16_vector_bits(), "rows": rows}
     print(f"saved {save('fp16_linear', saved)}")
 
 

@@ -50,15 +50,6 @@ def test_the_product_rounds_only_the_weight_and_a_row_never_depends_on_the_other
         assert torch.equal(ops.linear_fp16(x[i : i + 9].contiguous(), packed, outputs, bias), out[i : i + 9])
 
 
-def has_avx512(ops) -> bool:
-    try:
-        ops.linear_fp16(torch.zeros(1, 16), ops.pack_fp16_weight(torch.zeros(16, 16).half()), 16, None, 512)
-    except RuntimeError as error:
-        assert "needs a CPU with AVX-512" in str(error)
-        return False
-    return True
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(0, 110),  # 16-float blocks: a lone block of 1..8 rows, or tiles of blocks of up to 8
@@ -68,7 +59,7 @@ def has_avx512(ops) -> bool:
     seed=st.integers(0, 2**16),
 )
 def test_both_vector_widths_give_the_same_bits(ops, rows, inputs, outputs, has_bias, seed):
-    if not has_avx512(ops):
+    if ops.linear_fp16_vector_bits() != 512:
         pytest.skip("the 16-float path needs a CPU with AVX-512")
     g = torch.Generator().manual_seed(seed)
     packed = ops.pack_fp16_weight(torch.randn(outputs, inputs, generator=g).half())
@@ -130,5 +121,8 @@ def test_bad_input_is_refused(ops):
         ops.linear_fp16(x, packed, 20, torch.randn(19))
     with pytest.raises(RuntimeError, match="vector_bits must be 0"):
         ops.linear_fp16(x, packed, 20, None, vector_bits=128)
+    if ops.linear_fp16_vector_bits() == 256:
+        with pytest.raises(RuntimeError, match="needs a CPU with AVX-512"):
+            ops.linear_fp16(x, packed, 20, None, vector_bits=512)
     with pytest.raises(RuntimeError, match="weight must be"):
         ops.pack_fp16_weight(torch.randn(2, 3, 4))

@@ -307,4 +307,6 @@ TORCH_LIBRARY_FRAGMENT(kvmemory, m) {
   m.def("linear_fp16(Tensor x, Tensor packed, int out_features, Tensor? bias=None, int vector_bits=0) -> Tensor");
   m.impl("pack_fp16_weight", c10::DispatchKey::CPU, TORCH_FN(pack_fp16_weight));
   m.impl("linear_fp16", c10::DispatchKey::CPU, TORCH_FN(linear_fp16));
+  // the width `vector_bits=0` takes here: what benchmarks and tests report and compare against
+  m.def("linear_fp16_vector_bits() -> int", [] { return static_cast<int64_t>(has_avx512() ? 512 : 256); });
 }
