@@ -14,6 +14,7 @@ from kvmemory.compaction.methods.attention_matching import AttentionMatching
 from kvmemory.memory import MemoryManager, MemoryPolicy
 from kvmemory.runtime import compute
 from kvmemory.runtime.batching import ForwardRequest
+from kvmemory.runtime.weights import store_linear_weights
 from tests.conftest import random_tokens, tiny_model
 from tests.test_contract import assert_same_state, state_of, uneven_plan
 
@@ -246,6 +247,29 @@ def test_work_after_a_pass_runs_per_request_and_fails_only_its_own_request():
     assert engine.batcher.stats.largest == 2 and all(r.done for r in batch)
     assert batch[0].error is None and batch[0].outcome == int(batch[0].logits[-1].argmax())
     assert isinstance(batch[1].error, RuntimeError) and batch[1].outcome is None
+
+
+def test_decode_steps_beside_a_prefill_chunk_give_their_lone_logits_bit_for_bit():
+    # fp16 weights: each row's products are the same bits whatever rows share the pass (the fp16 kernel);
+    # a one-token part attends in the decode kernel, as a lone step does, even beside a prefill chunk
+    engine = Engine(store_linear_weights(tiny_model("qwen2", hidden_size=512, intermediate_size=1024), "fp16"))
+    sessions = [build(engine, kind) for kind in KINDS] + [engine.session()]
+    sessions[-1].append_tokens(random_tokens(12, seed=7))
+    new = [[5]] * len(KINDS) + [random_tokens(20, seed=8)]  # decode steps, then a prefill chunk
+
+    def request(session, ids):
+        return ForwardRequest(session.cache, ids, len(session.tokens), 0, all_logits=len(ids) > 1)
+
+    alone = []
+    for session, ids in zip(sessions, new):
+        lone = [request(session.fork(), ids)]
+        engine.batcher.execute(engine.batcher._run, lone)
+        alone.append(lone[0].logits)
+    batch = [request(session, ids) for session, ids in zip(sessions, new)]
+    engine.batcher.execute(engine.batcher._run, batch)  # one packed pass of all five
+    assert engine.batcher.stats.largest == len(batch) and all(r.error is None for r in batch)
+    for r, expected in zip(batch, alone):
+        assert torch.equal(r.logits, expected)
 
 
 class LayerByLayer(AttentionMatching):

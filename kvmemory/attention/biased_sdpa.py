@@ -170,11 +170,30 @@ def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, 
         assert layer_idx == module.layer_idx, "attention must follow its own layer's cache update"
         packed.new_rows = None
         return decode_kernel.decode_attention(query, layers, scaling, new_rows), None
-    if chosen is None and query.shape[2] == len(parts) and decode_kernel.usable(query):
-        return decode_kernel.decode_attention(query, layers, scaling), None
+    single = [e - s == 1 for s, e, _ in parts]
+    if chosen is None and any(single) and decode_kernel.usable(query):
+        if all(single):
+            return decode_kernel.decode_attention(query, layers, scaling), None
+        return mixed_pass(path, query, key, value, parts, single, scaling), None
     pieces = [attend(path, query[:, :, s:e], k, v, layer, scaling) for (s, e, layer), k, v in zip(parts, key, value)]
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def mixed_pass(path, query, key, value, parts, single, scaling) -> torch.Tensor:
+    """A packed pass holding prefill chunks beside decode steps: the one-token parts attend in one call of the
+    decode kernel, as in a pass of decode steps only (so a step's result does not depend on what shares its
+    pass), the others through ``attend``. Returns (1, T, Hq, Dv)."""
+    steps = [i for i, one in enumerate(single) if one]
+    rows = torch.tensor([parts[i][0] for i in steps])
+    decoded = decode_kernel.decode_attention(query[:, :, rows], [parts[i][2] for i in steps], scaling)
+    decoded = decoded.transpose(1, 2).unbind(2)  # per step (1, Hq, Dv)
+    by_part = dict(zip(steps, decoded))
+    pieces = [
+        by_part[i].unsqueeze(2) if i in by_part else attend(path, query[:, :, s:e], k, v, layer, scaling)
+        for i, ((s, e, layer), k, v) in enumerate(zip(parts, key, value))
+    ]
+    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous()
 
 
 def register() -> str:
