@@ -150,7 +150,7 @@ def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, 
     of several sessions (``packed_cache``, see ``kvmemory.runtime.batching``): then ``key`` and ``value``
     are lists, one per session, and each session's queries attend to its own cache only. With no path
     chosen, a decode step on the CPU (one query per session) runs every session in one call of
-    ``kvmemory.attention.decode_kernel`` where it is available.
+    ``kvmemory.attention.decode_kernel`` where it is available, also beside prefill chunks (``mixed_pass``).
     """
     chosen = kwargs.get("attention_path")
     path = chosen or ("folded" if query.is_cuda else "mask")
@@ -170,21 +170,21 @@ def kvmemory_attention(module, query, key, value, attention_mask, scaling=None, 
         assert layer_idx == module.layer_idx, "attention must follow its own layer's cache update"
         packed.new_rows = None
         return decode_kernel.decode_attention(query, layers, scaling, new_rows), None
-    single = [e - s == 1 for s, e, _ in parts]
-    if chosen is None and any(single) and decode_kernel.usable(query):
-        if all(single):
+    if chosen is None and decode_kernel.usable(query):
+        if query.shape[2] == len(parts):  # a token per session: decode steps only
             return decode_kernel.decode_attention(query, layers, scaling), None
-        return mixed_pass(path, query, key, value, parts, single, scaling), None
+        if any(e - s == 1 for s, e, _ in parts):
+            return mixed_pass(path, query, key, value, parts, scaling), None
     pieces = [attend(path, query[:, :, s:e], k, v, layer, scaling) for (s, e, layer), k, v in zip(parts, key, value)]
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
-def mixed_pass(path, query, key, value, parts, single, scaling) -> torch.Tensor:
+def mixed_pass(path, query, key, value, parts, scaling) -> torch.Tensor:
     """A packed pass holding prefill chunks beside decode steps: the one-token parts attend in one call of the
     decode kernel, as in a pass of decode steps only (so a step's result does not depend on what shares its
     pass), the others through ``attend``. Returns (1, T, Hq, Dv)."""
-    steps = [i for i, one in enumerate(single) if one]
+    steps = [i for i, (s, e, _) in enumerate(parts) if e - s == 1]
     rows = torch.tensor([parts[i][0] for i in steps])
     decoded = decode_kernel.decode_attention(query[:, :, rows], [parts[i][2] for i in steps], scaling)
     decoded = decoded.transpose(1, 2).unbind(2)  # per step (1, Hq, Dv)
