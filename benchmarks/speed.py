@@ -15,7 +15,7 @@ plain transformers, per weight format, and decode after compaction.
 * ``compacted``: decode after compacting the longest context to 400 slots per head (even, and uneven heads
   of the same total) against the same session uncompacted and llama.cpp at that context, taking turns.
 * ``kernels``: one token through every linear weight of a model of the default model's shapes, per kernel
-  (why kvmemory offers 16-bit weights and no int8/int4 on this kind of CPU).
+  (why kvmemory offers 16-bit and 4-bit weights and no int8).
 
     python -m benchmarks.speed [--repeats 3] [--decode-tokens 32] [--contexts 512 2048 4096]
         [--skip weights kernels] [--only recording]   # --only: rerun sections, keep the rest of the saved run
@@ -40,7 +40,7 @@ from benchmarks.texts import source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams, run_on_compute
 from kvmemory.kernels import cpu_ops
 from kvmemory.runtime.loading import default_model_file
-from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, PackedFp16Linear, quantize_int4
+from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, PackedFp16Linear, PackedInt4Linear, quantize_int4
 
 WEIGHT_FORMATS = ["fp32", "bf16", "fp16", "int4"]
 SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted"]
@@ -146,10 +146,11 @@ def weights_section(text_ids, n_dec, repeats):
 
 
 def weight_bytes(model) -> int:
-    """Parameters and buffers (int4 layers keep their packed weights as buffers), and fbgemm's packed fp16
-    weights, which are neither."""
+    """Parameters and buffers (torch's int4 layers keep their packed weights as buffers), and the packed fp16
+    and int4 weights of kvmemory's kernels and fbgemm's, which are neither."""
     tensors = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return tensors + sum(m.packed_bytes for m in model.modules() if isinstance(m, PackedFp16Linear))
+    packed = (PackedFp16Linear, PackedInt4Linear)
+    return tensors + sum(m.packed_bytes for m in model.modules() if isinstance(m, packed))
 
 
 def contexts_section(engine, text_ids, contexts, n_dec, repeats):
@@ -297,9 +298,13 @@ def kernels_section(config, repeats):
         packed, scales_and_zeros, _ = quantize_int4(w)
         return packed, scales_and_zeros.float()
 
-    def fbgemm_dynamic(w):
+    def as_linear(w):
         linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
         linear.weight.data = w
+        return linear
+
+    def fbgemm_dynamic(w):
+        linear = as_linear(w)
         linear.qconfig = torch.ao.quantization.default_dynamic_qconfig
         return torch.ao.nn.quantized.dynamic.Linear.from_float(linear)
 
@@ -324,8 +329,12 @@ def kernels_section(config, repeats):
             int4_fp32_scales,
             lambda x, p: torch._weight_int4pack_mm_for_cpu(x, p[0], INT4_GROUP, p[1]),
         ),
-        "int4 weight-only, bf16 activations (kvmemory's int4)": (
+        "int4 weight-only, bf16 activations (Int4Linear: torch's kernel)": (
             lambda w: Int4Linear(*quantize_int4(w)[:2], w.shape[1]),
+            lambda x, layer: layer(x),
+        ),
+        "int4 weights, fp32 activations (kvmemory's panels)": (
+            lambda w: PackedInt4Linear.of(as_linear(w)),
             lambda x, layer: layer(x),
         ),
         "int8 dynamic (fbgemm)": (fbgemm_dynamic, lambda x, m: m(x)),

@@ -19,6 +19,7 @@ from kvmemory.runtime.weights import (
     INT4_GROUP,
     Int4Linear,
     PackedFp16Linear,
+    PackedInt4Linear,
     SixteenBitLinear,
     default_weights,
     quantize_int4,
@@ -237,7 +238,8 @@ def test_auto_stores_int4_exactly_where_the_weights_are_four_bit_and_fp16_elsewh
     model.model.layers[1].mlp.down_proj.weight.data = torch.randn(64, 128) * 0.02  # not 4-bit
     store_linear_weights(model, "auto")
     layers = model.model.layers
-    assert type(layers[0].mlp.down_proj) is Int4Linear and type(layers[1].self_attn.q_proj) is Int4Linear
+    int4 = PackedInt4Linear if cpu_ops() is not None else Int4Linear  # kvmemory's kernel where it is built
+    assert type(layers[0].mlp.down_proj) is int4 and type(layers[1].self_attn.q_proj) is int4
     fp16 = PackedFp16Linear if cpu_ops() is not None or cpu_has_fbgemm() else SixteenBitLinear
     assert type(layers[1].mlp.down_proj) is fp16 and type(model.lm_head) is fp16
     assert model.lm_head.weight.dtype == torch.float16
@@ -248,7 +250,8 @@ def test_auto_stores_int4_exactly_where_the_weights_are_four_bit_and_fp16_elsewh
 def test_fused_int4_projections_compute_what_their_parts_do():
     model = store_linear_weights(four_bit_model("qwen2"), "int4")  # qwen2: q, k and v have biases
     direct, parts = DirectForward.of(model), TransformersForward(model)
-    assert direct is not None and type(direct.layers[0].qkv.__self__) is Int4Linear
+    int4 = PackedInt4Linear if cpu_ops() is not None else Int4Linear
+    assert direct is not None and type(direct.layers[0].qkv.__self__) is int4
     engine = Engine(model)
     ids = list(range(3, 30))
     logits = {}

@@ -4,6 +4,8 @@
   (``kvmemory.attention.decode_kernel``);
 * ``linear_fp16.cpp``: linear layers with fp16 weights on fp32 activations (``kvmemory.runtime.weights``,
   ``PackedFp16Linear``);
+* ``linear_int4.cpp``: linear layers with 4-bit weights (GGUF Q4_1's groups) on fp32 activations
+  (``PackedInt4Linear``);
 * ``logits.cpp``: the argmax and the log-sum-exp of each row of logits (``kvmemory.runtime.logits``);
 * ``rms_norm.cpp``: RMSNorm of fp32 rows (``kvmemory.runtime.forward``, ``rms_norm``);
 * ``gated_mlp.cpp``: the gated MLP's silu(gate)·up (``kvmemory.runtime.forward``, ``gated_activation``);
@@ -11,8 +13,8 @@
 
 ``torch.utils.cpp_extension`` builds them with the C++ compiler torch's extensions use when the first CPU
 engine is made (about 30 s on 2 cores; then cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when a source
-changes), for x86-64 CPUs with AVX2, FMA and F16C; ``linear_fp16.cpp`` also holds a path on 16-float vectors
-that it takes where the CPU has AVX-512. Where they cannot be built, or with
+changes), for x86-64 CPUs with AVX2, FMA and F16C; ``linear_fp16.cpp`` and ``linear_int4.cpp`` also hold a
+path on 16-float vectors that they take where the CPU has AVX-512. Where they cannot be built, or with
 ``KVMEMORY_CPU_KERNELS=0``, attention runs on sdpa and fp16 weights on fbgemm.
 """
 
@@ -30,7 +32,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("decode_attention.cpp", "linear_fp16.cpp", "logits.cpp", "rms_norm.cpp", "gated_mlp.cpp")
+KERNELS = ("decode_attention.cpp", "linear_fp16.cpp", "linear_int4.cpp", "logits.cpp", "rms_norm.cpp", "gated_mlp.cpp")
 SOURCES = [Path(__file__).with_name(name) for name in KERNELS]
 HEADERS = [Path(__file__).with_name("simd.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # x86-64-v3: every AVX2 machine runs it
