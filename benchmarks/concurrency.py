@@ -30,7 +30,8 @@ Then, for each count S > 1, ``--pairs`` pairs of ``kvmemory`` decode phases back
 sessions', which goes first alternating: the *paired speedup* is the median of the pairs' ratios of aggregate
 tokens/s (``paired_speedups`` says why the ratio of the rounds' medians is not enough here).
 
-KV bytes are what the caches hold after the decode phases. Writes ``concurrency.json`` and ``.png``.
+KV bytes are what the caches hold after the decode phases. Writes ``concurrency.json`` and ``.png`` (with
+``--weights W``: ``concurrency_W.json`` and ``.png``, beside the default weights' run).
 
     python -m benchmarks.concurrency [--sessions 1 2 4 8 16] [--context 1024] [--tokens 32] [--repeats 3] [--pairs 7]
 """
@@ -329,13 +330,14 @@ def main() -> None:
         row["speedup_vs_one"] = row["kvmemory_tok_s"] / one if one else None
         row["paired_speedups"] = paired.get(row["sessions"], [])
     print(table(rows, list(rows[0])))
-    plot(rows, RESULTS / "concurrency.png")
+    name = "concurrency" if args.weights is None else f"concurrency_{args.weights}"  # the default's, or a format's
+    plot(rows, RESULTS / f"{name}.png")
     settings = {"context": args.context, "tokens": args.tokens, "cap": args.cap, "repeats": args.repeats}
     settings["pairs"] = args.pairs
     settings["warm_up_tokens"] = WARM_UP_TOKENS
     settings["weights"], settings["kv_dtype"] = engine.weights, str(engine.kv_dtype).removeprefix("torch.")
     settings["default_method"] = default_policy().default.method
-    out = save("concurrency", {**settings, "rows": rows})
+    out = save(name, {**settings, "rows": rows})
     print(f"saved {out}")
 
 

@@ -119,11 +119,17 @@ def speed_section(d: dict) -> str:
             + md(weights, ["weights", "decode tok/s", "prefill tok/s", "weight MB", NLL_COLUMN, "order"])
         )
     if "kernels" in d:
-        kernels = [[k["kernel"], f"{k['ms_per_token']:.1f}"] for k in d["kernels"]]
+        eight = "ms_8_rows" in d["kernels"][0]  # runs before it timed one row only
+        kernels = [
+            [k["kernel"], f"{k['ms_per_token']:.1f}"] + ([f"{k['ms_8_rows']:.1f}"] if eight else [])
+            for k in d["kernels"]
+        ]
         text += (
             "\n\nOne token through every linear weight of the default model's shapes (output head included), per "
-            "CPU kernel (torch's int8 and int4 weight-only kernels are vectorised for bf16 activations only):\n\n"
-            + md(kernels, ["kernel", "ms per token"])
+            "CPU kernel"
+            + (", and one pass of 8 rows (8 sessions decoding at once)" if eight else "")
+            + " (torch's int8 and int4 weight-only kernels are vectorised for bf16 activations only):\n\n"
+            + md(kernels, ["kernel", "ms per token"] + (["ms for 8 rows"] if eight else []))
         )
     return text + "\n\n![speed](benchmarks/results/speed.png)"
 
@@ -530,7 +536,7 @@ def paired_speedup(row: dict, measured: bool) -> str:
     return "1.0×" if measured and row["sessions"] == 1 else "–"
 
 
-def concurrency_section(d: dict) -> str:
+def concurrency_section(d: dict, options: str = "") -> str:
     rows = [
         [
             r["sessions"],
@@ -567,7 +573,7 @@ def concurrency_section(d: dict) -> str:
     ]
     warmed = f"; each after an untimed {d['warm_up_tokens']}-token reply" if "warm_up_tokens" in d else ""
     return (
-        f"**Many agents at once** (`python -m benchmarks.concurrency`{formats_of(d)}{on_cpu(d)}): concurrent "
+        f"**Many agents at once** (`python -m benchmarks.concurrency{options}`{formats_of(d)}{on_cpu(d)}): concurrent "
         f"agent sessions on the default model, each holding an agent trace (up to {d['context']} tokens of real tool "
         f"calls and outputs) under the default policy with a cap of {d['cap']} slots (its method then: "
         f"`{d['default_method']}`), decode {d['tokens']} greedy tokens at once (aggregate decode "
@@ -662,6 +668,7 @@ def main() -> None:
         ("fp16_linear", fp16_linear_section),
         ("decode_kernel", decode_kernel_section),
         ("concurrency", concurrency_section),
+        ("concurrency_fp16", lambda d: concurrency_section(d, " --weights fp16")),
         ("compaction_stall", compaction_stall_section),
         ("prefill_stall", prefill_stall_section),
     )

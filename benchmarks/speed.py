@@ -14,8 +14,9 @@ plain transformers, per weight format, and decode after compaction.
   policy's selective context reads) against without.
 * ``compacted``: decode after compacting the longest context to 400 slots per head (even, and uneven heads
   of the same total) against the same session uncompacted and llama.cpp at that context, taking turns.
-* ``kernels``: one token through every linear weight of a model of the default model's shapes, per kernel
-  (why kvmemory offers 16-bit and 4-bit weights and no int8).
+* ``kernels``: one token through every linear weight of a model of the default model's shapes, per kernel,
+  and one pass of 8 rows (8 sessions decoding together): why kvmemory offers 16-bit and 4-bit weights and no
+  int8.
 
     python -m benchmarks.speed [--repeats 3] [--decode-tokens 32] [--contexts 512 2048 4096]
         [--skip weights kernels] [--only recording]   # --only: rerun sections, keep the rest of the saved run
@@ -280,7 +281,8 @@ def compacted_section(engine, text_ids, ctx, n_dec, repeats):
 
 
 def kernels_section(config, repeats):
-    """Milliseconds for one token through every decoder linear layer and the output head, per kernel."""
+    """Milliseconds for one token, and for a pass of 8 rows, through every decoder linear layer and the output
+    head, per kernel."""
     hidden, inter = config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     kv = config.num_key_value_heads * head_dim
@@ -339,7 +341,7 @@ def kernels_section(config, repeats):
         ),
         "int8 dynamic (fbgemm)": (fbgemm_dynamic, lambda x, m: m(x)),
     }
-    inputs = {k: torch.randn(1, k, generator=generator) for k in {k for _, k in shapes}}
+    inputs = {n: {k: torch.randn(n, k, generator=generator) for k in {k for _, k in shapes}} for n in (1, 8)}
     rows = []
     for name, (prepare, apply) in kernels.items():
         try:
@@ -347,12 +349,14 @@ def kernels_section(config, repeats):
         except (RuntimeError, NotImplementedError, AttributeError) as err:  # a kernel this machine lacks
             print(f"{name}: unavailable ({err})")
             continue
-        calls = [(inputs[k], p) for (_, k), p in zip(shapes, prepared)]
-        token = lambda: [apply(x, p) for x, p in calls]  # noqa: E731
-        token()  # warm-up
-        seconds = median_time(token, max(repeats, 5))
-        rows.append({"kernel": name, "ms_per_token": 1e3 * seconds})
-    print(table(rows, ["kernel", "ms_per_token"]), flush=True)
+        row = {"kernel": name}
+        for n, key in ((1, "ms_per_token"), (8, "ms_8_rows")):  # one session decoding, and eight in one pass
+            calls = [(inputs[n][k], p) for (_, k), p in zip(shapes, prepared)]
+            token = lambda: [apply(x, p) for x, p in calls]  # noqa: E731
+            token()  # warm-up
+            row[key] = 1e3 * median_time(token, max(repeats, 5))
+        rows.append(row)
+    print(table(rows, ["kernel", "ms_per_token", "ms_8_rows"]), flush=True)
     return rows
 
 

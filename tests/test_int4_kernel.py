@@ -1,6 +1,7 @@
-"""The 4-bit linear kernel (kvmemory/kernels/linear_int4.cpp) computes x·Wᵀ + b from GGUF Q4_1 groups exactly as
-dequantised, with fp32 sums, and each output is the same bit for bit whichever rows and panels share its call
-(a decode tile widens in registers, a larger one through a buffer) and whichever vector width computes it."""
+"""The 4-bit linear kernel (kvmemory/kernels/linear_int4.cpp) computes x·Wᵀ + b from GGUF Q4_1 groups (fp16 steps
+and lows) exactly as dequantised, with fp32 sums, and each output is the same bit for bit whichever rows and
+panels share its call (a decode tile widens in registers, a larger one through a buffer) and whichever vector
+width computes it."""
 
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def test_bad_input_is_refused(ops):
     with pytest.raises(RuntimeError, match="pack_int4_weight"):
         ops.linear_int4(x, packed.float(), scales, 20)
     with pytest.raises(RuntimeError, match="scales must be"):
-        ops.linear_int4(x, packed, scales.half(), 20)
+        ops.linear_int4(x, packed, scales.float(), 20)
     with pytest.raises(RuntimeError, match="x has 32 features"):
         ops.linear_int4(torch.randn(3, 32), packed, scales, 20)
     with pytest.raises(RuntimeError, match="does not fill 2 panels"):

@@ -190,13 +190,14 @@ def test_a_layer_whose_fp16_result_overflows_switches_to_bf16():
 
 def four_bit(weight: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """A weight of ``weight``'s shape that is 4-bit already, as a Q4_1 GGUF's dequantised weights are: per group
-    of 32 inputs, step · q + low with q in 0..15, and each group using both ends of its range."""
+    of 32 inputs, step · q + low with q in 0..15 and the step and low fp16 values, each group using both ends of
+    its range."""
     g = torch.Generator().manual_seed(seed)
     rows, cols = weight.shape
     levels = torch.randint(0, 16, (rows, cols // INT4_GROUP, INT4_GROUP), generator=g).float()
     levels[..., 0], levels[..., 1] = 0, 15
-    step = torch.rand(rows, cols // INT4_GROUP, 1, generator=g) * 0.01 + 1e-3
-    low = -8 * step + torch.randn(rows, cols // INT4_GROUP, 1, generator=g) * 1e-3
+    step = (torch.rand(rows, cols // INT4_GROUP, 1, generator=g) * 0.01 + 1e-3).half().float()
+    low = (-8 * step + torch.randn(rows, cols // INT4_GROUP, 1, generator=g) * 1e-3).half().float()
     return (levels * step + low).reshape(rows, cols)
 
 

@@ -2,9 +2,10 @@
 // the CPU has it). See kvmemory/runtime/weights.py (PackedInt4Linear) for why it exists and when it runs.
 //
 // Weights come as GGUF Q4_1 stores them: per output column and group of 32 inputs, levels q in 0..15, a step
-// and a low value, w = q * step + low. They are packed once into panels of 16 output columns: per panel the
-// levels of inputs k and k + 1 share a byte (k in the low nibble), 16 bytes a pair of inputs, and per group
-// its 16 steps then its 16 lows in fp32, so every value the model had comes back exactly.
+// and a low value, w = q * step + low, the step and low in fp16. They are packed once into panels of 16 output
+// columns: per panel the levels of inputs k and k + 1 share a byte (k in the low nibble), 16 bytes a pair of
+// inputs, and per group its 16 steps then its 16 lows in fp16, so a Q4_1 file's values come back exactly and
+// a weight costs what it costs in the file (0.625 bytes).
 //
 // The product walks the panels once per tile of up to 48 input rows, a chunk of inputs at a time: the chunk of
 // each panel is widened into an fp32 buffer in L1 (one fused multiply-add per weight), which every register
@@ -40,13 +41,14 @@ constexpr int64_t kMaxBlockRows = 8;
 
 // ---- 8-float vectors (AVX2): a panel's 16 columns are two vectors -------------------------------------
 // Widen inputs [k0, k1) of one panel into out[(k - k0) * 16 + c] = q * step + low.
-void widen_avx2(const uint8_t* levels, const float* scales, int64_t k0, int64_t k1, float* out) {
+void widen_avx2(const uint8_t* levels, const uint16_t* scales, int64_t k0, int64_t k1, float* out) {
   const __m256i low_nibble = _mm256_set1_epi32(0xF);
   for (int64_t k = k0; k < k1; k += 2) {
-    const float* group = scales + (k / GROUP) * 2 * COLS;  // 16 steps, then 16 lows
+    const uint16_t* group = scales + (k / GROUP) * 2 * COLS;  // 16 steps, then 16 lows
     for (int half = 0; half < 2; ++half) {
       const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(levels + k / 2 * COLS + half * 8)));
-      const __m256 step = _mm256_loadu_ps(group + half * 8), low = _mm256_loadu_ps(group + COLS + half * 8);
+      const __m256 step = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + half * 8)));
+      const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + COLS + half * 8)));
       const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low_nibble));
       const __m256 odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
       _mm256_storeu_ps(out + (k - k0) * COLS + half * 8, _mm256_fmadd_ps(even, step, low));
@@ -87,8 +89,8 @@ struct Avx2 {
   static constexpr bool kFused = false;  // 16 registers hold too little to widen in them beside the sums
   static constexpr int fused_panels(int64_t) { return 1; }
   template <int P>
-  static void fused(int64_t, const float*, int64_t, const uint8_t*, const float*, float*) {}
-  static void widen(const uint8_t* levels, const float* scales, int64_t k0, int64_t k1, float* out) {
+  static void fused(int64_t, const float*, int64_t, const uint8_t*, const uint16_t*, float*) {}
+  static void widen(const uint8_t* levels, const uint16_t* scales, int64_t k0, int64_t k1, float* out) {
     widen_avx2(levels, scales, k0, k1, out);
   }
   template <int P>
@@ -104,14 +106,15 @@ struct Avx2 {
 
 // ---- 16-float vectors (AVX-512): a panel is one vector ------------------------------------------------
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
+#pragma GCC target("avx512f,avx2,fma,f16c")
 
-void widen_avx512(const uint8_t* levels, const float* scales, int64_t k0, int64_t k1, float* out) {
+void widen_avx512(const uint8_t* levels, const uint16_t* scales, int64_t k0, int64_t k1, float* out) {
   const __m512i low_nibble = _mm512_set1_epi32(0xF);
   for (int64_t k = k0; k < k1; k += 2) {
-    const float* group = scales + (k / GROUP) * 2 * COLS;
+    const uint16_t* group = scales + (k / GROUP) * 2 * COLS;
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels + k / 2 * COLS)));
-    const __m512 step = _mm512_loadu_ps(group), low = _mm512_loadu_ps(group + COLS);
+    const __m512 step = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group)));
+    const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + COLS)));
     const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble));
     const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
     _mm512_storeu_ps(out + (k - k0) * COLS, _mm512_fmadd_ps(even, step, low));
@@ -147,7 +150,7 @@ void block_avx512(const float* x, int64_t K, const float* w, int64_t chunk, int6
 // A decode tile (at most 8 rows) widens each weight in registers as it uses it, with no buffer: R rows
 // against P panels over all of k, the same multiply-adds in the same order as widen + block above.
 template <int R, int P>
-void fused_block512(const float* x, int64_t K, const uint8_t* levels, const float* scales, float* acc) {
+void fused_block512(const float* x, int64_t K, const uint8_t* levels, const uint16_t* scales, float* acc) {
   static_assert(R * P + 2 * P <= 28, "32 registers: the sums, each panel's step and low, a level pair and an input");
   const __m512i low_nibble = _mm512_set1_epi32(0xF);
   __m512 c[R][P];
@@ -159,8 +162,9 @@ void fused_block512(const float* x, int64_t K, const uint8_t* levels, const floa
     __m512 step[P], low[P];
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) {
-      const float* group = scales + (p * (K / GROUP) + k0 / GROUP) * 2 * COLS;
-      step[p] = _mm512_loadu_ps(group), low[p] = _mm512_loadu_ps(group + COLS);
+      const uint16_t* group = scales + (p * (K / GROUP) + k0 / GROUP) * 2 * COLS;
+      step[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group)));
+      low[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + COLS)));
     }
     for (int64_t k = k0; k < k0 + GROUP; k += 2) {
 #pragma GCC unroll 8
@@ -189,7 +193,7 @@ struct Avx512 {
   static constexpr bool kFused = true;
   static constexpr int fused_panels(int64_t rows) { return rows <= 2 ? 4 : rows <= 4 ? 3 : 2; }
   template <int P>
-  static void fused(int64_t rows, const float* x, int64_t K, const uint8_t* levels, const float* scales, float* acc) {
+  static void fused(int64_t rows, const float* x, int64_t K, const uint8_t* levels, const uint16_t* scales, float* acc) {
     switch (rows) {
       case 1: fused_block512<1, std::min(P, 4)>(x, K, levels, scales, acc); break;
       case 2: fused_block512<2, std::min(P, 4)>(x, K, levels, scales, acc); break;
@@ -201,7 +205,7 @@ struct Avx512 {
       default: fused_block512<8, std::min(P, 2)>(x, K, levels, scales, acc); break;
     }
   }
-  static void widen(const uint8_t* levels, const float* scales, int64_t k0, int64_t k1, float* out) {
+  static void widen(const uint8_t* levels, const uint16_t* scales, int64_t k0, int64_t k1, float* out) {
     widen_avx512(levels, scales, k0, k1, out);
   }
   template <int P>
@@ -237,7 +241,7 @@ void finish(const float* sums, int64_t rows, int64_t here, const float* bias, fl
 // split over the threads. A decode tile (one register block) widens in registers where the vectors allow;
 // a larger one widens each group's chunk of k into `wide` once, for all its register blocks.
 template <typename Isa>
-void product(const float* xs, int64_t M, int64_t K, const uint8_t* levels, const float* scales, int64_t panels,
+void product(const float* xs, int64_t M, int64_t K, const uint8_t* levels, const uint16_t* scales, int64_t panels,
              int64_t N, const float* b, float* ys) {
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels)));
 #pragma omp parallel num_threads(threads)
@@ -251,7 +255,7 @@ void product(const float* xs, int64_t M, int64_t K, const uint8_t* levels, const
     for (int64_t group = 0; group < (panels + step - 1) / step; ++group) {
       const int64_t p = group * step, here = std::min(step, panels - p), cols = std::min(here * COLS, N - p * COLS);
       const uint8_t* group_levels = levels + p * (K / 2) * COLS;
-      const float* group_scales = scales + p * (K / GROUP) * 2 * COLS;
+      const uint16_t* group_scales = scales + p * (K / GROUP) * 2 * COLS;
       alignas(64) float acc[TILE][kMaxPanels * COLS];  // per row of the tile: its block's sums from there on
       if (fused) {
         switch (here) {
@@ -292,8 +296,8 @@ void product(const float* xs, int64_t M, int64_t K, const uint8_t* levels, const
   }
 }
 
-// (levels (N, K) in 0..15, steps and lows (N, K / 32) fp32) -> (packed levels (panels, K / 2, 16) uint8,
-// steps and lows (panels, K / 32, 2, 16) fp32)
+// (levels (N, K) in 0..15, steps and lows (N, K / 32)) -> (packed levels (panels, K / 2, 16) uint8, steps and
+// lows (panels, K / 32, 2, 16) rounded to fp16)
 std::tuple<at::Tensor, at::Tensor> pack_int4_weight(const at::Tensor& levels, const at::Tensor& steps,
                                                     const at::Tensor& lows) {
   TORCH_CHECK(levels.dim() == 2 && levels.size(1) % GROUP == 0 && levels.size(1) > 0,
@@ -306,7 +310,7 @@ std::tuple<at::Tensor, at::Tensor> pack_int4_weight(const at::Tensor& levels, co
   q.narrow(0, 0, N).copy_(levels);
   q = q.view({panels, COLS, K / 2, 2}).permute({0, 2, 1, 3});  // (panels, K / 2, 16, pair)
   at::Tensor packed = q.select(3, 1).mul(16).add(q.select(3, 0)).contiguous();  // input k + 1 in the high nibble
-  at::Tensor scales = at::zeros({panels * COLS, groups, 2}, steps.options().dtype(at::kFloat));
+  at::Tensor scales = at::zeros({panels * COLS, groups, 2}, steps.options().dtype(at::kHalf));
   scales.narrow(0, 0, N).select(2, 0).copy_(steps);
   scales.narrow(0, 0, N).select(2, 1).copy_(lows);
   scales = scales.view({panels, COLS, groups, 2}).permute({0, 2, 3, 1}).contiguous();
@@ -322,8 +326,8 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.size(1) * 2 == K && K % GROUP == 0, "x has ", K, " features, the packed weight ", packed.size(1) * 2);
   TORCH_CHECK(scales.dim() == 4 && scales.size(0) == panels && scales.size(1) == K / GROUP && scales.size(2) == 2 &&
-                  scales.size(3) == COLS && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "scales must be a contiguous (panels, in_features / 32, 2, 16) float32 tensor from pack_int4_weight");
+                  scales.size(3) == COLS && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "scales must be a contiguous (panels, in_features / 32, 2, 16) float16 tensor from pack_int4_weight");
   TORCH_CHECK(N > (panels - 1) * COLS && N <= panels * COLS, "out_features ", N, " does not fill ", panels, " panels");
   const float* b = nullptr;
   if (bias.has_value()) {
@@ -336,7 +340,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(vector_bits != 512 || has_avx512(), "vector_bits=512 needs a CPU with AVX-512, and this one has none");
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* levels = packed.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   if (vector_bits == 512 || (vector_bits == 0 && has_avx512()))
     product<Avx512>(x.data_ptr<float>(), M, K, levels, s, panels, N, b, y.data_ptr<float>());
   else

@@ -15,8 +15,9 @@ per kernel. ``Engine.from_pretrained(weights=...)`` offers:
 * ``"int4"``: per group of 32 inputs, 4-bit levels with a step and a low value: a quarter of fp16's bytes (and
   the steps and lows). This is GGUF Q4_1's layout, so the weights of a Q4_1 file (the default model's) come
   back exactly from their dequantised values. Where kvmemory's CPU kernels are built they run
-  ``PackedInt4Linear`` (``linear_int4.cpp``: fp32 activations, steps and lows, so nothing is rounded; one
-  read of the weight for every row of a packed pass); elsewhere torch's CPU int4 kernel on bf16 activations
+  ``PackedInt4Linear`` (``linear_int4.cpp``: fp32 activations, steps and lows in fp16 as the file has them,
+  so nothing is rounded; one read of the weight for every row of a packed pass); elsewhere torch's CPU int4
+  kernel on bf16 activations
   (``Int4Linear``), whose bf16 scales and bf16 input and output round them as bf16 weights round theirs.
 * ``"auto"``: int4 for every layer whose weight is 4-bit already (nothing lost), fp16 for the rest; the
   CPU default where bf16 dot products exist (AVX-512 BF16, AMX: the machines int4 was measured fastest on,
@@ -33,14 +34,15 @@ with bf16 dot products run the bf16 kernel at every row count: 8 rows cost 1.04�
 fp32, so a row's result depends on how many rows share its pass only where the two kernels' summation orders
 round differently (the last place of a few elements).
 
-Measured on a 2-core AVX-512 (bf16, VNNI) machine (the *kernels* table: one token through every linear weight
-of the default model's shapes, output head included): fp32 33 ms, bf16 14, fp16 7.9, and the int8 and int4
-weight-only kernels (``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``, which torchao's
-weight-only configs run on CPU) 6.2 and 6.2 on bf16 activations but 44 and 105 on fp32 ones: they are
-vectorised for bf16 only. In the model, int4 decodes 1.41× as fast as fp16 and fp16 (then on fbgemm) prefills 1.49× as
-fast as int4 (the *Weight formats* table). int8 weight-only (per-row scales) would suit weights that are not
-4-bit; it is not offered yet. fbgemm's dynamic int8 also quantises the activations and moved the NLL by more
-than 0.01.
+Measured on a 2-core AVX-512 Xeon (bf16, FP16, AMX; ``python -m benchmarks.speed``'s *kernels* table: one
+token, and one pass of 8 rows, through every linear weight of the default model's shapes, output head
+included, every kernel's weights from memory): fp32 20 ms, bf16 26, kvmemory's fp16 10.9 (8 rows 12.7),
+torch's int4 on bf16 activations 8.2 (18.7), kvmemory's int4 8.9 (13.9), whose fp32 steps and lows it reads
+beside the levels; torch's int8 and int4 weight-only kernels (``torch._weight_int8pack_mm``,
+``torch._weight_int4pack_mm_for_cpu``, which torchao's weight-only configs run on CPU) take 49 and 118 ms on
+fp32 activations: they are vectorised for bf16 only. In the model int4 decodes 1.33× as fast as fp16 (the
+*Weight formats* table). int8 weight-only (per-row scales) would suit weights that are not 4-bit; it is
+not offered yet. fbgemm's dynamic int8 also quantises the activations and moved the NLL by more than 0.01.
 """
 
 from __future__ import annotations
@@ -233,15 +235,15 @@ class Int4Linear(nn.Module):
 
 class PackedInt4Linear(nn.Module):
     """4-bit weights in ``Int4Linear``'s groups (w = step·q + low, GGUF Q4_1), run by kvmemory's CPU kernel on
-    fp32 activations: input, sums and output stay fp32, and the steps and lows are kept in fp32, so a Q4_1
-    file's weights are used exactly as dequantised (``Int4Linear`` rounds scales, input and output to bf16).
+    fp32 activations: input, sums and output stay fp32, and the steps and lows are kept in fp16, as Q4_1 stores
+    them, so a Q4_1 file's weights are used exactly as dequantised (``Int4Linear`` rounds scales, input and
+    output to bf16); a weight that is not 4-bit has its steps and lows rounded to fp16.
 
     ``linear_int4.cpp`` packs the levels in panels of 16 output columns, two inputs a byte, and reads them
     once per pass for every row, where torch's int4 kernel costs more per row. Each output is one fp32 sum
     in a fixed order, so a row's result is the same bit for bit whichever rows share its pass, and layers
-    fuse (``fuse_linears``). Through the default model's decoder weights on a 2-core AVX-512 Xeon (weights
-    from memory, side by side): 1 row 5.2 ms against torch's 6.5, 8 rows 10.3 against 14.8, 48 rows 37
-    against 70. Where the kernels are not built, 4-bit weights run ``Int4Linear``."""
+    fuse (``fuse_linears``). Where the kernels are not built, 4-bit weights run ``Int4Linear``. Timings: the
+    module docstring."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, out_features: int, bias=None):
         super().__init__()
@@ -255,6 +257,7 @@ class PackedInt4Linear(nn.Module):
         """``linear`` in int4; with ``only_if_exact``, None unless its weight is 4-bit already."""
         weight = linear.weight.detach()
         levels, step, low = int4_groups(weight)
+        step, low = step.half().float(), low.half().float()  # as Q4_1 stores them
         if only_if_exact and not int4_is_exact(weight, levels, step, low):
             return None
         packed, scales = cpu_ops().pack_int4_weight(levels.reshape(weight.shape).to(torch.uint8), step, low)
