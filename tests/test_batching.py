@@ -179,21 +179,27 @@ def test_the_shorter_of_prefills_begun_together_runs_first_and_whole():
     assert long.tokens[:32] == short.tokens  # the same prompt start: only the order of the passes differed
 
 
-def test_packed_logits_match_lone_logits_on_every_architecture(arch):
-    engine = Engine(tiny_model(arch))
+def lone_and_packed_logprobs(engine: Engine, scored: int = 6) -> tuple[list, list]:
+    """Three sessions' log-probabilities of ``scored`` tokens after prompts of 5, 17 and 40 tokens: each run
+    alone, then all three prefilling and scoring at once in packed passes."""
     prompts = [random_tokens(n, seed=n) for n in (5, 17, 40)]
     alone = []
     for prompt in prompts:
         session = engine.session()
         session.append_tokens(prompt)
-        alone.append(session.logprobs(random_tokens(6, seed=9)))
+        alone.append(session.logprobs(random_tokens(scored, seed=9)))
     sessions = [engine.session() for _ in prompts]
     slow_passes(engine)
     run_together(list(zip(sessions, prompts)), lambda pair: pair[0].append_tokens(pair[1]))
-    together = run_together(sessions, lambda s: s.logprobs(random_tokens(6, seed=9)))
+    together = run_together(sessions, lambda s: s.logprobs(random_tokens(scored, seed=9)))
+    assert engine.batcher.stats.largest > 1
+    return alone, together
+
+
+def test_packed_logits_match_lone_logits_on_every_architecture(arch):
+    alone, together = lone_and_packed_logprobs(Engine(tiny_model(arch)))
     for a, b in zip(alone, together):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    assert engine.batcher.stats.largest > 1
 
 
 def test_a_pass_that_fails_with_several_sessions_is_undone_and_each_retried_alone():

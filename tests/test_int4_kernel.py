@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from kvmemory import Engine
 from kvmemory.kernels import cpu_ops
 from kvmemory.runtime.weights import PackedInt4Linear, fuse_linears, int4_groups, store_linear_weights
-from tests.conftest import random_tokens
-from tests.test_batching import run_together, slow_passes
+from tests.test_batching import lone_and_packed_logprobs
 from tests.test_weights import four_bit, four_bit_model
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
@@ -116,19 +115,8 @@ def test_levels_steps_and_lows_come_back_from_a_four_bit_weight():
 def test_with_int4_weights_a_packed_pass_gives_each_session_its_lone_logits_bit_for_bit():
     model = store_linear_weights(four_bit_model("qwen2"), "int4")  # q, k and v carry biases
     assert any(type(m) is PackedInt4Linear for m in model.modules())
-    engine = Engine(model)
-    prompts = [random_tokens(n, seed=n) for n in (5, 17, 40)]
-    alone = []
-    for prompt in prompts:
-        session = engine.session()
-        session.append_tokens(prompt)
-        alone.append(session.logprobs(random_tokens(6, seed=9)))
-    sessions = [engine.session() for _ in prompts]
-    slow_passes(engine)
-    run_together(list(zip(sessions, prompts)), lambda pair: pair[0].append_tokens(pair[1]))
-    together = run_together(sessions, lambda s: s.logprobs(random_tokens(6, seed=9)))
+    alone, together = lone_and_packed_logprobs(Engine(model))
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
-    assert engine.batcher.stats.largest > 1
 
 
 def test_bad_input_is_refused(ops):

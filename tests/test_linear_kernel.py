@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from kvmemory import Engine
 from kvmemory.kernels import cpu_ops
 from kvmemory.runtime.weights import PackedFp16Linear, fuse_linears, store_linear_weights
-from tests.conftest import random_tokens, tiny_model
-from tests.test_batching import run_together, slow_passes
+from tests.conftest import tiny_model
+from tests.test_batching import lone_and_packed_logprobs
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -89,19 +89,8 @@ def test_fused_layers_compute_their_parts_bit_for_bit():
 def test_with_fp16_weights_a_packed_pass_gives_each_session_its_lone_logits_bit_for_bit(scored):
     # q, k and v carry biases; layers wide enough that fbgemm's kernels would round 1 and 3 rows differently
     model = store_linear_weights(tiny_model("qwen2", hidden_size=512, intermediate_size=1024), "fp16")
-    engine = Engine(model)
-    prompts = [random_tokens(n, seed=n) for n in (5, 17, 40)]
-    alone = []
-    for prompt in prompts:
-        session = engine.session()
-        session.append_tokens(prompt)
-        alone.append(session.logprobs(random_tokens(scored, seed=9)))
-    sessions = [engine.session() for _ in prompts]
-    slow_passes(engine)
-    run_together(list(zip(sessions, prompts)), lambda pair: pair[0].append_tokens(pair[1]))
-    together = run_together(sessions, lambda s: s.logprobs(random_tokens(scored, seed=9)))
+    alone, together = lone_and_packed_logprobs(Engine(model), scored)
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
-    assert engine.batcher.stats.largest > 1
 
 
 def test_bad_input_is_refused(ops):

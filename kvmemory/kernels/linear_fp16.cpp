@@ -34,6 +34,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "simd.h"  // has_avx512, sixteen_floats
+
 namespace {
 
 constexpr int64_t COLS = 16;  // output columns per panel: two 8-float vectors
@@ -212,11 +214,6 @@ struct Avx512 {
 
 #pragma GCC pop_options
 
-bool has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f");  // the OS saves the registers too (libgcc checks)
-  return has;
-}
-
 // y (M, N) = x (M, K) against the packed panels (+ bias), in tiles of up to TILE rows, each tile's rows in
 // register blocks as `Isa` splits them.
 template <typename Isa>
@@ -290,10 +287,7 @@ at::Tensor linear_fp16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xs = x.data_ptr<float>();
   const uint16_t* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>());
-  TORCH_CHECK(vector_bits == 0 || vector_bits == 256 || vector_bits == 512,
-              "vector_bits must be 0 (the widest this CPU has), 256 or 512, got ", vector_bits);
-  TORCH_CHECK(vector_bits != 512 || has_avx512(), "vector_bits=512 needs a CPU with AVX-512, and this one has none");
-  if (vector_bits == 512 || (vector_bits == 0 && has_avx512()))
+  if (kvmemory_simd::sixteen_floats(vector_bits))
     product<Avx512>(xs, M, K, ws, panels, N, b, y.data_ptr<float>());
   else
     product<Avx2>(xs, M, K, ws, panels, N, b, y.data_ptr<float>());
@@ -308,5 +302,6 @@ TORCH_LIBRARY_FRAGMENT(kvmemory, m) {
   m.impl("pack_fp16_weight", c10::DispatchKey::CPU, TORCH_FN(pack_fp16_weight));
   m.impl("linear_fp16", c10::DispatchKey::CPU, TORCH_FN(linear_fp16));
   // the width `vector_bits=0` takes here: what benchmarks and tests report and compare against
-  m.def("linear_fp16_vector_bits() -> int", [] { return static_cast<int64_t>(has_avx512() ? 512 : 256); });
+  m.def("linear_fp16_vector_bits() -> int",
+        [] { return static_cast<int64_t>(kvmemory_simd::has_avx512() ? 512 : 256); });
 }

@@ -27,6 +27,8 @@
 #include <cstdint>
 #include <tuple>
 
+#include "simd.h"  // has_avx512, sixteen_floats
+
 namespace {
 
 constexpr int64_t COLS = 16;     // output columns per panel
@@ -226,11 +228,6 @@ struct Avx512 {
 
 #pragma GCC pop_options
 
-bool has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
-}
-
 // y[r, c] (+ bias[c]) of `rows` rows from their sums (row r's `here` panels from sums + r * here * 16)
 void finish(const float* sums, int64_t rows, int64_t here, const float* bias, float* y, int64_t ldy, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r)
@@ -335,13 +332,10 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
                 "bias must be a contiguous float32 vector of out_features");
     b = bias->data_ptr<float>();
   }
-  TORCH_CHECK(vector_bits == 0 || vector_bits == 256 || vector_bits == 512,
-              "vector_bits must be 0 (the widest this CPU has), 256 or 512, got ", vector_bits);
-  TORCH_CHECK(vector_bits != 512 || has_avx512(), "vector_bits=512 needs a CPU with AVX-512, and this one has none");
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* levels = packed.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  if (vector_bits == 512 || (vector_bits == 0 && has_avx512()))
+  if (kvmemory_simd::sixteen_floats(vector_bits))
     product<Avx512>(x.data_ptr<float>(), M, K, levels, s, panels, N, b, y.data_ptr<float>());
   else
     product<Avx2>(x.data_ptr<float>(), M, K, levels, s, panels, N, b, y.data_ptr<float>());

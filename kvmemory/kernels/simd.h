@@ -1,8 +1,10 @@
-// Helpers shared by kvmemory's CPU kernels: eight-float vectors (AVX2, FMA, F16C), and rows split over threads.
+// Helpers shared by kvmemory's CPU kernels: eight-float vectors (AVX2, FMA, F16C), rows split over threads, and
+// the choice of vector width of the linear kernels.
 #pragma once
 
 #include <ATen/Parallel.h>  // at::get_num_threads
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <immintrin.h>
@@ -74,6 +76,21 @@ inline void each_row(int64_t rows, int64_t least, Body body) {
   const int threads = static_cast<int>(std::clamp<int64_t>(rows / least, 1, at::get_num_threads()));
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t r = 0; r < rows; ++r) body(r);
+}
+
+// Whether this CPU runs AVX-512 (the OS saves its registers too: libgcc checks)
+inline bool has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
+// Whether a linear kernel asked for `vector_bits` (0: the widest this CPU has, 256 or 512) runs on 16-float
+// vectors; any other width, or 512 on a CPU without AVX-512, is refused by name.
+inline bool sixteen_floats(int64_t vector_bits) {
+  TORCH_CHECK(vector_bits == 0 || vector_bits == 256 || vector_bits == 512,
+              "vector_bits must be 0 (the widest this CPU has), 256 or 512, got ", vector_bits);
+  TORCH_CHECK(vector_bits != 512 || has_avx512(), "vector_bits=512 needs a CPU with AVX-512, and this one has none");
+  return vector_bits == 512 || (vector_bits == 0 && has_avx512());
 }
 
 }  // namespace kvmemory_simd
