@@ -17,8 +17,8 @@ per kernel. ``Engine.from_pretrained(weights=...)`` offers:
   back exactly from their dequantised values. Where kvmemory's CPU kernels are built they run
   ``PackedInt4Linear`` (``linear_int4.cpp``: fp32 activations, steps and lows in fp16 as the file has them,
   so nothing is rounded; one read of the weight for every row of a packed pass); elsewhere torch's CPU int4
-  kernel on bf16 activations
-  (``Int4Linear``), whose bf16 scales and bf16 input and output round them as bf16 weights round theirs.
+  kernel on bf16 activations (``Int4Linear``), whose bf16 scales and bf16 input and output round them as bf16
+  weights round theirs.
 * ``"auto"``: int4 for every layer whose weight is 4-bit already (nothing lost), fp16 for the rest; the
   CPU default where bf16 dot products exist (AVX-512 BF16, AMX: the machines int4 was measured fastest on,
   with either kernel).
