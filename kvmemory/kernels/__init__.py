@@ -15,7 +15,7 @@
 engine is made (about 30 s on 2 cores; then cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when a source
 changes), for x86-64 CPUs with AVX2, FMA and F16C; ``linear_fp16.cpp`` and ``linear_int4.cpp`` also hold a
 path on 16-float vectors that they take where the CPU has AVX-512. Where they cannot be built, or with
-``KVMEMORY_CPU_KERNELS=0``, attention runs on sdpa and fp16 weights on fbgemm.
+``KVMEMORY_CPU_KERNELS=0``, attention runs on sdpa, fp16 weights on fbgemm and int4 ones on torch's int4 kernel.
 """
 
 from __future__ import annotations

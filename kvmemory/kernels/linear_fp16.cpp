@@ -34,7 +34,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "simd.h"  // has_avx512, sixteen_floats
+#include "simd.h"  // sixteen_floats, checked_rows_and_bias, write_panel_sums
 
 namespace {
 
@@ -79,7 +79,7 @@ constexpr int64_t K_CHUNK = 128;  // steps over k that the blocks of a tile take
 #define STORE_ROW(i) STORE(i, 0) STORE(i, 1) STORE(i, 2) STORE(i, 3) STORE(i, 4) STORE(i, 5) STORE(i, 6) STORE(i, 7)
 
 // The sums of R rows of x (row stride K) against P panels from `panels` over k in [k0, k1): started from zero
-// when k0 is 0, else from `acc`, and left in `acc` (R · 2P vectors) for the next steps over k or for `finish`.
+// when k0 is 0, else from `acc`, and left in `acc` (R · 2P vectors) for the next steps over k or for `write_panel_sums`.
 template <int R, int P>
 void block(const float* x, int64_t K, const uint16_t* panels, int64_t k0, int64_t k1, float* acc) {
   // the variables stay in registers only as named scalars: GCC keeps an array of accumulators on the stack
@@ -104,15 +104,6 @@ void block(const float* x, int64_t K, const uint16_t* panels, int64_t k0, int64_
     }
   }
   STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
-}
-
-// y[r, c] (+ bias[c]) from the finished sums `acc` of `rows` rows against `panels` panels, `cols` columns of them.
-void finish(const float* acc, int64_t rows, int64_t panels, const float* bias, float* y, int64_t ldy, int64_t cols) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* row = acc + i * panels * COLS;
-    float* to = y + i * ldy;
-    for (int64_t c = 0; c < cols; ++c) to[c] = bias ? row[c] + bias[c] : row[c];
-  }
 }
 
 // Panels per block of `rows` input rows: enough accumulators to hide the FMA latency (rows × 2P vectors).
@@ -255,7 +246,8 @@ void product(const float* xs, int64_t M, int64_t K, const uint16_t* ws, int64_t 
         k0 = k1;
       } while (k0 < K);
       for (int64_t i = 0; i < blocks; ++i)
-        finish(acc[i], count[i], here, b ? b + p * COLS : nullptr, ys + (m0 + first[i]) * N + p * COLS, N, cols);
+        kvmemory_simd::write_panel_sums(acc[i], count[i], here, b ? b + p * COLS : nullptr,
+                                        ys + (m0 + first[i]) * N + p * COLS, N, cols);
     }
   }
 }
@@ -270,20 +262,13 @@ at::Tensor pack_fp16_weight(const at::Tensor& weight) {
 
 at::Tensor linear_fp16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        const c10::optional<at::Tensor>& bias, int64_t vector_bits) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be a contiguous (rows, in_features) float32 tensor");
+  const float* b = kvmemory_simd::checked_rows_and_bias(x, bias, N);
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == COLS && packed.scalar_type() == at::kHalf &&
                   packed.is_contiguous(),
               "packed must be a contiguous (panels, in_features, 16) float16 tensor from pack_fp16_weight");
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "x has ", K, " features, the packed weight ", packed.size(1));
   TORCH_CHECK(N > (panels - 1) * COLS && N <= panels * COLS, "out_features ", N, " does not fill ", panels, " panels");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "bias must be a contiguous float32 vector of out_features");
-    b = bias->data_ptr<float>();
-  }
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xs = x.data_ptr<float>();
   const uint16_t* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>());

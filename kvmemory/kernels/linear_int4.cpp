@@ -7,10 +7,11 @@
 // inputs, and per group its 16 steps then its 16 lows in fp16, so a Q4_1 file's values come back exactly and
 // a weight costs what it costs in the file (0.625 bytes).
 //
-// The product walks the panels once per tile of up to 48 input rows, a chunk of inputs at a time: the chunk of
-// each panel is widened into an fp32 buffer in L1 (one fused multiply-add per weight), which every register
+// The product walks the panels once per tile of up to 48 input rows. A decode tile (one register block: up to 8
+// rows on AVX-512) widens each weight in registers as it uses it (one fused multiply-add per weight); a larger
+// tile, or any on AVX2, widens a chunk of inputs of each panel into an fp32 buffer in L1, which every register
 // block of the tile's rows then reads. A weight is thus read from memory once per pass whatever the number of
-// sessions decoding in it, as in linear_fp16.cpp, at a quarter of fp16's bytes. Each output element is one
+// sessions decoding in it, as in linear_fp16.cpp, at 0.31 of fp16's bytes. Each output element is one
 // fp32 FMA chain over k = 0..K-1 whatever the row count and the panels beside it, so a row's result does not
 // depend on the other rows of its pass, nor a fused layer's on its parts' (bit for bit); the 8- and 16-float
 // paths widen each weight by the same fused multiply-add and sum in the same order, so they agree bit for bit.
@@ -27,7 +28,7 @@
 #include <cstdint>
 #include <tuple>
 
-#include "simd.h"  // has_avx512, sixteen_floats
+#include "simd.h"  // sixteen_floats, checked_rows_and_bias, write_panel_sums
 
 namespace {
 
@@ -40,6 +41,8 @@ constexpr int kMaxPanels = 8;
 // Panels per register block of `rows` rows: enough independent FMA chains for few rows, at most 24 sums
 constexpr int panels_for(int64_t rows) { return rows == 1 ? 8 : rows == 2 ? 6 : rows <= 4 ? 4 : 3; }
 constexpr int64_t kMaxBlockRows = 8;
+// Panels per group of a decode tile widened in registers (AVX-512): each panel's step and low held beside the sums
+constexpr int fused_panels(int64_t rows) { return rows <= 2 ? 4 : rows <= 4 ? 3 : 2; }
 
 // ---- 8-float vectors (AVX2): a panel's 16 columns are two vectors -------------------------------------
 // Widen inputs [k0, k1) of one panel into out[(k - k0) * 16 + c] = q * step + low.
@@ -86,12 +89,9 @@ void block_avx2(const float* x, int64_t K, const float* w, int64_t chunk, int64_
 }
 
 struct Avx2 {
-  static constexpr int panels_for(int64_t rows) { return rows == 1 ? 3 : rows == 2 ? 3 : 2; }
+  static constexpr int panels_for(int64_t rows) { return rows <= 2 ? 3 : 2; }
   static constexpr int64_t kMaxRows = 3;
   static constexpr bool kFused = false;  // 16 registers hold too little to widen in them beside the sums
-  static constexpr int fused_panels(int64_t) { return 1; }
-  template <int P>
-  static void fused(int64_t, const float*, int64_t, const uint8_t*, const uint16_t*, float*) {}
   static void widen(const uint8_t* levels, const uint16_t* scales, int64_t k0, int64_t k1, float* out) {
     widen_avx2(levels, scales, k0, k1, out);
   }
@@ -193,7 +193,6 @@ struct Avx512 {
   static constexpr int panels_for(int64_t rows) { return ::panels_for(rows); }
   static constexpr int64_t kMaxRows = kMaxBlockRows;
   static constexpr bool kFused = true;
-  static constexpr int fused_panels(int64_t rows) { return rows <= 2 ? 4 : rows <= 4 ? 3 : 2; }
   template <int P>
   static void fused(int64_t rows, const float* x, int64_t K, const uint8_t* levels, const uint16_t* scales, float* acc) {
     switch (rows) {
@@ -228,12 +227,6 @@ struct Avx512 {
 
 #pragma GCC pop_options
 
-// y[r, c] (+ bias[c]) of `rows` rows from their sums (row r's `here` panels from sums + r * here * 16)
-void finish(const float* sums, int64_t rows, int64_t here, const float* bias, float* y, int64_t ldy, int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = bias ? sums[r * here * COLS + c] + bias[c] : sums[r * here * COLS + c];
-}
-
 // y (M, N) = x (M, K) against the packed panels (+ bias), a tile of rows at a time, its panels in groups
 // split over the threads. A decode tile (one register block) widens in registers where the vectors allow;
 // a larger one widens each group's chunk of k into `wide` once, for all its register blocks.
@@ -247,22 +240,25 @@ void product(const float* xs, int64_t M, int64_t K, const uint8_t* levels, const
     const bool fused = Isa::kFused && tile <= Isa::kMaxRows;
     const int64_t blocks = (tile + Isa::kMaxRows - 1) / Isa::kMaxRows;
     const int64_t block_rows = (tile + blocks - 1) / blocks;
-    const int64_t step = fused ? Isa::fused_panels(tile) : Isa::panels_for(block_rows);  // panels per group
+    const int64_t step = fused ? fused_panels(tile) : Isa::panels_for(block_rows);  // panels per group
 #pragma omp for schedule(static)
     for (int64_t group = 0; group < (panels + step - 1) / step; ++group) {
       const int64_t p = group * step, here = std::min(step, panels - p), cols = std::min(here * COLS, N - p * COLS);
       const uint8_t* group_levels = levels + p * (K / 2) * COLS;
       const uint16_t* group_scales = scales + p * (K / GROUP) * 2 * COLS;
       alignas(64) float acc[TILE][kMaxPanels * COLS];  // per row of the tile: its block's sums from there on
-      if (fused) {
-        switch (here) {
-          case 4: Isa::template fused<4>(tile, xs + m0 * K, K, group_levels, group_scales, acc[0]); break;
-          case 3: Isa::template fused<3>(tile, xs + m0 * K, K, group_levels, group_scales, acc[0]); break;
-          case 2: Isa::template fused<2>(tile, xs + m0 * K, K, group_levels, group_scales, acc[0]); break;
-          default: Isa::template fused<1>(tile, xs + m0 * K, K, group_levels, group_scales, acc[0]); break;
+      if constexpr (Isa::kFused) {
+        if (fused) {
+          switch (here) {
+            case 4: Isa::template fused<4>(tile, xs + m0 * K, K, group_levels, group_scales, acc[0]); break;
+            case 3: Isa::template fused<3>(tile, xs + m0 * K, K, group_levels, group_scales, acc[0]); break;
+            case 2: Isa::template fused<2>(tile, xs + m0 * K, K, group_levels, group_scales, acc[0]); break;
+            default: Isa::template fused<1>(tile, xs + m0 * K, K, group_levels, group_scales, acc[0]); break;
+          }
+          kvmemory_simd::write_panel_sums(acc[0], tile, here, b ? b + p * COLS : nullptr, ys + m0 * N + p * COLS, N,
+                                          cols);
+          continue;
         }
-        finish(acc[0], tile, here, b ? b + p * COLS : nullptr, ys + m0 * N + p * COLS, N, cols);
-        continue;
       }
       alignas(64) float wide[kMaxPanels * K_CHUNK * COLS];
       for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
@@ -287,7 +283,8 @@ void product(const float* xs, int64_t M, int64_t K, const uint8_t* levels, const
       }
       for (int64_t first = 0; first < tile; first += block_rows) {
         const int64_t rows = std::min(block_rows, tile - first);
-        finish(acc[first], rows, here, b ? b + p * COLS : nullptr, ys + (m0 + first) * N + p * COLS, N, cols);
+        kvmemory_simd::write_panel_sums(acc[first], rows, here, b ? b + p * COLS : nullptr,
+                                        ys + (m0 + first) * N + p * COLS, N, cols);
       }
     }
   }
@@ -316,8 +313,7 @@ std::tuple<at::Tensor, at::Tensor> pack_int4_weight(const at::Tensor& levels, co
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
                        const c10::optional<at::Tensor>& bias, int64_t vector_bits) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be a contiguous (rows, in_features) float32 tensor");
+  const float* b = kvmemory_simd::checked_rows_and_bias(x, bias, N);
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == COLS && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "packed must be a contiguous (panels, in_features / 2, 16) uint8 tensor from pack_int4_weight");
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
@@ -326,12 +322,6 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
                   scales.size(3) == COLS && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
               "scales must be a contiguous (panels, in_features / 32, 2, 16) float16 tensor from pack_int4_weight");
   TORCH_CHECK(N > (panels - 1) * COLS && N <= panels * COLS, "out_features ", N, " does not fill ", panels, " panels");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "bias must be a contiguous float32 vector of out_features");
-    b = bias->data_ptr<float>();
-  }
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* levels = packed.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());

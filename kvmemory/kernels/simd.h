@@ -1,8 +1,9 @@
 // Helpers shared by kvmemory's CPU kernels: eight-float vectors (AVX2, FMA, F16C), rows split over threads, and
-// the choice of vector width of the linear kernels.
+// what the two linear kernels (fp16 and int4 weights in panels of 16 output columns) share.
 #pragma once
 
 #include <ATen/Parallel.h>  // at::get_num_threads
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -76,6 +77,27 @@ inline void each_row(int64_t rows, int64_t least, Body body) {
   const int threads = static_cast<int>(std::clamp<int64_t>(rows / least, 1, at::get_num_threads()));
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t r = 0; r < rows; ++r) body(r);
+}
+
+// ---- the linear kernels: weights packed in panels of 16 output columns ----
+
+// The input rows and bias every linear kernel takes, checked: the bias's data, null without one
+inline const float* checked_rows_and_bias(const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous (rows, in_features) float32 tensor");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+              "bias must be a contiguous float32 vector of out_features");
+  return bias->data_ptr<float>();
+}
+
+// y[r, c] (+ bias[c]) for `rows` rows and `cols` columns from their sums, row r's at sums + r * panels * 16
+inline void write_panel_sums(const float* sums, int64_t rows, int64_t panels, const float* bias, float* y,
+                             int64_t ldy, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = sums + r * panels * 16;
+    for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = bias ? row[c] + bias[c] : row[c];
+  }
 }
 
 // Whether this CPU runs AVX-512 (the OS saves its registers too: libgcc checks)

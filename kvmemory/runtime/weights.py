@@ -62,6 +62,7 @@ SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FORMAT_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 WEIGHT_FORMATS = ("fp32", *SIXTEEN_BIT, "int4", "auto")
 INT4_GROUP = 32  # inputs per scale and zero: GGUF Q4_1's block, so that file's weights are kept as they are
+PANEL_COLUMNS = 16  # output columns per panel of kvmemory's fp16 and int4 kernels: fused parts fill whole panels
 INT4_PACK_ROWS = 64  # the CPU kernel packs output rows in blocks of 64: fused weights split there
 DIRECT_ROWS = 2  # up to this many rows the 16-bit kernel wins; past it widening the weight does (AVX2)
 WIDEN_BLOCK_BYTES = 2 << 20  # widened weight blocks of this size stay in cache
@@ -188,13 +189,14 @@ class PackedFp16Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16 ({layout})"
 
 
-def _fuse_packed_fp16(parts: list[PackedFp16Linear]) -> PackedFp16Linear | None:
-    """``fuse_linears`` for fp16 weights in kvmemory's panels. None unless every part fills whole panels and
-    all share an input size and having a bias or not (fbgemm's packed weights never fuse)."""
+def _fuse_panels(parts: list) -> nn.Module | None:
+    """``fuse_linears`` for weights in kvmemory's panels (all ``PackedFp16Linear`` or all ``PackedInt4Linear``).
+    None unless every part fills whole panels of 16 columns and all share an input size and having a bias or
+    not (fbgemm's packed fp16 weights never fuse)."""
     alike = len({(p.in_features, p.bias is None) for p in parts}) == 1
-    if not alike or any(p.panels is None or p.out_features % p.panels.shape[-1] for p in parts):
-        return None
-    return PackedFp16Linear.side_by_side(parts)
+    fbgemm = any(type(p) is PackedFp16Linear and p.panels is None for p in parts)
+    whole = all(p.out_features % PANEL_COLUMNS == 0 for p in parts)
+    return type(parts[0]).side_by_side(parts) if alike and whole and not fbgemm else None
 
 
 class Int4Linear(nn.Module):
@@ -333,10 +335,8 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
     their fp16 views.)"""
     if all(type(p) is Int4Linear for p in parts):
         return _fuse_int4(parts)
-    if all(type(p) is PackedInt4Linear for p in parts):
-        return _fuse_packed_int4(parts)
-    if all(type(p) is PackedFp16Linear for p in parts):
-        return _fuse_packed_fp16(parts)
+    if len({type(p) for p in parts}) == 1 and type(parts[0]) in (PackedFp16Linear, PackedInt4Linear):
+        return _fuse_panels(parts)
     if any(type(p) not in (nn.Linear, SixteenBitLinear) for p in parts):
         return None
     kinds = {(type(p), p.weight.dtype, p.weight.device, p.bias is None) for p in parts}
@@ -358,15 +358,6 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
             part.bias = nn.Parameter(bias[rows], requires_grad=False)
         offset = rows.stop
     return fused
-
-
-def _fuse_packed_int4(parts: list[PackedInt4Linear]) -> PackedInt4Linear | None:
-    """``fuse_linears`` for int4 weights in kvmemory's panels: None unless every part fills whole panels of 16
-    columns and all share an input size and having a bias or not."""
-    alike = len({(p.in_features, p.bias is None) for p in parts}) == 1
-    if not alike or any(p.out_features % p.packed.shape[-1] for p in parts):
-        return None
-    return PackedInt4Linear.side_by_side(parts)
 
 
 def _fuse_int4(parts: list[Int4Linear]) -> Int4Linear | None:
