@@ -9,6 +9,7 @@
 * ``logits.cpp``: the argmax and the log-sum-exp of each row of logits (``kvmemory.runtime.logits``);
 * ``rms_norm.cpp``: RMSNorm of fp32 rows (``kvmemory.runtime.forward``, ``rms_norm``);
 * ``gated_mlp.cpp``: the gated MLP's silu(gate)·up (``kvmemory.runtime.forward``, ``gated_activation``);
+* ``rope.cpp``: RoPE of the query and key heads, in place (``kvmemory.runtime.forward``, ``rotate``);
 * ``simd.h``: the eight-float vector helpers they share.
 
 ``torch.utils.cpp_extension`` builds them with the C++ compiler torch's extensions use when the first CPU
@@ -32,7 +33,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("decode_attention.cpp", "linear_fp16.cpp", "linear_int4.cpp", "logits.cpp", "rms_norm.cpp", "gated_mlp.cpp")
+KERNELS = (
+    "decode_attention.cpp",
+    "linear_fp16.cpp",
+    "linear_int4.cpp",
+    "logits.cpp",
+    "rms_norm.cpp",
+    "gated_mlp.cpp",
+    "rope.cpp",
+)
 SOURCES = [Path(__file__).with_name(name) for name in KERNELS]
 HEADERS = [Path(__file__).with_name("simd.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # x86-64-v3: every AVX2 machine runs it
