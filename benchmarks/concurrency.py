@@ -7,7 +7,9 @@ no two sessions hold the same context. Each session runs under the default memor
 ``--cap`` slots. Then, all sessions at once:
 
 * decode: ``--tokens`` greedy tokens each (end-of-turn ignored): aggregate decode tokens/s over the wall
-  time, per-session tokens/s over each session's own time;
+  time, per-session tokens/s over each session's own time; the engine's time per pass (``Engine.stats()``'s
+  ``busy_seconds`` over its passes, sampling included) and the share of the wall time it waited for the
+  sessions between passes (their bookkeeping between two tokens);
 * turn: the trace's next tool call and result are appended and a reply is streamed: time to first token.
 
 Side by side in one run, on the same contexts, the decode phases of every session count and condition
@@ -132,15 +134,18 @@ def decode_phase(engine: Engine, sessions, tokens: int) -> dict:
     it, transformers' padded batch, churns hundreds of MB), and a phase of a second or less would otherwise
     pay for the caches it finds cold, the shorter phases of fewer sessions most."""
     all_at_once(sessions, decode(WARM_UP_TOKENS))
-    before = engine.batcher.stats.passes, engine.batcher.stats.requests
+    stats = engine.batcher.stats
+    before = stats.passes, stats.requests, stats.busy_seconds
     wall, results = all_at_once(sessions, decode(tokens))
     # n − 1 tokens a session: its first step may need no forward (a fresh prompt's logits are at hand); after
     # the warm-up it forwards the token that reply left pending. Alike for every condition, so ratios hold
     return {
         "tok_s": sum(n - 1 for n, _ in results) / wall,
         "per_session": [(n - 1) / t for n, t in results],
-        "passes": engine.batcher.stats.passes - before[0],
-        "requests": engine.batcher.stats.requests - before[1],
+        "passes": stats.passes - before[0],
+        "requests": stats.requests - before[1],
+        "busy_s": stats.busy_seconds - before[2],
+        "wall_s": wall,
     }
 
 
@@ -173,6 +178,8 @@ def summary(phases: list[dict], firsts: list[float]) -> dict:
         "decode_tok_s": statistics.median(p["tok_s"] for p in phases),
         "per_session_tok_s": statistics.median(x for p in phases for x in p["per_session"]),
         "sessions_per_pass": sum(p["requests"] for p in phases) / sum(p["passes"] for p in phases),
+        "pass_ms": 1e3 * statistics.median(p["busy_s"] / p["passes"] for p in phases),
+        "engine_idle": statistics.median(1 - p["busy_s"] / p["wall_s"] for p in phases),
         "ttft_median_s": statistics.median(firsts),
         "ttft_max_s": max(firsts),
     }
@@ -311,6 +318,8 @@ def main() -> None:
                 "kvmemory_tok_s": batched["decode_tok_s"],
                 "per_session_tok_s": batched["per_session_tok_s"],
                 "sessions_per_pass": batched["sessions_per_pass"],
+                "pass_ms": batched["pass_ms"],
+                "engine_idle": batched["engine_idle"],
                 "kv32_tok_s": result["kv32"]["decode_tok_s"],
                 "kv8_tok_s": result["kv8"]["decode_tok_s"],
                 "sdpa_tok_s": result["sdpa"]["decode_tok_s"],

@@ -544,6 +544,7 @@ def concurrency_section(d: dict, options: str = "") -> str:
             f"{r['speedup_vs_one']:.1f}×",
             paired_speedup(r, "pairs" in d),
             f"{r['sessions_per_pass']:.1f}",
+            f"{r['pass_ms']:.1f} / {100 * r['engine_idle']:.0f}%" if "pass_ms" in r else "–",
             f"{r['per_session_tok_s']:.1f}",
             f"{r['kv32_tok_s']:.1f}",
             f"{r['kv8_tok_s']:.1f}" if "kv8_tok_s" in r else "–",
@@ -562,6 +563,7 @@ def concurrency_section(d: dict, options: str = "") -> str:
         "vs 1 session",
         "paired vs 1 session (range)",
         "sessions per pass",
+        "ms per pass / engine waiting",
         "per session tok/s",
         "fp32 cache tok/s",
         "8-bit cache tok/s",
@@ -583,7 +585,10 @@ def concurrency_section(d: dict, options: str = "") -> str:
         'the bytes) and in 8-bit rows (`kv_dtype="int8"`, 0.56× the bytes), the same with attention on '
         "torch's sdpa, the same engine one session per forward, and "
         "transformers `generate` over the same contexts left-padded into one batch (its decode timed from the "
-        "first generated token to the last)." + paired_note(d) + "\n\n" + md(rows, columns)
+        "first generated token to the last). *ms per pass*: the batched engine's time per pass (sampling included; "
+        "`Engine.stats()`'s `busy_seconds` over its passes), *engine waiting*: the share of the decode phase's wall "
+        "time between passes, while the sessions do their bookkeeping between two tokens (– for runs saved before "
+        "they were measured)." + paired_note(d) + "\n\n" + md(rows, columns)
     )
 
 

@@ -92,11 +92,15 @@ def test_concurrent_sessions_of_every_cache_shape_decode_as_they_would_alone():
     passes_alone = engine.batcher.stats.passes
     sessions = [build(engine, kind) for kind in KINDS]
     slow_passes(engine)
+    stats = engine.batcher.stats  # counters that grow in place
+    busy_before, passes_before, started = stats.busy_seconds, stats.passes, time.perf_counter()
     together = run_together(sessions, greedy(24))
+    wall = time.perf_counter() - started
     assert together == alone
-    stats = engine.batcher.stats
     assert stats.largest == len(KINDS)  # at some step every session was in one pass
     assert stats.passes - passes_alone < len(KINDS) * 24  # fewer passes than steps: they were shared
+    busy = stats.busy_seconds - busy_before  # every pass slept 0.02 s, one at a time, within the wall time
+    assert 0.02 * (stats.passes - passes_before) <= busy <= wall
     capped = sessions[KINDS.index("capped")]
     assert capped.compaction_log and capped.memory.peak_slots <= CAP  # compacted mid-reply, under the cap
 

@@ -142,6 +142,9 @@ class BatchStats:
     largest: int = 0  # most requests in one pass
     retried: int = 0  # failed passes retried request by request
     sizes: dict[int, int] = field(default_factory=dict)  # requests per pass -> passes
+    # seconds spent running passes, each from its hand-over to where the model runs to its end (the sampling
+    # after it included): over a stretch of wall time, the rest is the engine waiting for its sessions
+    busy_seconds: float = 0.0
 
     def count(self, batch: list[ForwardRequest]) -> None:
         self.passes += 1
@@ -234,6 +237,7 @@ class ForwardBatcher:
                 self._pass_ended.acquire()
                 self._busy = False
                 now = time.perf_counter()
+                self.stats.busy_seconds += now - started
                 self._returning = {id(r.cache) for r in batch}
                 self._gather_until = now + min(self.max_gather_seconds, (now - started) / 2)
                 self._pass_ended.notify_all()
