@@ -138,6 +138,7 @@ def test_sessions_starting_replies_together_share_their_first_pass():
         session.append_tokens(random_tokens(12 + i, seed=i))
         session.generate(max_new_tokens=1)  # a sampled token is pending: the next reply starts with a forward
         sessions.append(session)
+    time.sleep(0.2)  # past the gather window of the last setup pass (half its time): the engine is idle
     sizes, forward = [], engine.batcher.forward
 
     def counting(input_ids, rope, cache, *args):
