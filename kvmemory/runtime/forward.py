@@ -7,9 +7,9 @@ the model's forward, of which 7 ms are matrix products). ``DirectForward`` compu
 architectures kvmemory supports (Llama, Mistral, Qwen2, Qwen3) as one loop over the layers: q, k and v come
 from one matrix product and so do gate and up (``fuse_linears``: the modules' weights become views of the
 fused one; projections that cannot fuse run ``SideBySide``), each projection's own ``forward`` runs (so
-16-bit weights keep their kernels), RMSNorm is one call (``rms_norm``), and attention goes through
-``kvmemory_attention`` exactly as on the transformers path (β, ragged heads, packed sessions, query
-recording). A Session now decodes faster than transformers' own decode on the same weights
+16-bit weights keep their kernels), RMSNorm is one call (``rms_norm``) and so is RoPE (``rotate``), and
+attention goes through ``kvmemory_attention`` exactly as on the transformers path (β, ragged heads, packed
+sessions, query recording). A Session now decodes faster than transformers' own decode on the same weights
 (``python -m benchmarks.speed``).
 
 A model laid out any other way (another layer class, or modules with hooks or a replaced ``forward``, as
@@ -132,10 +132,11 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """RoPE in transformers' half layout on the heads ``x`` (1, T, H, D): x·cos + rotate_half(x)·sin.
 
-    As torch operators it is four of them per layer (two products, a roll for rotate_half, a sum), ~29 µs
-    for one decoded token of the default model on a 2-core AVX-512 Xeon, 30 of them a token; on fp32
-    activations on a CPU it is kvmemory's kernel instead, in place (``kvmemory/kernels/rope.cpp``: the same
-    products and sum, so the same bits). Returns the rotated heads: ``x`` itself where rotated in place."""
+    As torch operators it is four per layer (two products, a roll for rotate_half, a sum): 0.86 ms of a
+    decoded token of the default model on a 2-core AVX-512 Xeon. On fp32 activations on a CPU it is
+    kvmemory's kernel instead (``kvmemory/kernels/rope.cpp``: the same products and sum, so the same bits;
+    0.45-0.52 ms), which rotates ``x`` in place: the caller hands over heads that nothing else reads.
+    Returns the rotated heads (``x`` itself where rotated in place)."""
     ops = cpu_ops() if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 else None
     if ops is not None:
         ops.rope_(x[0], cos, signed_sin, x.shape[2])
@@ -199,7 +200,8 @@ class DecoderLayer:
         qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :].transpose(1, 2)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])), dim=2)
-        q, k = rotate(qk, cos, sin).transpose(1, 2).split((heads, kv_heads), dim=1)  # q and k rotated at once
+        # q and k rotated at once, in place where the kernel runs: qk is this layer's own projection output
+        q, k = rotate(qk, cos, sin).transpose(1, 2).split((heads, kv_heads), dim=1)
         keys, values = cache.update(k, v, self.attention.layer_idx)
         out, _ = kvmemory_attention(
             self.attention, q, keys, values, None, self.scaling, packed_cache=cache, attention_path=attention_path
