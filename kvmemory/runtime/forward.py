@@ -137,7 +137,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     kvmemory's kernel instead (``kvmemory/kernels/rope.cpp``: the same products and sum, so the same bits;
     0.45-0.52 ms), which rotates ``x`` in place: the caller hands over heads that nothing else reads.
     Returns the rotated heads (``x`` itself where rotated in place)."""
-    ops = cpu_ops() if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 else None
+    in_place = x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 and not x.requires_grad
+    ops = cpu_ops() if in_place else None
     if ops is not None:
         ops.rope_(x[0], cos, signed_sin, x.shape[2])
         return x
