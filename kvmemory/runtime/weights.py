@@ -36,11 +36,11 @@ round differently (the last place of a few elements).
 
 Measured on a 2-core AVX-512 Xeon (bf16, FP16, AMX; ``python -m benchmarks.speed``'s *kernels* table: one
 token, and one pass of 8 rows, through every linear weight of the default model's shapes, output head
-included, every kernel's weights from memory): fp32 22 ms, bf16 27, kvmemory's fp16 11.0 (8 rows 12.9),
-torch's int4 on bf16 activations 11.5 (23.4), kvmemory's int4 10.6 (16.4); torch's int8 and int4 weight-only
+included, every kernel's weights from memory): fp32 23 ms, bf16 30, kvmemory's fp16 11.3 (8 rows 12.4),
+torch's int4 on bf16 activations 12.2 (23.2), kvmemory's int4 11.3 (18.3); torch's int8 and int4 weight-only
 kernels (``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``, which torchao's weight-only
-configs run on CPU) take 48 and 123 ms on fp32 activations: they are vectorised for bf16 only. In the model
-int4 decodes 1.22× as fast as fp16 (the *Weight formats* table). int8 weight-only (per-row scales) would suit
+configs run on CPU) take 51 and 120 ms on fp32 activations: they are vectorised for bf16 only. In the model
+int4 decodes 1.24× as fast as fp16 (the *Weight formats* table). int8 weight-only (per-row scales) would suit
 weights that are not 4-bit; it is not offered yet. fbgemm's dynamic int8 also quantises the activations and
 moved the NLL by more than 0.01.
 """
