@@ -379,8 +379,10 @@ def agent_memory_section(d: dict) -> str:
         "uncompacted); *answers held*: the share of that gain whose answer the memory still holds at the end "
         "(its first token, in the KV heads that keep it; – where not measured); *degenerate*: empty, repetitive or "
         "off-topic free replies; *95% CI (traces)*: the ΔNLL's interval resampling the traces (one value each); "
-        "*compaction s*: seconds the memory "
-        "manager spent compacting per 2,048 slots it compacted (– where it compacted nothing)."
+        "*compaction s*: seconds the memory manager held the session compacting (choosing, rebuilding the "
+        "cache, closing gaps) per 2,048 slots it compacted (– where it compacted nothing); rows measured before "
+        "the manager timed its pauses (all but the default ones) count the choosing and rebuilding alone, with "
+        "each compaction's error measured as the manager then did."
     ]
     for cap in dict.fromkeys(r["cap"] for r in d["summary"]):
         body = [
@@ -394,7 +396,7 @@ def agent_memory_section(d: dict) -> str:
                 r["nll_ci"],
                 f"{r['degenerate_replies']:.0%}",
                 f"{r['peak_kv_mb']:.0f}",
-                "–" if not r.get("pause_s_per_2048_slots") else f"{r['pause_s_per_2048_slots']:.1f}",
+                "–" if not r.get("pause_s_per_2048_slots") else f"{r['pause_s_per_2048_slots']:.2f}",
             ]
             for r in d["summary"]
             if r["cap"] == cap

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvmemory import ContextLengthError, Engine, MemoryCapError, PolicyError
 from kvmemory.memory import MemoryManager, MemoryPolicy, Segment, SegmentMatch, default_policy, plot_memory_map
+from kvmemory.memory.manager import _joined
 from kvmemory.memory.policy import CompactionRule
 from kvmemory.runtime.chat import ChatRenderer
 from tests.conftest import random_tokens, tiny_model
@@ -490,3 +492,59 @@ def test_a_template_that_will_not_render_a_role_after_a_user_gives_it_no_frame(d
     renderer = ChatRenderer(tokenizer)
     assert renderer.frame("tool") == (0, 0) and renderer.frame("assistant") == (4, 2)
     assert renderer.turn_end() == default_engine.renderer.turn_end()
+
+
+@pytest.mark.parametrize("measure", [False, True])
+def test_a_compaction_times_its_pause_and_measures_its_error_only_when_asked(tiny_engine, measure):
+    """Each compaction's timeline entry carries the seconds it held the session (what a user waits); the
+    attention-output error, which costs more than a fast method's compaction, is measured only on request."""
+    policy = small_policy(max_slots=160)
+    policy.budget.measure_error = measure
+    session = tiny_engine.session(memory=MemoryManager(policy), prefill_chunk_size=32)
+    started = time.perf_counter()
+    for i in range(6):
+        session.append_tokens(random_tokens(60, seed=i), kind="tool_output", tool_name="run_tests")
+    wall = time.perf_counter() - started
+    compactions = [e for e in session.memory.timeline if e["event"] != "append"]
+    assert compactions and all(e["seconds"] > 0 for e in compactions)
+    assert sum(e["seconds"] for e in compactions) < wall
+    assert all("seconds" not in e for e in session.memory.timeline if e["event"] == "append")
+    errors = [record["reconstruction_error"] for record in session.compaction_log]
+    assert errors and all((error is not None) == measure for error in errors)
+
+
+def test_spans_count_the_slots_and_attention_of_exactly_their_positions():
+    """After compactions under uneven head budgets, each segment's span holds the mean slots per head whose
+    positions lie in it, and the room a cap pass shares follows the attention the window queries give exactly
+    those positions (a joined span's gaps, which hold other segments, count for those)."""
+    engine = Engine(tiny_model("llama", max_position_embeddings=4096))
+    skewed = [[1.0, 0.2], [0.1, 0.5]]
+    policy = MemoryPolicy.from_dict(
+        {
+            "rules": [{"match": {"kind": "tool_output"}, "method": "real", "params": {"scores": skewed}, "ratio": 4}],
+            "default": {"method": "snapkv", "ratio": 3},
+            "budget": {"max_slots": 1024, "interval": 150, "recent_tokens": 16, "window": 8},
+        }
+    )
+    session = engine.session(memory=MemoryManager(policy))
+    for i in range(5):
+        session.append_tokens(random_tokens(80, seed=i), kind="tool_output" if i % 2 else "text")
+    layers = session.cache.layers
+    assert len({len(p) for layer in layers for p in layer.head_views("positions")}) > 1  # uneven heads
+    spans = session.memory._spans()
+    heads = len(layers) * layers[0].num_heads
+    for span in spans:
+        held = sum(int(torch.isin(layer.positions[:, : layer.length], span.positions).sum()) for layer in layers)
+        assert span.current == held / heads
+    joined = [spans[0], _joined([spans[1], spans[3]]), spans[2]]
+    mass = torch.zeros(len(joined), dtype=torch.float64)
+    recorder = session.query_recorder
+    for li, layer in enumerate(layers):
+        keys = layer.keys[0, :, : layer.length]
+        logits = torch.einsum("hmd,hsd->hms", recorder.window_queries(li), keys) * engine.head_dim**-0.5
+        attn = torch.softmax(logits + layer.bias[0, :, None, : layer.length], -1).mean(1)
+        for i, span in enumerate(joined):
+            mass[i] += float(attn[torch.isin(layer.positions[:, : layer.length], span.positions)].sum())
+    expected = (mass / mass.sum()).tolist()
+    assert session.memory._importance(joined) == pytest.approx(expected, rel=1e-5)
+    assert session.memory._importance(joined[:1]) == [1.0]

@@ -191,6 +191,7 @@ class MemoryManager:
                 self._busy = False
 
     def _compact(self, session, trigger: str, goal_slots: int | None) -> list[CompactionRecord]:
+        started = time.perf_counter()
         items = self._budgets(goal_slots)
         jobs, head_ratio, frames = [], self.max_head_ratio(), self._recent_frames()
         for span, slots, _ in items:
@@ -199,7 +200,8 @@ class MemoryManager:
             jobs.append(
                 SpanJob(span.positions, method, slots, source, protected_positions=frames, max_head_ratio=head_ratio)
             )
-        records = compact_spans(session, jobs, trigger=trigger)  # one cache rebuild for the whole pass
+        # one cache rebuild for the whole pass
+        records = compact_spans(session, jobs, trigger=trigger, measure_error=self.policy.budget.measure_error)
         if records and self.policy.budget.close_gaps and session.engine.rebase_positions:
             session._rebase()  # in the transaction: undone with the compaction if anything later fails
         forced_on = {}  # segment id -> compactions below its rule's budget that the cap forced in this pass
@@ -215,7 +217,7 @@ class MemoryManager:
         ]
         self._last_compaction_at = len(session.tokens)
         if records:
-            self._record(trigger)
+            self._record(trigger, seconds=time.perf_counter() - started)
         return records
 
     def _recent_frames(self) -> set[int]:
@@ -239,25 +241,30 @@ class MemoryManager:
         """One span per unprotected segment: its part outside the sinks and the recent window."""
         budget = self.policy.budget
         limit = len(self.session.tokens) - (budget.recent_tokens if recent_tokens is None else recent_tokens)
+        held_before, heads = (
+            self._slots_before(),
+            len(self.session.cache.layers) * self.session.cache.layers[0].num_heads,
+        )
         out = []
         for seg in self.session.segments:
             rule = self.rule_for(seg)
             start, end = max(seg.start, budget.sink_tokens), min(seg.end, limit)
             if rule.protected or end - start < 2:
                 continue
-            positions = torch.arange(start, end)
-            current = self._slots_in(positions)
-            out.append(_Span([seg], positions, rule, current, min(current, rule.target_slots(end - start))))
+            current = int(held_before[end] - held_before[start]) / heads  # slots per head, mean over heads
+            out.append(
+                _Span([seg], torch.arange(start, end), rule, current, min(current, rule.target_slots(end - start)))
+            )
         return out
 
-    def _slots_in(self, positions: torch.Tensor) -> float:
-        """Slots per head (mean over layers and heads) whose position is in ``positions``."""
-        total = 0
-        lo, hi = int(positions[0]), int(positions[-1])
+    def _slots_before(self) -> torch.Tensor:
+        """(T + 1,) slots over every layer and head whose position is below each index: positions [a, b) hold
+        ``held[b] - held[a]``. One count over the cache serves every segment."""
+        counts = torch.zeros(len(self.session.tokens), dtype=torch.long)
         for layer in self.session.cache.layers:
             pos = layer.positions[:, : layer.length]
-            total += int(((pos >= lo) & (pos <= hi)).sum())
-        return total / (len(self.session.cache.layers) * self.session.cache.layers[0].num_heads)
+            counts += torch.bincount(pos[pos >= 0].cpu(), minlength=len(counts))[: len(counts)]
+        return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
 
     def _incompressible_slots(self, n_new: int) -> int:
         """Slots no compaction can free once ``n_new`` tokens arrive (the recent window slides over them):
@@ -271,19 +278,23 @@ class MemoryManager:
     def _importance(self, spans: list[_Span]) -> list[float]:
         """Attention mass the selector-window queries give each span (mean over layers and heads)."""
         recorder = self.session.query_recorder
-        if recorder is None or not recorder.has_window:
-            return [1.0] * len(spans)
+        if len(spans) < 2 or recorder is None or not recorder.has_window:
+            return [1.0] * len(spans)  # one span takes all the room whatever its mass: nothing to attend over
         scale = self.session.engine.head_dim**-0.5
-        mass = torch.zeros(len(spans))
+        owner = torch.full((len(self.session.tokens) + 1,), len(spans), dtype=torch.long)  # last: no span
+        for i, span in enumerate(spans):
+            owner[span.positions] = i
+        mass = torch.zeros(len(spans) + 1, dtype=torch.float64)
         with torch.no_grad():
             for li, layer in enumerate(self.session.cache.layers):
                 q = recorder.window_queries(li).float()
                 keys = layer.keys[0, :, : layer.length].float()
                 logits = torch.einsum("hmd,hsd->hms", q, keys) * scale + layer.bias[0, :, None, : layer.length]
                 attn = torch.softmax(logits, -1).mean(1)  # (H, S)
-                pos = layer.positions[:, : layer.length]
-                for i, span in enumerate(spans):
-                    mass[i] += float(attn[(pos >= int(span.positions[0])) & (pos <= int(span.positions[-1]))].sum())
+                pos = layer.positions[:, : layer.length].cpu()
+                index = torch.where(pos >= 0, owner[pos.clamp_min(0)], len(spans))
+                mass.index_add_(0, index.flatten(), attn.cpu().double().flatten())
+        mass = mass[:-1]
         return (mass / mass.sum().clamp_min(1e-12)).tolist()
 
     def _budgets(self, goal_slots: int | None) -> list[tuple[_Span, int, bool]]:
@@ -320,7 +331,9 @@ class MemoryManager:
         return [_joined(item) if isinstance(item, list) else item for item in out]
 
     # ---- telemetry -------------------------------------------------------------------------------
-    def _record(self, event: str) -> None:
+    def _record(self, event: str, seconds: float | None = None) -> None:
+        """A timeline entry; a compaction's carries the ``seconds`` it held the session (selection, rebuild,
+        closing gaps): the pause a user waits."""
         kv = self.session.cache.kv_bytes()
         self.peak_slots = max(self.peak_slots, self.session.cache.physical_length)
         self.peak_kv_bytes = max(self.peak_kv_bytes, kv)
@@ -332,6 +345,7 @@ class MemoryManager:
                 "physical": self.session.cache.physical_length,
                 "kv_bytes": kv,
                 "segments": self.session.segment_slots(),
+                **({} if seconds is None else {"seconds": seconds}),
             }
         )
 
@@ -367,7 +381,7 @@ def _fill(room: float, shares: list[float], caps: list[float], floors: list[int]
             open_spans.remove(i)
     total = sum(shares[i] for i in open_spans) or 1e-12
     for i in open_spans:
-        targets[i] = max(0.0, room) * shares[i] / total
+        targets[i] = max(0.0, room) * (shares[i] / total)  # a lone span gets exactly the room
     return [int(max(floor, math.floor(t))) for t, floor in zip(targets, floors)]
 
 

@@ -130,7 +130,8 @@ class CompactionRule(BaseModel):
 
 
 class MemoryBudget(BaseModel):
-    """When to compact: a cap on physical slots or bytes, a period, and what stays verbatim."""
+    """When to compact: a cap on physical slots or bytes, a period, and what stays verbatim; what a compaction
+    does besides (closing gaps, measuring its error)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -155,6 +156,12 @@ class MemoryBudget(BaseModel):
         0.75, gt=0, le=1, description="a cap-triggered compaction aims this far below the cap"
     )
     window: int = Field(64, ge=1, description="R: selector-window queries recorded for compaction")
+    measure_error: bool = Field(
+        False,
+        description="after each compaction, record in the compaction log how far the span's attention output on "
+        "the selector-window queries moved (reconstruction_error): telemetry that costs several times what a "
+        "fast method's compaction does, so off unless asked for",
+    )
     close_gaps: bool = Field(
         False,
         description="after each compaction, re-rotate the kept slots to consecutive RoPE positions "
