@@ -112,11 +112,6 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
         f"final: {stats.logical_tokens} tokens, {max(stats.physical_slots)} slots, {stats.compactions} compactions, "
         f"{stats.allocated_bytes / 2**20:.1f} MiB allocated, {time.perf_counter() - started:.0f} s"
     )
-    errors = [e["reconstruction_error"] for e in session.compaction_log if e["reconstruction_error"] is not None]
-    if errors:
-        print(
-            f"attention-output reconstruction error on reference queries: median {sorted(errors)[len(errors) // 2]:.3f}"
-        )
 
 
 if __name__ == "__main__":

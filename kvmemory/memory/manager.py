@@ -241,10 +241,8 @@ class MemoryManager:
         """One span per unprotected segment: its part outside the sinks and the recent window."""
         budget = self.policy.budget
         limit = len(self.session.tokens) - (budget.recent_tokens if recent_tokens is None else recent_tokens)
-        held_before, heads = (
-            self._slots_before(),
-            len(self.session.cache.layers) * self.session.cache.layers[0].num_heads,
-        )
+        held_before = self._slots_before()
+        heads = len(self.session.cache.layers) * self.session.cache.layers[0].num_heads
         out = []
         for seg in self.session.segments:
             rule = self.rule_for(seg)
@@ -276,10 +274,11 @@ class MemoryManager:
         return math.ceil(self.session.cache.physical_length - sum(max(0.0, r.current - r.floor) for r in runs))
 
     def _importance(self, spans: list[_Span]) -> list[float]:
-        """Attention mass the selector-window queries give each span (mean over layers and heads)."""
+        """Share of the attention the selector-window queries give each span's own positions (summed over layers
+        and heads; what lies between a joined span's pieces belongs to other spans)."""
         recorder = self.session.query_recorder
         if len(spans) < 2 or recorder is None or not recorder.has_window:
-            return [1.0] * len(spans)  # one span takes all the room whatever its mass: nothing to attend over
+            return [1.0] * len(spans)  # a lone span takes all the room whatever its mass
         scale = self.session.engine.head_dim**-0.5
         owner = torch.full((len(self.session.tokens) + 1,), len(spans), dtype=torch.long)  # last: no span
         for i, span in enumerate(spans):
