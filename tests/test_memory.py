@@ -513,6 +513,12 @@ def test_a_compaction_times_its_pause_and_measures_its_error_only_when_asked(tin
     assert errors and all((error is not None) == measure for error in errors)
 
 
+def test_compacting_a_session_with_nothing_cached_changes_nothing(tiny_engine):
+    session = tiny_engine.session(memory=MemoryManager(small_policy()))
+    assert session.memory.compact() == [] and session.memory.compact(trigger="cap", goal_slots=1) == []
+    assert session.memory.timeline == [] and session.compaction_log == []
+
+
 def test_spans_count_the_slots_and_attention_of_exactly_their_positions():
     """After compactions under uneven head budgets, each segment's span holds the mean slots per head whose
     positions lie in it, and the room a cap pass shares follows the attention the window queries give exactly

@@ -260,6 +260,8 @@ class MemoryManager:
         ``held[b] - held[a]``. One count over the cache serves every segment."""
         counts = torch.zeros(len(self.session.tokens), dtype=torch.long)
         for layer in self.session.cache.layers:
+            if not layer.is_initialized:  # nothing cached yet
+                continue
             pos = layer.positions[:, : layer.length]
             counts += torch.bincount(pos[pos >= 0].cpu(), minlength=len(counts))[: len(counts)]
         return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
