@@ -25,6 +25,7 @@ from kvmemory import (
 )
 from kvmemory.attention import folded_sdpa, mask_sdpa
 from kvmemory.cache import int8_rows
+from kvmemory.cache.compact_cache import rotation_tables
 from kvmemory.runtime.generation import ReplyText
 from kvmemory.runtime.recorders import SurprisalRecorder
 from tests.conftest import random_tokens, reference_copy, tiny_model
@@ -536,6 +537,31 @@ def test_rebase_bounds_each_heads_distances_by_its_own_slot_count():
             rope = layer.rope[h, : layer.length][valid]
             assert rope.tolist() == list(range(width - k.numel(), width))
     assert len(session.generate(max_new_tokens=4).token_ids) == 4
+
+
+@pytest.mark.parametrize("same_slots_in_every_layer", [True, False])
+def test_rebase_rotates_every_layers_keys_by_its_own_offsets(same_slots_in_every_layer):
+    """A rebase computes its rotation tables once for layers whose slots sit alike and anew for a layer whose
+    slots differ: each key ends rotated by its own new position minus its old one."""
+    engine = Engine(tiny_model("llama", max_position_embeddings=256))
+    session = engine.session()
+    session.append_tokens(random_tokens(90, seed=35))
+    g = torch.Generator().manual_seed(1)
+    keep, other = (torch.sort(torch.randperm(90, generator=g)[:40]).values for _ in range(2))  # as many, elsewhere
+    keeps = [keep if same_slots_in_every_layer or i == 0 else other for i in range(len(session.cache.layers))]
+    session.apply_plan(
+        CompactionPlan(
+            [LayerPlan(keep=k.expand(lay.num_heads, -1).clone()) for k, lay in zip(keeps, session.cache.layers)]
+        )
+    )
+    before = [(layer.keys[0].clone(), layer.rope[:, : layer.length].clone()) for layer in session.cache.layers]
+    session.rebase_positions()
+    for layer, (keys, rope) in zip(session.cache.layers, before):
+        delta = layer.rope[:, : layer.length].long() - rope.long()
+        cos, sin = rotation_tables(delta, engine.rope_inv_freq)
+        half = keys.shape[-1] // 2
+        expected = keys * cos + torch.cat([-keys[..., half:], keys[..., :half]], dim=-1) * sin
+        assert torch.equal(layer.keys[0], expected) and bool((delta != 0).any())
 
 
 def test_rebase_runs_by_itself_past_the_trained_positions():

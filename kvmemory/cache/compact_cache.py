@@ -51,14 +51,23 @@ def _headroom(slots: int) -> int:
     return max(64, min(512, slots // 8))
 
 
-def rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Apply a RoPE rotation by ``delta`` positions (H, S) to keys (H, S, D) already rotated (HF half layout)."""
-    angles = delta[..., None].float() * inv_freq.float().to(keys.device)
+def rotation_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (..., D) of a RoPE rotation by ``delta`` positions (...), in the HF half layout."""
+    angles = delta[..., None].float() * inv_freq.float().to(delta.device)
     emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate(
+    keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, tables: tuple | None = None
+) -> torch.Tensor:
+    """Apply a RoPE rotation by ``delta`` positions (H, S) to keys (H, S, D) already rotated (HF half layout).
+    ``tables``: ``rotation_tables(delta, inv_freq)`` when the caller has them already."""
+    cos, sin = rotation_tables(delta, inv_freq) if tables is None else tables
     k = keys.float()
     half = k.shape[-1] // 2
     rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-    return (k * emb.cos() + rotated_half * emb.sin()).to(keys.dtype)
+    return (k * cos + rotated_half * sin).to(keys.dtype)
 
 
 FIELDS = ("keys", "values", "bias", "positions", "rope", "segments")  # what a slot holds (module docstring)
@@ -398,16 +407,22 @@ class CompactLayer(CacheLayerMixin):
         lengths = tuple(k.numel() for k in keep)
         self._set(LayerState.packed(slots, lengths, bool((slots.bias != 0).any())))
 
-    def rebase(self, span: int, inv_freq: torch.Tensor) -> None:
+    def rebase(self, span: int, inv_freq: torch.Tensor, previous: tuple | None = None) -> tuple:
         """Re-rotate each head's keys so its newest slot sits at ``span − 1`` and the ones before it at
-        consecutive positions (see ``CompactCache.rebase``)."""
+        consecutive positions (see ``CompactCache.rebase``). ``previous``: what the layer before returned,
+        (rotations, cos, sin); layers whose slots sit where its did (every layer, when every head keeps the
+        same tokens) reuse its tables. Returns this layer's."""
         self._relayout(self.capacities)  # new storage: a snapshot keeps the unrotated keys
         rows = _rows(self.starts, self.lengths, self.device)
         new = torch.cat([torch.arange(span - n, span, device=self.device) for n in self.lengths])
         delta = new - self.slots.rope[rows].long()
+        if previous is None or not torch.equal(previous[0], delta):
+            previous = (delta, *rotation_tables(delta, inv_freq))
         keys = int8_rows.read(self.slots.keys[rows], torch.float32)
-        self.slots.keys[rows] = int8_rows.store(rotate(keys[None], delta[None], inv_freq)[0], self.slots.keys.dtype)
+        rotated = rotate(keys, delta, inv_freq, previous[1:])
+        self.slots.keys[rows] = int8_rows.store(rotated, self.slots.keys.dtype)
         self.slots.rope[rows] = new.to(self.slots.rope)
+        return previous
 
     def head_slot_bytes(self) -> int:
         """Bytes one slot of one head costs (key, value, β, position, RoPE position, segment id)."""
@@ -582,8 +597,9 @@ class CompactCache(Cache):
             return 0
         span = self.longest_layer
         shift = span - self.rope_length
+        tables = None
         for layer in self.layers:
-            layer.rebase(span, inv_freq)
+            tables = layer.rebase(span, inv_freq, tables)
         self.rope_length = span
         return shift
 
