@@ -381,8 +381,8 @@ def agent_memory_section(d: dict) -> str:
         "off-topic free replies; *95% CI (traces)*: the ΔNLL's interval resampling the traces (one value each); "
         "*compaction s*: seconds the memory manager held the session compacting (choosing, rebuilding the "
         "cache, closing gaps) per 2,048 slots it compacted (– where it compacted nothing); rows measured before "
-        "the manager timed its pauses (all but the default ones) count the choosing and rebuilding alone, with "
-        "each compaction's error measured as the manager then did."
+        "the manager timed its pauses (all but the default ones and retrieval-lines-kv16) count the choosing "
+        "and rebuilding alone, with each compaction's error measured as the manager then did."
     ]
     for cap in dict.fromkeys(r["cap"] for r in d["summary"]):
         body = [
