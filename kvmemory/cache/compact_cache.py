@@ -58,12 +58,9 @@ def rotation_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     return emb.cos(), emb.sin()
 
 
-def rotate(
-    keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, tables: tuple | None = None
-) -> torch.Tensor:
-    """Apply a RoPE rotation by ``delta`` positions (H, S) to keys (H, S, D) already rotated (HF half layout).
-    ``tables``: ``rotation_tables(delta, inv_freq)`` when the caller has them already."""
-    cos, sin = rotation_tables(delta, inv_freq) if tables is None else tables
+def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply a further RoPE rotation to keys (..., D) already rotated (HF half layout); ``cos`` and ``sin`` are
+    ``rotation_tables`` of how many positions each key moves."""
     k = keys.float()
     half = k.shape[-1] // 2
     rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
@@ -419,8 +416,7 @@ class CompactLayer(CacheLayerMixin):
         if previous is None or not torch.equal(previous[0], delta):
             previous = (delta, *rotation_tables(delta, inv_freq))
         keys = int8_rows.read(self.slots.keys[rows], torch.float32)
-        rotated = rotate(keys, delta, inv_freq, previous[1:])
-        self.slots.keys[rows] = int8_rows.store(rotated, self.slots.keys.dtype)
+        self.slots.keys[rows] = int8_rows.store(rotate(keys, *previous[1:]), self.slots.keys.dtype)
         self.slots.rope[rows] = new.to(self.slots.rope)
         return previous
 

@@ -116,11 +116,12 @@ class QueryRecorder:
     def shift(self, delta: int, inv_freq: torch.Tensor) -> None:
         """After a position rebase: re-rotate the window (its tokens all moved by ``delta``); context queries
         of older segments moved by different amounts and are dropped."""
-        from kvmemory.cache.compact_cache import rotate
+        from kvmemory.cache.compact_cache import rotate, rotation_tables
 
         if self.recent:
             window = self.joined_window()
-            self.recent = (rotate(window, torch.full(window.shape[:3], delta), inv_freq),)
+            moved = torch.full(window.shape[:3], delta, device=window.device)
+            self.recent = (rotate(window, *rotation_tables(moved, inv_freq)),)
         self.context.clear()
 
     def window_queries(self, layer: int) -> torch.Tensor | None:
