@@ -11,9 +11,11 @@ valid reference) are replayed step by step, as an agent would send them, under e
   ``SummarizationMiddleware`` with the same local model as the summariser);
 * kvmemory under a cap of the same KV bytes (``MemoryBudget.max_bytes``), compacting online as the memory
   manager runs it: the default policy (selective context, its tokens of under 1 nat of surprisal evicted
-  before any line, gaps closed); the same keeping whole lines (``whole-lines``); and its rules switched to
-  Attention Matching, AM under REAL head budgets, TAM, counter-causal surprise or SnapKV;
-* ``-kv16`` conditions (the default, whole-lines, drop-oldest, clear-tool-uses): the same on a cache stored in fp16
+  before any line, under REAL's head budgets, gaps closed); the same ranking with every head keeping the same
+  count (``uniform-lines``, the default before) and that keeping whole lines (``whole-lines``); and its rules
+  switched to Attention Matching, AM under REAL head budgets, TAM, counter-causal surprise or SnapKV;
+* ``-kv16`` conditions (the default, uniform-lines, whole-lines, retrieval-lines, drop-oldest,
+  clear-tool-uses): the same on a cache stored in fp16
   (``Engine(kv_dtype="float16")``) under the same bytes, so about twice the tokens fit (a text agent on a
   16-bit cache gets the same), against the same fp32 references; ``-kv8`` conditions (the default,
   drop-oldest): the same on 8-bit rows (``kv_dtype="int8"``, ``kvmemory.cache.int8_rows``), about 3.5 times
@@ -54,9 +56,9 @@ from integrations.chat_model import ChatKVMemory, to_chat_dicts
 from kvmemory import Engine, MemoryManager, MemoryPolicy, default_policy
 
 KV_METHODS = {  # condition: (registry name, params) every compacted rule of the default policy switches to
-    "whole-lines": ("selective_context", {}),  # the default without evicting predictable tokens first
-    # the default's ranking under REAL's head budgets (what continuation NLL on single texts favours)
-    "lines-real": ("real", {"inner": "selective_context", "inner_params": {"evict_predictable_below": 1.0}}),
+    # the default's ranking with every head keeping the same count (so the same tokens): the default before
+    "uniform-lines": ("selective_context", {"evict_predictable_below": 1.0}),
+    "whole-lines": ("selective_context", {}),  # the same without evicting predictable tokens first
     # retrieval heads keep the default's lines, the others SnapKV's choice, under REAL's head budgets
     "retrieval-lines": ("real", {"inner": "retrieval_lines"}),
     "am": ("attention_matching", {}),
@@ -76,7 +78,8 @@ CONDITIONS = [
 # suffix: the condition on a cache stored in this ``kv_dtype``, under the same bytes
 STORED = {"-kv16": "float16", "-kv8": "int8"}
 CONDITIONS += [
-    c + "-kv16" for c in ("drop-oldest", "clear-tool-uses", "kvmemory-default", "whole-lines", "retrieval-lines")
+    c + "-kv16"
+    for c in ("drop-oldest", "clear-tool-uses", "kvmemory-default", "uniform-lines", "whole-lines", "retrieval-lines")
 ]
 CONDITIONS += [c + "-kv8" for c in ("drop-oldest", "kvmemory-default")]
 OPEN_QUESTION = "In two sentences: what was wrong in this task, and what did you change?"
@@ -84,7 +87,7 @@ ANSWER_TOKENS, REPLY_TOKENS, BOOTSTRAP = 16, 48, 2000
 
 
 # the default's ranking, alone or in some heads; the others keep their gaps
-CLOSE_GAPS = {"kvmemory-default", "whole-lines", "lines-real", "retrieval-lines"}
+CLOSE_GAPS = {"kvmemory-default", "uniform-lines", "whole-lines", "retrieval-lines"}
 
 
 def capped_policy(

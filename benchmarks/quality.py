@@ -4,9 +4,10 @@ probes on planted facts, and milliseconds per compaction.
 For every text kind and method, an N-token context is compacted to exactly N/ratio slots per head (the
 first 4 tokens and the last 32 are kept verbatim by every method), then the next 256 tokens are scored
 teacher-forced, and the KV bytes the compacted cache holds are reported beside the slots (``default`` is the
-default policy's rule, its gaps closed afterwards as the memory manager does; ``default_real`` the same
-ranking under REAL's head budgets; ``retrieval_lines`` that ranking in the heads REAL's profile scores
-highest and SnapKV's in the others, under REAL's budgets, its gaps closed too); each kind is
+default policy's rule, selective context's lines under REAL's head budgets, its gaps closed afterwards as the
+memory manager does; ``uniform_lines`` the same ranking with every head keeping the same count, the default
+before; ``retrieval_lines`` that ranking in the heads REAL's profile scores highest and SnapKV's in the
+others, under REAL's budgets, its gaps closed too); each kind is
 measured on several disjoint windows of its text and the tables give means (with one window per kind,
 single texts decided which method won). Retrieval: facts planted in long pytest
 logs; after compaction the question is appended and the answer's log-probability and greedy exact match
@@ -53,11 +54,11 @@ METHODS = {  # label: (registry name, params, reference-query sources)
     "tam_sqrt_wn": ("tam", {"length_exponent": 0.5}, "window"),
     "selective_context": ("selective_context", {}, "window"),
     "default": (DEFAULT_RULE.method, DEFAULT_RULE.params, "window"),
-    "default_real": ("real", {"inner": DEFAULT_RULE.method, "inner_params": DEFAULT_RULE.params}, "window"),
+    "uniform_lines": (DEFAULT_RULE.params["inner"], DEFAULT_RULE.params["inner_params"], "window"),
     "retrieval_lines": ("real", {"inner": "retrieval_lines"}, "window"),
 }
 # as the memory manager does under the default policy
-CLOSES_GAPS = {"default", "default_real", "retrieval_lines"} if DEFAULT_POLICY.budget.close_gaps else set()
+CLOSES_GAPS = {"default", "uniform_lines", "retrieval_lines"} if DEFAULT_POLICY.budget.close_gaps else set()
 EVICTION = (
     "streaming_llm",
     "h2o",
@@ -69,7 +70,7 @@ EVICTION = (
     "real",
     "selective_context",
     "default",
-    "default_real",
+    "uniform_lines",
     "retrieval_lines",
 )
 PROBES = [

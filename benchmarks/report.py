@@ -176,7 +176,7 @@ def quality_section(d: dict) -> str:
             f"; `default` is the default policy's rule (`{d['methods']['default'][0]}` with "
             + ", ".join(f"`{k}={v}`" for k, v in d["methods"]["default"][1].items())
             + ") followed, as the memory manager runs it, by closing the gaps it leaves, "
-            "and `default_real` the same under REAL's head budgets"
+            "and `uniform_lines` the same ranking with every head keeping the same count (the default before)"
             + (
                 "; `retrieval_lines` is REAL with `retrieval_lines` inside: the default's ranking in the third "
                 "of KV heads REAL's profile scores highest, SnapKV's in the others, gaps closed too"
@@ -363,11 +363,13 @@ def agent_memory_section(d: dict) -> str:
         f"({', '.join(d['traces'])}; {min(tokens):.1f}k-{max(tokens):.1f}k tokens, "
         f"{fact_range} single-mention facts each, asked at the end; {d.get('weights', 'fp32')} weights), "
         "replayed step by step under a cap of 1/N of each trace; kvmemory conditions at equal KV bytes, text "
-        "baselines at the same token budget; the default policy evicts the tokens it predicted at under 1 nat "
-        "before any line (`evict_predictable_below=1.0`), closes the gaps its compactions leave "
+        "baselines at the same token budget; the default policy keeps the lines of highest surprisal under "
+        "REAL's head budgets (`real` with `inner=\"selective_context\"`), evicts the tokens it predicted at under "
+        "1 nat before any line (`evict_predictable_below=1.0`), closes each head's gaps after a compaction "
         "(`close_gaps`), keeps the chat frames of the last 4 messages (`recent_frames`) and, when the cap forces a "
-        "compaction, aims at 95% of it (`target_fraction`), *whole-lines* is the same keeping whole lines, "
-        "*lines-real* the same ranking under REAL's head budgets (gaps closed per head), *retrieval-lines* that "
+        "compaction, aims at 95% of it (`target_fraction`), *uniform-lines* is the same ranking with every head "
+        "keeping the same count (the default before; its rows are the former default's), *whole-lines* that "
+        "keeping whole lines, *retrieval-lines* the "
         "ranking in the third of KV heads REAL's profile scores highest and SnapKV's in the others, under REAL's "
         'budgets (`real` with `inner="retrieval_lines"`, gaps closed per head); the other kvmemory rows '
         "switch its rules to that method and keep the gaps (their heads keep different tokens), under the "
@@ -381,7 +383,7 @@ def agent_memory_section(d: dict) -> str:
         "off-topic free replies; *95% CI (traces)*: the ΔNLL's interval resampling the traces (one value each); "
         "*compaction s*: seconds the memory manager held the session compacting (choosing, rebuilding the "
         "cache, closing gaps) per 2,048 slots it compacted (– where it compacted nothing); rows measured before "
-        "the manager timed its pauses (all but the default ones and retrieval-lines-kv16) count the choosing "
+        "the manager timed its pauses (all but the default, uniform-lines and retrieval-lines-kv16 ones) count the choosing "
         "and rebuilding alone, with each compaction's error measured as the manager then did."
     ]
     for cap in dict.fromkeys(r["cap"] for r in d["summary"]):

@@ -7,6 +7,7 @@ import torch
 
 from kvmemory import Engine, InvalidArgumentError
 from kvmemory.cache import CompactionPlan, LayerPlan
+from kvmemory.compaction import head_profiling
 from kvmemory.compaction.base import LayerSpan, ModelAccess
 from kvmemory.compaction.compactor import compact_span
 from kvmemory.compaction.head_budgets import headkv_budgets, uniform_budgets
@@ -145,6 +146,20 @@ def test_headkv_budgets_follow_head_scores():
     capacity = torch.full((1, 4), 1000)
     budgets = headkv_budgets(400, torch.tensor([[0.7, 0.1, 0.1, 0.1]]), capacity, beta=1.5)
     assert budgets[0, 0] > budgets[0, 1] and int(budgets.sum()) == 400
+
+
+def test_a_model_that_cannot_be_profiled_gets_every_head_scored_alike(tiny_engine, tmp_path, monkeypatch):
+    """REAL profiles a model it has no profile for on needle tasks, which are text: an engine without a
+    tokenizer gets the same score for every head (so the same budget) and a warning, not a failed
+    compaction, and nothing is cached in place of a real profile."""
+    monkeypatch.setattr(head_profiling, "PROFILE_DIR", tmp_path)
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        profile = head_profiling.profile_for(tiny_engine)
+    scores = profile.scores()
+    assert scores.shape == (tiny_engine.num_layers, tiny_engine.num_kv_heads) and bool((scores == 1).all())
+    capacity = torch.full(tuple(scores.shape), 1000)
+    assert bool((headkv_budgets(64 * scores.numel(), scores, capacity) == 64).all())
+    assert not any(tmp_path.iterdir())
 
 
 def test_tam_keeps_pivotal_tokens_verbatim():

@@ -16,6 +16,7 @@ import importlib
 import inspect
 import json
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,12 @@ class HeadProfile:
         return path
 
     @classmethod
+    def uniform(cls, model: str, layers: int, heads: int) -> HeadProfile:
+        """Every head scored alike (REAL's budgets then give every head the same count)."""
+        ones = [[1.0] * heads for _ in range(layers)]
+        return cls(model, ones, ones, ones, ones, cases=0, correct=0)
+
+    @classmethod
     def load(cls, path: str | Path | None) -> HeadProfile:
         if path is None:
             raise FileNotFoundError(
@@ -73,7 +80,8 @@ def default_profile_path(model_name: str) -> Path:
 
 
 def profile_for(engine, path: str | Path | None = None) -> HeadProfile:
-    """The head profile to use for ``engine``: the given file, a shipped or cached one, or a fresh profile."""
+    """The head profile to use for ``engine``: the given file, a shipped or cached one, or a fresh profile
+    (made once and cached; an engine without a tokenizer cannot make one and scores every head alike)."""
     if path is not None:
         return HeadProfile.load(path)
     name = engine.name.replace("/", "__")
@@ -82,6 +90,12 @@ def profile_for(engine, path: str | Path | None = None) -> HeadProfile:
             profile = HeadProfile.load(candidate)
             if len(profile.infsc) == engine.num_layers and len(profile.infsc[0]) == engine.num_kv_heads:
                 return profile
+    if engine.tokenizer is None:  # the needle tasks are text
+        warnings.warn(
+            f"no head profile for {engine.name} and no tokenizer to make one: every head is scored alike",
+            stacklevel=2,
+        )
+        return HeadProfile.uniform(engine.name, engine.num_layers, engine.num_kv_heads)
     profile = profile_heads(engine, model_name=engine.name)
     profile.save()
     return profile

@@ -225,23 +225,27 @@ class MemoryPolicy(BaseModel):
 def default_policy(max_slots: int | None = None, recent_tokens: int = 128) -> MemoryPolicy:
     """Good out of the box for agents: protect the system prompt, the task and tool schemas; compact nothing
     until the cap requires it, then keep the lines of highest surprisal across everything else
-    (``selective_context``), just as many as the cap allows, the tokens the model predicted at under 1 nat
-    evicted first (so more lines keep their surprising values). On real agent traces
-    (``benchmarks/agent_memory.py``) this keeps single-mention facts (names, ports, buckets) that selectors
-    ranking by the attention of recent queries (SnapKV, TAM, Attention Matching) lose. Every head keeps the
-    same lines, so the gaps they leave are closed after each compaction (``close_gaps``): a fact then sits as
-    near the question as in a trimmed prompt, which this model answers from far better than across thousands
-    of positions. The chat frames of the last four messages stay (``recent_frames``): their role headers are
-    predictable, so they would go first, and without them the model loses track of whose turn is next. A
-    compaction the cap forces aims at 95% of it (``target_fraction``): each frees little, so the memory holds
-    as much of what it read as the cap allows, at the price of compacting twice as often as at 90%.
-    Without ``max_slots`` the cap is the model's context."""
+    (``selective_context``, the tokens the model predicted at under 1 nat evicted first, so more lines keep
+    their surprising values), as many as the cap allows, each KV head as many as REAL's head profile gives
+    it (``real``: heads that retrieve keep more, local heads fewer, the bytes the same). On real agent traces
+    (``benchmarks/agent_memory.py``) the lines keep single-mention facts (names, ports, buckets) that
+    selectors ranking by the attention of recent queries (SnapKV, TAM, Attention Matching) lose, and REAL's
+    budgets continue the session's text better than giving every head the same count. The ranking is one
+    scale for the whole cache, so one selection spans every segment, and each head's gaps are closed after
+    it (``close_gaps``): a fact then sits as near the question as in a trimmed prompt, which this model
+    answers from far better than across thousands of positions. The chat frames of the last four messages
+    stay (``recent_frames``): their role headers are predictable, so they would go first, and without them
+    the model loses track of whose turn is next. A compaction the cap forces aims at 95% of it
+    (``target_fraction``): each frees little, so the memory holds as much of what it read as the cap allows.
+    Without ``max_slots`` the cap is the model's context. A model without a shipped head profile is profiled
+    once, at its first compaction, and the profile cached (``kvmemory.compaction.head_profiling``)."""
+    lines = {"inner": "selective_context", "inner_params": {"evict_predictable_below": 1.0}}
     return MemoryPolicy(
         rules=[
             CompactionRule(name="system", match=SegmentMatch(kind=["system", "tool_schema"]), protected=True),
             CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
         ],
-        default=CompactionRule(name="context", method="selective_context", params={"evict_predictable_below": 1.0}),
+        default=CompactionRule(name="context", method="real", params=lines),
         budget=MemoryBudget(
             max_slots=max_slots, recent_tokens=recent_tokens, recent_frames=4, target_fraction=0.95, close_gaps=True
         ),

@@ -52,6 +52,10 @@ class REAL(CompactionMethod):
         return self.inner.uses_queries
 
     @property
+    def global_scores(self) -> bool:  # REAL only moves budget between heads; the inner method's scores rank
+        return self.inner.global_scores
+
+    @property
     def needs_last_layer_inputs(self) -> bool:
         return self.inner.needs_last_layer_inputs
 
