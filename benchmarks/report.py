@@ -364,7 +364,7 @@ def agent_memory_section(d: dict) -> str:
         f"{fact_range} single-mention facts each, asked at the end; {d.get('weights', 'fp32')} weights), "
         "replayed step by step under a cap of 1/N of each trace; kvmemory conditions at equal KV bytes, text "
         "baselines at the same token budget; the default policy keeps the lines of highest surprisal under "
-        "REAL's head budgets (`real` with `inner=\"selective_context\"`), evicts the tokens it predicted at under "
+        'REAL\'s head budgets (`real` with `inner="selective_context"`), evicts the tokens it predicted at under '
         "1 nat before any line (`evict_predictable_below=1.0`), closes each head's gaps after a compaction "
         "(`close_gaps`), keeps the chat frames of the last 4 messages (`recent_frames`) and, when the cap forces a "
         "compaction, aims at 95% of it (`target_fraction`), *uniform-lines* is the same ranking with every head "
@@ -383,8 +383,8 @@ def agent_memory_section(d: dict) -> str:
         "off-topic free replies; *95% CI (traces)*: the ΔNLL's interval resampling the traces (one value each); "
         "*compaction s*: seconds the memory manager held the session compacting (choosing, rebuilding the "
         "cache, closing gaps) per 2,048 slots it compacted (– where it compacted nothing); rows measured before "
-        "the manager timed its pauses (all but the default, uniform-lines and retrieval-lines-kv16 ones) count the choosing "
-        "and rebuilding alone, with each compaction's error measured as the manager then did."
+        "the manager timed its pauses (all but the default, uniform-lines and retrieval-lines-kv16 ones) count "
+        "the choosing and rebuilding alone, with each compaction's error measured as the manager then did."
     ]
     for cap in dict.fromkeys(r["cap"] for r in d["summary"]):
         body = [
