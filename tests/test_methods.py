@@ -148,6 +148,18 @@ def test_headkv_budgets_follow_head_scores():
     assert budgets[0, 0] > budgets[0, 1] and int(budgets.sum()) == 400
 
 
+def test_the_default_model_reads_its_shipped_head_profile(default_engine, tmp_path, monkeypatch):
+    """The default policy's REAL budgets come from the profile shipped for the default model, found by the
+    engine's model name (an engine once named itself after a constructor argument, so every model missed its
+    shipped profile and was profiled again at its first compaction)."""
+    monkeypatch.setattr(head_profiling, "PROFILE_DIR", tmp_path)  # no cached profile to fall back on
+    monkeypatch.setattr(head_profiling, "profile_heads", None)  # profiling would fail loudly
+    assert default_engine.name == "SmolLM2-135M-Instruct"
+    profile = head_profiling.profile_for(default_engine)
+    assert profile.model == default_engine.name and profile.cases > 0
+    assert Engine(tiny_model("llama")).name == "llama" and Engine(tiny_model("llama"), name="mine").name == "mine"
+
+
 def test_a_model_that_cannot_be_profiled_gets_every_head_scored_alike(tiny_engine, tmp_path, monkeypatch):
     """REAL profiles a model it has no profile for on needle tasks, which are text: an engine without a
     tokenizer gets the same score for every head (so the same budget) and a warning, not a failed

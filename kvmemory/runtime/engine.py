@@ -82,9 +82,9 @@ class Engine:
         kv_dtype: torch.dtype | str | None = None,
         prefill_chunk_size: int | None = None,
     ):
-        for name, value in (("max_batch_tokens", max_batch_tokens), ("prefill_chunk_size", prefill_chunk_size)):
+        for limit, value in (("max_batch_tokens", max_batch_tokens), ("prefill_chunk_size", prefill_chunk_size)):
             if value is not None and value < 1:
-                raise InvalidArgumentError(f"{name} must be at least 1 (or None), got {value}")
+                raise InvalidArgumentError(f"{limit} must be at least 1 (or None), got {value}")
         if attention_path not in ATTENTION_PATHS:
             raise InvalidArgumentError(f"attention_path must be one of {ATTENTION_PATHS}, got {attention_path!r}")
         self.kv_dtype = kv_storage_dtype(kv_dtype, next(model.parameters()).dtype, weight_format(model))
