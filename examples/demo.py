@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
             s = session.stats()
             print(f"[{i + 1:2d}] {name}({one_line(str(args_), 50)})  → {len(output):5d} chars of output")
             print(f"     model: {one_line(reply) or '(empty)'}")
+            slots = round(sum(s.physical_slots) / len(s.physical_slots))  # what the cap counts: heads differ
             print(
-                f"     memory: {s.logical_tokens:6d} tokens in {max(s.physical_slots):5d} slots "
+                f"     memory: {s.logical_tokens:6d} tokens in {slots:5d} slots a head "
                 f"({s.kv_bytes / 2**20:5.1f} MiB; uncompacted {s.uncompacted_kv_bytes / 2**20:5.1f} MiB), "
                 f"{s.compactions} compactions",
                 flush=True,
