@@ -4,7 +4,8 @@ The scripted session (32 real tool calls over the sample project, their outputs 
 ``python -m benchmarks.agent_traces``; model-generated replies) is replayed
 through a Session on the default model:
 * uncompacted: every token stays in the cache (attention over the full history);
-* kvmemory policies under the cap: the default policy (selective context, gaps closed), Attention Matching
+* kvmemory policies under the cap: the default policy (selective context's lines under REAL's head budgets,
+  gaps closed), Attention Matching
   under REAL head budgets, SnapKV eviction (every compacted rule switched to that method, gaps kept);
 * text baselines under the same token budget: drop the oldest messages; clear old tool outputs
   (placeholder, as LangChain's ContextEditingMiddleware does) and then drop the oldest if still over;
