@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import logging
 import random
 import warnings
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch
 
 from kvmemory.errors import InvalidArgumentError
 
+log = logging.getLogger(__name__)
 PROFILE_DIR = Path.home() / ".cache" / "kvmemory" / "head_profiles"
 SHIPPED_DIR = Path(__file__).parent / "profiles"  # profiles made with this module for the default model
 HAYSTACK_MODULES = (
@@ -96,6 +98,7 @@ def profile_for(engine, path: str | Path | None = None) -> HeadProfile:
             stacklevel=2,
         )
         return HeadProfile.uniform(engine.name, engine.num_layers, engine.num_kv_heads)
+    log.info("profiling the KV heads of %s on needle tasks (once; cached in %s)", engine.name, PROFILE_DIR)
     profile = profile_heads(engine, model_name=engine.name)
     profile.save()
     return profile
