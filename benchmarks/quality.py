@@ -54,7 +54,7 @@ METHODS = {  # label: (registry name, params, reference-query sources)
     "tam_sqrt_wn": ("tam", {"length_exponent": 0.5}, "window"),
     "selective_context": ("selective_context", {}, "window"),
     "default": (DEFAULT_RULE.method, DEFAULT_RULE.params, "window"),
-    "uniform_lines": (DEFAULT_RULE.params["inner"], DEFAULT_RULE.params["inner_params"], "window"),
+    "uniform_lines": ("selective_context", {"evict_predictable_below": 1.0}, "window"),
     "retrieval_lines": ("real", {"inner": "retrieval_lines"}, "window"),
 }
 # as the memory manager does under the default policy

@@ -26,7 +26,8 @@ async def main() -> None:
         print((await session.generate(max_new_tokens=30)).text)
         stats = await session.stats()
         print(
-            f"{stats.logical_tokens} tokens, {max(stats.physical_slots)} slots, {stats.kv_bytes / 2**20:.1f} MiB of KV"
+            f"{stats.logical_tokens} tokens, {stats.slots_per_head} slots a head, "
+            f"{stats.kv_bytes / 2**20:.1f} MiB of KV"
         )
 
 

@@ -61,9 +61,8 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
             s = session.stats()
             print(f"[{i + 1:2d}] {name}({one_line(str(args_), 50)})  → {len(output):5d} chars of output")
             print(f"     model: {one_line(reply) or '(empty)'}")
-            slots = round(sum(s.physical_slots) / len(s.physical_slots))  # what the cap counts: heads differ
             print(
-                f"     memory: {s.logical_tokens:6d} tokens in {slots:5d} slots a head "
+                f"     memory: {s.logical_tokens:6d} tokens in {s.slots_per_head:5d} slots a head "
                 f"({s.kv_bytes / 2**20:5.1f} MiB; uncompacted {s.uncompacted_kv_bytes / 2**20:5.1f} MiB), "
                 f"{s.compactions} compactions",
                 flush=True,
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
         f"({peak / stats.uncompacted_kv_bytes:.0%})"
     )
     print(
-        f"final: {stats.logical_tokens} tokens, {max(stats.physical_slots)} slots, {stats.compactions} compactions, "
+        f"final: {stats.logical_tokens} tokens, {stats.slots_per_head} slots a head, {stats.compactions} compactions, "
         f"{stats.allocated_bytes / 2**20:.1f} MiB allocated, {time.perf_counter() - started:.0f} s"
     )
 

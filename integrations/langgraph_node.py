@@ -22,7 +22,7 @@ def memory_stats(session) -> dict:
     stats = session.stats()
     return {
         "logical_tokens": stats.logical_tokens,
-        "physical_slots": max(stats.physical_slots, default=0),
+        "physical_slots": stats.slots_per_head,  # as the cap counts them: the mean over every head
         "kv_bytes": stats.kv_bytes,
         "uncompacted_kv_bytes": stats.uncompacted_kv_bytes,
         "compression": round(stats.compression, 3),

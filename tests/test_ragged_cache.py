@@ -31,6 +31,18 @@ def padded_twin(session):
     return twin
 
 
+def test_stats_count_slots_per_head_as_the_cap_does(tiny_engine):
+    """Under uneven layer and head budgets (REAL's) the longest layer sits far above what a slot cap counts:
+    ``slots_per_head`` is the mean over every head of the cache, the count that bounds its bytes."""
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(300, seed=11))
+    keeps = ([torch.arange(0, 300, 3), torch.arange(0, 300, 10)], [torch.arange(0, 300, 15), torch.arange(0, 300, 30)])
+    session.apply_plan(CompactionPlan([LayerPlan(keep=list(k)) for k in keeps]))  # 100 + 30 and 20 + 10 slots
+    stats = session.stats()
+    assert stats.physical_slots == [65, 15] and stats.slots_per_head == 40 == session.cache.physical_length
+    assert stats.kv_bytes == 160 * session.cache.layers[0].head_slot_bytes()
+
+
 def test_uneven_heads_cost_only_their_slots(tiny_engine):
     session = tiny_engine.session()
     session.append_tokens(random_tokens(300, seed=11))

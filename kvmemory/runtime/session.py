@@ -76,6 +76,7 @@ ProgressCallback = Callable[[int, int], None]
 class SessionStats:
     logical_tokens: int
     physical_slots: list[int]  # per layer: slots per KV head (mean over its heads, rounded up)
+    slots_per_head: int  # over the whole cache, as a slot cap counts them (layers may hold different counts)
     kv_bytes: int  # bytes of the slots held: every head pays for its own slots only
     allocated_bytes: int  # those plus the bounded headroom left for appends
     uncompacted_kv_bytes: int
@@ -890,6 +891,7 @@ class Session:
             return SessionStats(
                 logical_tokens=len(self.tokens),
                 physical_slots=[-(-layer.slot_count // max(layer.num_heads, 1)) for layer in self.cache.layers],
+                slots_per_head=self.cache.physical_length,
                 kv_bytes=self.cache.kv_bytes(),
                 allocated_bytes=self.cache.allocated_bytes(),
                 uncompacted_kv_bytes=self.cache.logical_length * per_token,
