@@ -28,9 +28,9 @@ import time
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
-from agents.coding_agent.scripted_session import STEPS, SYSTEM_PROMPT, fact_questions, replay
+from agents.coding_agent.scripted_session import STEPS, SYSTEM_PROMPT, fact_questions, recorded_tools, replay
 from benchmarks.agent_memory import DropOldest, degenerate, no_trace_logprobs
-from benchmarks.agent_traces import scripted_session_tools, trace_text
+from benchmarks.agent_traces import trace_text
 from benchmarks.common import RESULTS, save, table
 from integrations.chat_model import to_chat_dicts
 from kvmemory import Engine
@@ -105,7 +105,7 @@ def run(
         )
 
     start = time.perf_counter()
-    messages = replay(scripted_session_tools(), respond, steps, on_step)
+    messages = replay(recorded_tools(), respond, steps, on_step)
     seconds = time.perf_counter() - start
     context = trace_text(to_chat_dicts(messages))
     late = [m.content for m in messages if isinstance(m, AIMessage) and not m.tool_calls][-LATE_REPLIES:]

@@ -1,13 +1,26 @@
-"""Shared fixtures: tiny random-initialised models of every supported architecture, and the default model."""
+"""Shared fixtures: tiny random-initialised models of every supported architecture, and the default model.
+
+Also what makes a run reproducible and honest about what it could not run:
+
+* hypothesis runs derandomised under CI (``CI`` set), so a failure there reproduces with the same command;
+  elsewhere it draws afresh and prints the blob that reproduces a failure. Neither has a deadline: a loaded
+  machine is slow, not wrong.
+* tests that need the default model (the ``default_engine`` fixture or ``@pytest.mark.default_model``) or the
+  command sandbox (``@pytest.mark.sandbox``) are skipped, with the reason, where that is not installed; under
+  CI they fail instead, since the README's test command installs both.
+"""
 
 from __future__ import annotations
 
 import copy
 import functools
+import os
 import shutil
+import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from transformers import (
     LlamaConfig,
@@ -21,7 +34,49 @@ from transformers import (
 )
 
 from kvmemory import Engine
+from kvmemory.errors import ModelLoadError
 from kvmemory.kernels import cpu_ops
+from kvmemory.runtime.loading import default_model_file
+
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+settings.register_profile(
+    "ci", derandomize=True, print_blob=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", print_blob=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if IN_CI else "dev")
+
+
+def pytest_report_header(config):
+    return f"hypothesis profile: {settings.get_current_profile_name()} ({'derandomised' if IN_CI else 'random draws'})"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "default_engine" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.default_model)
+
+
+@functools.cache
+def missing(requirement: str) -> str | None:
+    """Why ``requirement`` ("default_model" or "sandbox") cannot be met here, or None."""
+    if requirement == "default_model":
+        try:
+            default_model_file()
+        except ModelLoadError as error:
+            return str(error)
+        return None
+    if shutil.which("bwrap") is None:
+        return "the command sandbox needs bubblewrap: apt-get install bubblewrap"
+    return None
+
+
+def pytest_runtest_setup(item):
+    for requirement in ("default_model", "sandbox"):
+        if item.get_closest_marker(requirement) and (reason := missing(requirement)):
+            if IN_CI:
+                pytest.fail(f"{reason} (the README's test command installs it)", pytrace=False)
+            pytest.skip(reason)
+
 
 TINY = dict(
     vocab_size=256,
@@ -107,6 +162,16 @@ def load_default_engine() -> Engine:
 @pytest.fixture(scope="session")
 def default_engine():
     return load_default_engine()
+
+
+def wait_until(condition, timeout: float = 60.0, what: str = "the condition") -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout`` seconds (a bug fails the test, never hangs it).
+    For states another thread reaches with no event to wait on; the timeout bounds a hang, not a race."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not hold within {timeout:.0f} s")
+        time.sleep(0.005)
 
 
 def random_tokens(n: int, seed: int = 1, vocab: int = TINY["vocab_size"]) -> list[int]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
-import time
+import re
 from functools import partial
 
 import pytest
@@ -15,6 +16,7 @@ from agents.coding_agent.scripted_session import STEPS, replay, run_tool
 from agents.coding_agent.workspace import SandboxError, Workspace
 from integrations import ChatKVMemory
 from kvmemory.memory import default_policy
+from tests.conftest import missing, wait_until
 
 
 @pytest.fixture
@@ -34,6 +36,7 @@ def outside(tmp_path):
     return path
 
 
+@pytest.mark.sandbox
 def test_file_tools_refuse_paths_out_of_the_workspace(workspace):
     for call in (
         lambda w: w.read_file("../outside.txt"),
@@ -48,6 +51,7 @@ def test_file_tools_refuse_paths_out_of_the_workspace(workspace):
             call(workspace)
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize(
     "command",
     [
@@ -71,6 +75,7 @@ def test_commands_cannot_read_outside_the_workspace(workspace, outside, command)
     assert SECRET not in out and "[exit code 0]\n[" not in out
 
 
+@pytest.mark.sandbox
 def test_commands_cannot_write_outside_the_workspace(workspace, outside):
     os.symlink(outside, workspace.root / "link")
     workspace.run_command(f"sort -o{outside / 'written'} README.md")
@@ -79,6 +84,7 @@ def test_commands_cannot_write_outside_the_workspace(workspace, outside):
     assert sorted(p.name for p in outside.iterdir()) == ["secret"]
 
 
+@pytest.mark.sandbox
 def test_commands_have_no_network(workspace):
     import socket
 
@@ -96,6 +102,7 @@ def test_commands_have_no_network(workspace):
     assert "CONNECTED" not in out and "exit code 1" in out
 
 
+@pytest.mark.sandbox
 def test_file_tools_never_follow_a_link_out(workspace, outside):
     os.symlink(outside, workspace.root / "link")
     os.symlink(outside / "secret", workspace.root / "secret_link")
@@ -107,23 +114,41 @@ def test_file_tools_never_follow_a_link_out(workspace, outside):
     assert "secret" not in workspace.list_files().replace("secret_link", "")
 
 
+@pytest.mark.sandbox
 def test_time_out_kills_every_process_the_command_started(tmp_path):
-    ws = Workspace(create_sample_project(tmp_path / "p"), command_timeout=1, max_output_chars=300)
+    """A grandchild in a session of its own holds a lock while it lives: once the command has timed out, the
+    lock is free (it was killed), where it would otherwise be held for ten minutes."""
+    ws = Workspace(create_sample_project(tmp_path / "p"), command_timeout=3, max_output_chars=300)
     (ws.root / "spawn.py").write_text(
-        "import subprocess, sys, time\n"
-        'subprocess.Popen([sys.executable, \'-c\', \'import time; time.sleep(2); open("late.txt", "w").write("x")\'],'
-        " start_new_session=True)\n"
-        "time.sleep(30)\n"
+        "import os, subprocess, sys, time\n"
+        'holder = \'import fcntl, time; f = open("held", "w"); fcntl.flock(f, fcntl.LOCK_EX); '
+        'open("started", "w").close(); time.sleep(600)\'\n'
+        "subprocess.Popen([sys.executable, '-c', holder], start_new_session=True)\n"
+        "while not os.path.exists('started'):\n"
+        "    time.sleep(0.01)\n"
+        "time.sleep(600)\n"
     )
     assert "timed out" in ws.run_command("python spawn.py")
-    time.sleep(3)
-    assert not (ws.root / "late.txt").exists()
+    assert (ws.root / "started").exists()  # the grandchild ran and took the lock
+    with open(ws.root / "held") as held:
+        wait_until(lambda: _try_lock(held), timeout=30, what="the grandchild's lock to be released")
 
 
+def _try_lock(file) -> bool:
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@pytest.mark.sandbox
 def test_command_timeout_and_output_limit(tmp_path):
-    ws = Workspace(create_sample_project(tmp_path / "p"), command_timeout=1, max_output_chars=300)
-    (ws.root / "slow.py").write_text("import time\ntime.sleep(5)\n")
-    assert "timed out" in ws.run_command("python slow.py")
+    project = create_sample_project(tmp_path / "p")
+    quick = Workspace(project, command_timeout=1)
+    (quick.root / "slow.py").write_text("import time\ntime.sleep(600)\n")
+    assert "timed out" in quick.run_command("python slow.py")
+    ws = Workspace(project, command_timeout=60, max_output_chars=300)  # room for a slow start under load
     (ws.root / "loud.py").write_text("print('x' * 5000)\n")
     out = ws.run_command("python loud.py")
     assert "characters cut" in out and len(out) < 600
@@ -131,6 +156,7 @@ def test_command_timeout_and_output_limit(tmp_path):
     assert "MemoryError" in ws.run_command("python hog.py")
 
 
+@pytest.mark.sandbox
 def test_grep_has_a_time_limit_and_binary_files_get_a_clear_message(workspace):
     (workspace.root / "long.txt").write_text("a" * 30 + "!\n")
     out_or_error = None
@@ -138,7 +164,8 @@ def test_grep_has_a_time_limit_and_binary_files_get_a_clear_message(workspace):
         out_or_error = workspace.grep("(a+)+$", ".")
     except SandboxError as err:
         out_or_error = str(err)
-    assert out_or_error is not None  # finished (PCRE's backtracking limit or the time limit), never hung
+    # finished: PCRE's backtracking limit, the time limit, or an answer; never hung
+    assert re.search(r"backtracking limit|grep stopped after|long.txt|no matches", out_or_error), out_or_error
     (workspace.root / "blob.bin").write_bytes(b"\x00\xff\xfe binary")
     with pytest.raises(SandboxError, match="binary file"):
         workspace.read_file("blob.bin")
@@ -147,6 +174,7 @@ def test_grep_has_a_time_limit_and_binary_files_get_a_clear_message(workspace):
     assert "blob.bin" not in workspace.grep("binary")
 
 
+@pytest.mark.sandbox
 def test_tools_do_real_work(workspace):
     assert "inventory/models.py" in workspace.list_files()
     assert "DATABASE_PORT = 5433" in workspace.read_file("inventory/settings.py")
@@ -164,6 +192,7 @@ def test_tools_do_real_work(workspace):
         workspace.patch_file("inventory/models.py", "no such text", "x")
 
 
+@pytest.mark.sandbox
 def test_scripted_session_runs_real_tools(workspace):
     seen = []
 
@@ -179,6 +208,7 @@ def test_scripted_session_runs_real_tools(workspace):
     assert isinstance(messages[2], AIMessage) and isinstance(messages[3], ToolMessage)
 
 
+@pytest.mark.sandbox
 def test_recall_tool_and_agent_graph(default_engine, workspace):
     chat = ChatKVMemory(engine=default_engine, max_new_tokens=8, policy=default_policy(max_slots=4096))
     session = chat.session_for("recall")
@@ -212,9 +242,14 @@ def test_recall_tool_and_agent_graph(default_engine, workspace):
     assert held[-1]["role"] == "assistant" and messages[-1].content.strip() in held[-1]["content"]
 
 
-def test_demo_runs_end_to_end(default_engine, tmp_path, capsys):
+@pytest.mark.parametrize("sandbox", ["bubblewrap", "missing"])
+def test_demo_runs_end_to_end(default_engine, tmp_path, capsys, monkeypatch, sandbox):
     from examples.demo import main
 
+    if sandbox == "missing":  # no bwrap on PATH: the demo says so and replays recorded outputs
+        monkeypatch.setenv("PATH", str(tmp_path))
+    elif missing("sandbox"):
+        pytest.skip(missing("sandbox"))
     main(
         ["--steps", "3", "--cap", "512", "--reply-tokens", "4", "--map", str(tmp_path / "map.png")],
         engine=default_engine,
@@ -225,4 +260,5 @@ def test_demo_runs_end_to_end(default_engine, tmp_path, capsys):
         and "answered from the compacted cache" in printed
         and "after recall(query=question)" in printed
     )
+    assert ("replays the tool outputs of a sandboxed run" in printed) == (sandbox == "missing")
     assert (tmp_path / "map.png").stat().st_size > 5000

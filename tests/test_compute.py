@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import _thread
+import signal
 import threading
-import time
 
 import pytest
 import torch
 
 from kvmemory.runtime import compute
-from tests.conftest import random_tokens
+from tests.conftest import random_tokens, wait_until
 
 
 def test_every_forward_and_compaction_runs_on_the_compute_thread_whoever_calls(tiny_engine):
@@ -54,16 +53,31 @@ def test_errors_come_back_to_the_caller_and_nested_work_runs_inline():
 
 
 def test_an_interrupt_takes_effect_only_once_the_work_has_finished():
-    finished = threading.Event()
+    """A real SIGINT reaches the waiting caller while the work runs (a handler of our own, so it arrives even
+    where the run ignores SIGINT, as a background job's does); the caller raises only after the work ends.
+    The work waits for the caller's go-ahead (or a second), so a caller that raised at once would be seen
+    finishing first."""
+    order, interrupted, go_ahead = [], threading.Event(), threading.Event()
+
+    def on_sigint(signum, frame):
+        interrupted.set()
+        raise KeyboardInterrupt
 
     def work():
-        time.sleep(0.3)
-        finished.set()
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        assert interrupted.wait(30)
+        go_ahead.wait(1.0)
+        order.append("work finished")
 
-    threading.Timer(0.05, _thread.interrupt_main).start()
-    with pytest.raises(KeyboardInterrupt):
-        compute.run(work)
-    assert finished.is_set()
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            compute.run(work)
+        order.append("caller raised")
+        go_ahead.set()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert order == ["work finished", "caller raised"]
 
 
 def test_a_long_job_runs_the_work_queued_meanwhile_when_it_pauses(monkeypatch):
@@ -78,7 +92,7 @@ def test_a_long_job_runs_the_work_queued_meanwhile_when_it_pauses(monkeypatch):
         order.append("piece 1")
         threading.Thread(target=other).start()
         queued.wait()
-        time.sleep(0.05)  # the other thread's job is in the queue
+        wait_until(lambda: compute._waiting.qsize() == 1)  # the other thread's job is in the queue
         compute.pause()
         order.append("piece 2")
         compute.pause()  # nothing waits: returns at once
@@ -91,15 +105,15 @@ def test_a_long_job_runs_the_work_queued_meanwhile_when_it_pauses(monkeypatch):
 
 def test_a_pause_within_its_time_slice_runs_nothing(monkeypatch):
     monkeypatch.setattr(compute, "SLICE_SECONDS", 60.0)
-    ran = []
+    ran, workers = [], []
 
     def long_job():
-        worker = threading.Thread(target=lambda: compute.run(lambda: ran.append("other")))
-        worker.start()
-        time.sleep(0.05)
+        workers.append(threading.Thread(target=lambda: compute.run(lambda: ran.append("other"))))
+        workers[0].start()
+        wait_until(lambda: compute._waiting.qsize() == 1)
         compute.pause()
         return list(ran)
 
     assert compute.run(long_job) == []
-    time.sleep(0.05)
+    workers[0].join()
     assert ran == ["other"]  # after the long job, in its turn

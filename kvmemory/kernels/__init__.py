@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import shutil
 import threading
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from kvmemory.notices import one_time_work, say
 
 KERNELS = (
     "decode_attention.cpp",
@@ -46,6 +46,7 @@ SOURCES = [Path(__file__).with_name(name) for name in KERNELS]
 HEADERS = [Path(__file__).with_name("simd.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # x86-64-v3: every AVX2 machine runs it
 ENV_SWITCH = "KVMEMORY_CPU_KERNELS"
+EXTENSION = "kvmemory_cpu_kernels"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": torch.ops.kvmemory once built, or None once a build failed or is off
@@ -65,22 +66,42 @@ def _build():
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        say(
+            "no C++ compiler (%s) found: install g++ (apt-get install g++) for kvmemory's CPU kernels; "
+            "using torch's sdpa and fbgemm meanwhile (slower decoding)",
+            compiler,
+        )
+        return None
     from torch.utils.cpp_extension import load
 
     put_ninja_on_path()
-    log.info("building kvmemory's CPU kernels (once per machine, about 30 s)")
+    flags = FLAGS + [f"-DKVMEMORY_HEADERS={headers_digest()}"]
+    work = nullcontext() if _built_already() else one_time_work("building kvmemory's CPU kernels", "2 minutes")
     try:
-        load(
-            "kvmemory_cpu_kernels",
-            [str(source) for source in SOURCES],
-            extra_cflags=FLAGS + [f"-DKVMEMORY_HEADERS={headers_digest()}"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except Exception as error:  # no compiler, missing headers: sdpa and fbgemm instead, said once
-        log.warning("kvmemory's CPU kernels could not be built (%s); using sdpa and fbgemm", error)
+        with work:
+            load(
+                EXTENSION,
+                [str(source) for source in SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
+    except Exception as error:  # missing headers, a compiler that fails: sdpa and fbgemm instead, said once
+        say("kvmemory's CPU kernels could not be built (%s); using torch's sdpa and fbgemm", str(error)[:300])
         return None
     return torch.ops.kvmemory
+
+
+def _built_already() -> bool:
+    """Whether torch's extension cache holds a build newer than every source (then loading takes a second
+    and says nothing; torch itself rebuilds when a source or a flag changes)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    built = list(Path(_get_build_directory(EXTENSION, verbose=False)).glob(f"{EXTENSION}*.so"))
+    newest_source = max(path.stat().st_mtime for path in SOURCES + HEADERS)
+    return any(path.stat().st_mtime >= newest_source for path in built)
 
 
 def headers_digest() -> str:
