@@ -424,23 +424,30 @@ def loading_app(load: Callable[[], FastAPI]) -> FastAPI:
 
 @contextmanager
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-    """Serve ``app`` with uvicorn in a background thread (port 0: a free one); yields the base URL."""
+    """Serve ``app`` with uvicorn in a background thread (port 0: a free one); yields the base URL.
+
+    The socket is bound here and handed to uvicorn, so the port is held from the start (a free port probed
+    and then bound by the server could be taken in between)."""
     import uvicorn
 
-    if port == 0:
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = probe.getsockname()[1]
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    port = listener.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
-    while not server.started and thread.is_alive():
+    deadline = time.monotonic() + 60
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.02)
     try:
+        if not server.started:
+            raise RuntimeError(f"the server on {host}:{port} did not start")
         yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        listener.close()
 
 
 def main(argv: list[str] | None = None) -> None:

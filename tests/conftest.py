@@ -12,6 +12,7 @@ Also what makes a run reproducible and honest about what it could not run:
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import os
@@ -172,6 +173,15 @@ def wait_until(condition, timeout: float = 60.0, what: str = "the condition") ->
         if time.monotonic() > deadline:
             pytest.fail(f"{what} did not hold within {timeout:.0f} s")
         time.sleep(0.005)
+
+
+async def until(condition, timeout: float = 60.0, what: str = "the condition") -> None:
+    """``wait_until`` for a coroutine: yields to the event loop between polls."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not hold within {timeout:.0f} s")
+        await asyncio.sleep(0.005)
 
 
 def random_tokens(n: int, seed: int = 1, vocab: int = TINY["vocab_size"]) -> list[int]:

@@ -3,6 +3,7 @@ what it would have been alone, whatever its cache's shape; a failed pass is no o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -15,7 +16,7 @@ from kvmemory.memory import MemoryManager, MemoryPolicy
 from kvmemory.runtime import compute
 from kvmemory.runtime.batching import ForwardRequest
 from kvmemory.runtime.weights import store_linear_weights
-from tests.conftest import random_tokens, tiny_model
+from tests.conftest import random_tokens, tiny_model, wait_until
 from tests.test_contract import assert_same_state, state_of, uneven_plan
 
 CAP = 64
@@ -62,17 +63,21 @@ def slow_passes(engine: Engine, seconds: float = 0.02) -> None:
     engine.batcher.forward = slow
 
 
-def run_together(sessions, call):
-    """``call(session)`` on every session at once, one thread each; returns results (or raised errors)."""
+def run_together(sessions, call, batcher=None):
+    """``call(session)`` on every session at once, one thread each; returns results (or raised errors).
+
+    With ``batcher``, every thread is announced as decoding (``expecting``) before any of them starts, so the
+    first pass waits for all of them (up to its ``max_gather_seconds``) however the threads are scheduled."""
     results = [None] * len(sessions)
     start = threading.Barrier(len(sessions))
 
     def work(i):
-        start.wait()
-        try:
-            results[i] = call(sessions[i])
-        except Exception as error:  # noqa: BLE001 - handed back to the test
-            results[i] = error
+        with batcher.expecting() if batcher is not None else contextlib.nullcontext():
+            start.wait()
+            try:
+                results[i] = call(sessions[i])
+            except Exception as error:  # noqa: BLE001 - handed back to the test
+                results[i] = error
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(sessions))]
     for t in threads:
@@ -82,19 +87,31 @@ def run_together(sessions, call):
     return results
 
 
+def quiet_setup(engine: Engine) -> None:
+    """Passes run so far gather nobody afterwards (the engine is idle at once); later passes wait for every
+    announced session (a bound only: a pass starts as soon as all are in)."""
+    engine.batcher.max_gather_seconds = 0.0
+
+
+def gather_everyone(engine: Engine) -> None:
+    engine.batcher.max_gather_seconds = 5.0
+
+
 def greedy(n: int):
     return lambda session: session.generate(max_new_tokens=n).token_ids
 
 
 def test_concurrent_sessions_of_every_cache_shape_decode_as_they_would_alone():
     engine = Engine(tiny_model("llama", eos_token_id=None))
+    quiet_setup(engine)
     alone = [greedy(24)(build(engine, kind)) for kind in KINDS]
     passes_alone = engine.batcher.stats.passes
     sessions = [build(engine, kind) for kind in KINDS]
     slow_passes(engine)
+    gather_everyone(engine)
     stats = engine.batcher.stats  # counters that grow in place
     busy_before, passes_before, started = stats.busy_seconds, stats.passes, time.perf_counter()
-    together = run_together(sessions, greedy(24))
+    together = run_together(sessions, greedy(24), engine.batcher)
     wall = time.perf_counter() - started
     assert together == alone
     assert stats.largest == len(KINDS)  # at some step every session was in one pass
@@ -110,6 +127,7 @@ def test_decoders_that_leave_at_different_steps_all_finish_as_they_would_alone()
     thread gathering the next pass hands over to the others when its own request has run: no step is lost
     or stuck however arrivals and departures interleave."""
     engine = Engine(tiny_model("llama", eos_token_id=None))
+    quiet_setup(engine)
     lengths = [3, 5, 8, 11, 13, 17, 20, 26, 2, 7]
     alone = []
     for i, n in enumerate(lengths):
@@ -122,7 +140,10 @@ def test_decoders_that_leave_at_different_steps_all_finish_as_they_would_alone()
         session.append_tokens(random_tokens(10 + i, seed=i))
         sessions.append(session)
     slow_passes(engine, seconds=0.005)
-    together = run_together(sessions, lambda s: s.generate(max_new_tokens=lengths[sessions.index(s)]).token_ids)
+    gather_everyone(engine)
+    together = run_together(
+        sessions, lambda s: s.generate(max_new_tokens=lengths[sessions.index(s)]).token_ids, engine.batcher
+    )
     assert together == alone
     assert engine.batcher.stats.largest > 1
 
@@ -131,14 +152,14 @@ def test_sessions_starting_replies_together_share_their_first_pass():
     """A request that finds the engine idle waits for the sessions already inside a reply (``expecting``):
     otherwise the first to arrive runs alone and the group decodes one pass behind from then on."""
     engine = Engine(tiny_model("llama", eos_token_id=None))
-    engine.batcher.max_gather_seconds = 5.0  # only a bound: the wait ends as soon as every session is in
+    quiet_setup(engine)  # the engine is idle once the setup's passes have run
     sessions = []
     for i in range(4):
         session = engine.session()
         session.append_tokens(random_tokens(12 + i, seed=i))
         session.generate(max_new_tokens=1)  # a sampled token is pending: the next reply starts with a forward
         sessions.append(session)
-    time.sleep(0.2)  # past the gather window of the last setup pass (half its time): the engine is idle
+    gather_everyone(engine)
     sizes, forward = [], engine.batcher.forward
 
     def counting(input_ids, rope, cache, *args):
@@ -284,21 +305,28 @@ def test_decode_steps_beside_a_prefill_chunk_give_their_lone_logits_bit_for_bit(
 
 
 class LayerByLayer(AttentionMatching):
-    """Attention Matching that takes a while per layer and notes how many passes the engine had run by then."""
+    """Attention Matching that notes, per layer, how many passes the engine had run by then. With
+    ``decoder_queued``, a layer waits (on the compute thread) until another session's pass is queued, so
+    the pause after it has that pass to run."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, decoder_queued: bool = False):
         super().__init__()
-        self.engine, self.passes_seen = engine, []
+        self.engine, self.passes_seen, self.decoder_queued = engine, [], decoder_queued
+        self.began = threading.Event()
 
     def compact_layer(self, *args, **kwargs):
         self.passes_seen.append(self.engine.batcher.stats.passes)
-        time.sleep(0.05)
+        self.began.set()
+        if self.decoder_queued:
+            wait_until(lambda: compute._waiting.qsize() > 0, what="the decoder's next pass to be queued")
         return super().compact_layer(*args, **kwargs)
 
 
 def test_other_sessions_decode_between_the_layers_of_a_compaction(monkeypatch):
     """A compaction pauses between layers for the passes queued meanwhile (``CacheSpan.each_layer``): the
-    other sessions keep decoding through it, and both sessions end exactly as they would have alone."""
+    other sessions keep decoding through it, and both sessions end exactly as they would have alone. The
+    decoder steps its reply by hand and holds after three tokens until the compaction has begun, so the
+    compaction always meets a decoder under way."""
     monkeypatch.setattr(compute, "SLICE_SECONDS", 0.0)  # every pause runs what waits
     engine = Engine(tiny_model("llama", eos_token_id=None, num_hidden_layers=4))
 
@@ -312,14 +340,21 @@ def test_other_sessions_decode_between_the_layers_of_a_compaction(monkeypatch):
     compacted.compact(LayerByLayer(engine), slots=30, keep_last=16)
     alone = state_of(compacted), decoder.generate(max_new_tokens=60).token_ids
     compacted, decoder = sessions()
-    slow_passes(engine, seconds=0.01)
-    passes = engine.batcher.stats.passes
-    tokens = []
-    worker = threading.Thread(target=lambda: tokens.extend(decoder.generate(max_new_tokens=60).token_ids))
+    method = LayerByLayer(engine, decoder_queued=True)
+    tokens, three_steps = [], threading.Event()
+
+    def decode():
+        generation = decoder.start_generation(max_new_tokens=60)
+        while (step := generation.step()) is not None:
+            if len(step[1].token_ids) == 3:
+                three_steps.set()
+                assert method.began.wait(60)
+        generation.close()
+        tokens.extend(generation.result.token_ids)
+
+    worker = threading.Thread(target=decode)
     worker.start()
-    while engine.batcher.stats.passes < passes + 3:  # the decoder is under way
-        time.sleep(0.005)
-    method = LayerByLayer(engine)
+    assert three_steps.wait(60)
     compacted.compact(method, slots=30, keep_last=16)
     worker.join()
     assert method.passes_seen[-1] > method.passes_seen[0]  # its passes ran while the compaction did

@@ -32,7 +32,7 @@ from kvmemory import (
     SessionClosedError,
 )
 from kvmemory.memory import MemoryManager, MemoryPolicy
-from tests.conftest import load_default_engine, random_tokens, tiny_model
+from tests.conftest import load_default_engine, random_tokens, tiny_model, until
 
 
 def state_of(session) -> dict:
@@ -348,8 +348,8 @@ async def test_a_cancelled_task_keeps_exactly_the_text_received(default_engine):
             received.append(piece)
 
     task = asyncio.create_task(consume())
-    while len(received) < 4:
-        await asyncio.sleep(0.01)
+    await until(lambda: len(received) >= 4 or task.done(), what="four pieces")
+    assert len(received) >= 4
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -16,6 +16,7 @@ from langgraph.prebuilt import ToolNode, tools_condition
 
 from integrations import ChatKVMemory, CompactionNode, KVMemoryMiddleware, KVMemoryState, kv_policy
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy, default_policy
+from tests.conftest import until
 
 
 @tool
@@ -204,8 +205,8 @@ async def test_a_cancelled_astream_leaves_the_thread_usable(default_engine):
             chunks.append(chunk)
 
     task = asyncio.create_task(consume())
-    while len(chunks) < 3:
-        await asyncio.sleep(0.01)
+    await until(lambda: len(chunks) >= 3 or task.done(), what="three chunks")
+    assert len(chunks) >= 3
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

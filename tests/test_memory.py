@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 
 from kvmemory import ContextLengthError, Engine, MemoryCapError, PolicyError
 from kvmemory.compaction.registry import get_method
-from kvmemory.memory import MemoryManager, MemoryPolicy, Segment, SegmentMatch, default_policy, plot_memory_map
+from kvmemory.memory import (
+    MemoryBudget,
+    MemoryManager,
+    MemoryPolicy,
+    Segment,
+    SegmentMatch,
+    default_policy,
+    plot_memory_map,
+)
 from kvmemory.memory.manager import _joined
 from kvmemory.memory.policy import CompactionRule
 from kvmemory.runtime.chat import ChatRenderer
@@ -25,6 +33,8 @@ def seg(kind, role=None, tool=None, tags=(), text="", start=0):
 
 
 def small_policy(max_slots=160, interval=None, recent=16, **default):
+    """Attention Matching per segment under a small cap, with the budget these tests were written for: a cap
+    pass aims at 3/4 of the cap, and no chat frames or closed gaps (the default's choices for its lines)."""
     return MemoryPolicy.from_dict(
         {
             "rules": [
@@ -38,6 +48,9 @@ def small_policy(max_slots=160, interval=None, recent=16, **default):
                 "recent_tokens": recent,
                 "window": 8,
                 "sink_tokens": 2,
+                "target_fraction": 0.75,
+                "recent_frames": 0,
+                "close_gaps": False,
             },
         }
     )
@@ -577,3 +590,59 @@ def test_spans_count_the_slots_and_attention_of_exactly_their_positions():
     expected = (mass / mass.sum()).tolist()
     assert session.memory._importance(joined) == pytest.approx(expected, rel=1e-5)
     assert session.memory._importance(joined[:1]) == [1.0]
+
+
+# ---- one default ---------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:no head profile")  # a tiny model without a tokenizer: heads scored alike
+def test_a_policy_written_from_scratch_compacts_as_the_default_policy_does():
+    """Every field default is the default policy's choice: with no protected segment in the session, a bare
+    ``MemoryPolicy`` under the same cap leaves the same cache, bit for bit."""
+    from tests.test_contract import assert_same_state, state_of
+
+    engine = Engine(tiny_model("llama", max_position_embeddings=4096))
+    sessions = []
+    for policy in (default_policy(max_slots=96), MemoryPolicy(budget=MemoryBudget(max_slots=96))):
+        session = engine.session(memory=MemoryManager(policy))
+        for i in range(12):
+            session.append_tokens(random_tokens(30, seed=i), kind="text")
+        sessions.append(session)
+    assert sessions[0].compaction_log and sessions[0].cache.physical_length <= 96
+    assert_same_state(state_of(sessions[0]), state_of(sessions[1]))
+
+
+def test_a_policy_file_extends_the_default_and_replaces_a_rule_by_name(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        "extends: default\n"
+        "rules:\n"
+        "  - {name: task, match: {role: user, first: true}, ratio: 2}  # the task may be compacted after all\n"
+        "  - {name: logs, match: {tool: run_*}, method: snapkv, ratio: 12}\n"
+        "budget: {max_slots: 512}\n"
+    )
+    policy = MemoryPolicy.from_file(path)
+    default = default_policy(max_slots=512)
+    assert [r.name for r in policy.rules] == ["system", "task", "logs"]
+    assert policy.rules[0] == default.rules[0] and not policy.rules[1].protected and policy.rules[1].ratio == 2
+    assert policy.rules[2].method == "snapkv" and policy.rules[2].params == {}  # a named method: its own defaults
+    assert policy.default == default.default and policy.budget == default.budget
+    with pytest.raises(PolicyError, match="only 'default' can be extended"):
+        MemoryPolicy.from_dict({"extends": "fast"})
+
+
+def test_the_policy_that_never_compacts_refuses_what_would_not_fit():
+    engine = Engine(tiny_model("llama"))
+    session = engine.session(
+        memory=MemoryManager(MemoryPolicy.never().model_copy(update={"budget": MemoryBudget(max_slots=64)}))
+    )
+    session.append_tokens(random_tokens(60), kind="text")
+    before = list(session.tokens)
+    with pytest.raises(MemoryCapError):
+        session.append_tokens(random_tokens(10, seed=2), kind="text")
+    assert session.tokens == before and not session.compaction_log
+
+
+def test_the_example_policy_file_loads_over_the_default():
+    from pathlib import Path
+
+    policy = MemoryPolicy.from_file(Path(__file__).parents[1] / "examples" / "custom_policy.yaml")
+    assert [r.name for r in policy.rules][:2] == ["system", "task"] and policy.budget.max_slots

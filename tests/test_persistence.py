@@ -25,7 +25,7 @@ from kvmemory import (
 )
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy
 from kvmemory.runtime.persistence import FORMAT_VERSION
-from tests.conftest import random_tokens, tiny_model
+from tests.conftest import random_tokens, tiny_model, wait_until
 from tests.test_contract import assert_same_state, state_of, uneven_plan
 
 
@@ -203,7 +203,8 @@ def test_a_newcomer_waits_while_every_resident_session_is_in_use(tmp_path, tiny_
         a.append_tokens(random_tokens(60))  # over the budget, and in use: "b" must wait
         waiting = threading.Thread(target=newcomer)
         waiting.start()
-        assert not admitted.wait(0.3) and store.waits == 1
+        wait_until(lambda: store.waits == 1, what="the newcomer to wait")
+        assert not admitted.is_set()
     waiting.join(timeout=30)  # "a" released: spilled, and "b" comes in
     assert admitted.is_set() and store.spills == 1 and store.stats()["resident"] == ["b"]
     assert tiny_engine.stats()["kv_bytes"] >= store.resident_bytes()
@@ -226,9 +227,11 @@ def test_a_waiting_store_never_spills_by_itself(tmp_path, tiny_engine):
     with store.use("a") as a:
         a.append_tokens(random_tokens(60))
     assert store.stats()["resident"] == ["a"] and store.spills == 0  # over the budget, but never spilled
-    threading.Timer(0.3, store.spill, args=("a",)).start()  # an operator frees the room
+    operator = threading.Thread(target=lambda: wait_until(lambda: store.waits == 1) or store.spill("a"))
+    operator.start()  # frees the room once "b" waits
     with store.use("b"):
         assert store.waits == 1 and store.stats()["resident"] == ["b"]
+    operator.join()
     with pytest.raises(InvalidArgumentError, match="when_full"):
         SessionStore(tiny_engine, tmp_path, 10, when_full="drop")
 

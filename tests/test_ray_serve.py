@@ -7,6 +7,7 @@ Select with ``-m ray`` (or skip with ``-m "not ray"``): starting Ray and two rep
 
 from __future__ import annotations
 
+import random
 import socket
 
 import openai
@@ -32,15 +33,26 @@ def model_dir(tmp_path_factory):
     return path
 
 
+def free_port_outside_the_ephemeral_range() -> int:
+    """A port Ray's proxy can bind: Ray takes a number, so it is probed first, but below the kernel's
+    ephemeral range (32768 and up), where no outgoing connection or port-0 bind can be handed it meanwhile."""
+    for port in random.Random().sample(range(20000, 32000), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 32000")
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     """Ray on this machine with two replicas sharing a sessions directory; yields (base URL, sessions dir)."""
     from integrations.ray_serve import build_app
 
     sessions = tmp_path_factory.mktemp("sessions")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port_outside_the_ephemeral_range()
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -13,10 +13,12 @@
 * ``simd.h``: the eight-float vector helpers they share.
 
 ``torch.utils.cpp_extension`` builds them with the C++ compiler torch's extensions use when the first CPU
-engine is made (about 30 s on 2 cores; then cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when a source
-changes), for x86-64 CPUs with AVX2, FMA and F16C; ``linear_fp16.cpp`` and ``linear_int4.cpp`` also hold a
-path on 16-float vectors that they take where the CPU has AVX-512. Where they cannot be built, or with
-``KVMEMORY_CPU_KERNELS=0``, attention runs on sdpa, fp16 weights on fbgemm and int4 ones on torch's int4 kernel.
+engine is made (25 s on a 2-core AVX-512 Xeon, up to 2 minutes on slower machines, said on stderr as it
+starts; then cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when a source changes), for x86-64 CPUs with
+AVX2, FMA and F16C; ``linear_fp16.cpp`` and ``linear_int4.cpp`` also hold a path on 16-float vectors that
+they take where the CPU has AVX-512. Where they cannot be built (no compiler: one line says what to
+install), or with ``KVMEMORY_CPU_KERNELS=0``, attention runs on sdpa, fp16 weights on fbgemm and int4 ones
+on torch's int4 kernel.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def _build():
 
     put_ninja_on_path()
     flags = FLAGS + [f"-DKVMEMORY_HEADERS={headers_digest()}"]
-    work = nullcontext() if _built_already() else one_time_work("building kvmemory's CPU kernels", "2 minutes")
+    work = nullcontext() if _built_already() else one_time_work("building kvmemory's CPU kernels", "30 s to 2 minutes")
     try:
         with work:
             load(

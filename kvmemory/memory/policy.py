@@ -4,14 +4,24 @@ A policy is a list of rules tried in order; the first rule whose ``match`` fits 
 that segment is compacted (or that it is protected). Policies load from Python, dicts, YAML, TOML or
 JSON, and every mistake fails at load time with the field and the reason.
 
+There is one default: every field a policy leaves out takes the default policy's choice (the method and
+its parameters, the recent window, the kept chat frames, closed gaps, the cap pass's target), so a policy
+written from scratch starts from what the agent benchmark measured best. ``default_policy()`` is
+``MemoryPolicy`` plus its protected rules (the system prompt, tool schemas and the task), and a file that
+says ``extends: default`` gets those rules too, each replaceable by a rule of the same name:
+
+    extends: default
     rules:
-      - {name: task, match: {role: user, first: true}, protected: true}
-      - {name: test-logs, match: {tool: run_tests}, method: attention_matching, ratio: 20}
-    budget: {max_slots: 2048, interval: 1024, recent_tokens: 256}
+      - {name: test-logs, match: {tool: run_tests}, ratio: 20}
+    budget: {max_slots: 2048}
+
+``MemoryPolicy.never()`` is the policy that never compacts (a session then fails with ``MemoryCapError``
+where it would outgrow its cap or the model's context).
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import json
 import re
@@ -84,16 +94,32 @@ class SegmentMatch(BaseModel):
         return True
 
 
+# the default policy's method: selective context's lines (tokens the model predicted at under 1 nat evicted
+# first) under REAL's per-head budgets; what a rule that names no method (and no params) compacts with
+DEFAULT_METHOD = "real"
+DEFAULT_PARAMS: dict[str, Any] = {"inner": "selective_context", "inner_params": {"evict_predictable_below": 1.0}}
+
+
 class CompactionRule(BaseModel):
-    """How matching segments are compacted."""
+    """How matching segments are compacted. A rule that names neither a method nor params compacts as the
+    default policy does (``DEFAULT_METHOD`` with ``DEFAULT_PARAMS``); one that names a method gets that
+    method's own defaults for the params it leaves out."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = "rule"
     match: SegmentMatch = Field(default_factory=SegmentMatch)
     protected: bool = Field(False, description="never compacted")
-    method: str = Field("attention_matching", description="a registered compaction method")
+    method: str = Field(DEFAULT_METHOD, description="a registered compaction method")
     params: dict[str, Any] = Field(default_factory=dict, description="the method's config fields")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_method(cls, data):
+        if isinstance(data, dict) and "method" not in data and "params" not in data:
+            return {**data, "params": copy.deepcopy(DEFAULT_PARAMS)}
+        return data
+
     ratio: float | None = Field(None, ge=1.0, description="target tokens per slot when the rule fires")
     max_slots: int | None = Field(None, ge=1, description="never more slots than this per head")
     min_slots: int = Field(1, ge=1, description="never compact below this many slots per head")
@@ -143,17 +169,21 @@ class MemoryBudget(BaseModel):
     )
     max_bytes: int | None = Field(None, ge=1, description="cap on KV bytes of the whole cache")
     interval: int | None = Field(None, ge=1, description="P: compact every P new tokens")
-    recent_tokens: int = Field(256, ge=0, description="τ: the last τ tokens are never compacted")
+    recent_tokens: int = Field(128, ge=0, description="τ: the last τ tokens are never compacted")
     sink_tokens: int = Field(4, ge=0, description="the session's first tokens are never compacted")
     recent_frames: int = Field(
-        0,
+        4,
         ge=0,
         description="the chat template's frame of each of the last N messages (its role header and end of "
         "turn, ChatRenderer.frame) is never compacted: the model still reads who said what, and whose turn is "
-        "next",
+        "next (their headers are predictable, so a ranking by surprise would drop them first)",
     )
     target_fraction: float = Field(
-        0.75, gt=0, le=1, description="a cap-triggered compaction aims this far below the cap"
+        0.95,
+        gt=0,
+        le=1,
+        description="a cap-triggered compaction aims this far below the cap (each frees little, so the memory "
+        "holds as much of what it read as the cap allows)",
     )
     window: int = Field(64, ge=1, description="R: selector-window queries recorded for compaction")
     measure_error: bool = Field(
@@ -163,21 +193,27 @@ class MemoryBudget(BaseModel):
         "fast method's compaction does, so off unless asked for",
     )
     close_gaps: bool = Field(
-        False,
+        True,
         description="after each compaction, re-rotate the kept slots to consecutive RoPE positions "
         "(Session.rebase_positions): the model reads its memory as one shorter text, as text agents' trimmed "
-        "prompts read; best where every head keeps the same tokens",
+        "prompts read, and a fact sits as near the question as in a trimmed prompt",
     )
 
 
 class MemoryPolicy(BaseModel):
-    """Rules in order (first match wins; the default rule catches the rest) plus a budget."""
+    """Rules in order (first match wins; the default rule catches the rest) plus a budget. The default rule
+    compacts as the default policy does, and only when the cap (or the model's context) requires it."""
 
     model_config = ConfigDict(extra="forbid")
 
     rules: list[CompactionRule] = Field(default_factory=list)
-    default: CompactionRule = Field(default_factory=lambda: CompactionRule(name="default", ratio=4.0))
+    default: CompactionRule = Field(default_factory=lambda: CompactionRule(name="context"))
     budget: MemoryBudget = Field(default_factory=MemoryBudget)
+
+    @classmethod
+    def never(cls) -> MemoryPolicy:
+        """A policy that never compacts: every segment is protected."""
+        return cls(default=CompactionRule(name="never", protected=True))
 
     def rule_for(self, segment: Segment, segments: list[Segment]) -> CompactionRule:
         for rule in self.rules:
@@ -188,7 +224,14 @@ class MemoryPolicy(BaseModel):
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict) -> MemoryPolicy:
+        """A policy from plain data; ``extends: default`` adds the default policy's protected rules."""
+        data = dict(data)
+        extends = data.pop("extends", None)
+        if extends not in (None, "default"):
+            raise PolicyError(f"invalid memory policy: extends: {extends!r}; only 'default' can be extended")
         try:
+            if extends == "default":
+                data["rules"] = _over_default_rules([CompactionRule.model_validate(r) for r in data.get("rules", [])])
             return cls.model_validate(data)
         except ValidationError as err:
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'policy'}: {e['msg']}" for e in err.errors())
@@ -222,6 +265,22 @@ class MemoryPolicy(BaseModel):
         return cls.from_dict(data)
 
 
+def protected_rules() -> list[CompactionRule]:
+    """The default policy's rules: the system prompt, tool schemas and the task (the first user message)."""
+    return [
+        CompactionRule(name="system", match=SegmentMatch(kind=["system", "tool_schema"]), protected=True),
+        CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
+    ]
+
+
+def _over_default_rules(rules: list[CompactionRule]) -> list[CompactionRule]:
+    """The default policy's rules, each replaced by the given rule of its name, then the other given rules."""
+    given = {rule.name: rule for rule in rules}
+    defaults = protected_rules()
+    names = {rule.name for rule in defaults}
+    return [given.get(rule.name, rule) for rule in defaults] + [r for r in rules if r.name not in names]
+
+
 def default_policy(max_slots: int | None = None, recent_tokens: int = 128) -> MemoryPolicy:
     """Good out of the box for agents: protect the system prompt, the task and tool schemas; compact nothing
     until the cap requires it, then keep the lines of highest surprisal across everything else
@@ -238,15 +297,7 @@ def default_policy(max_slots: int | None = None, recent_tokens: int = 128) -> Me
     the model loses track of whose turn is next. A compaction the cap forces aims at 95% of it
     (``target_fraction``): each frees little, so the memory holds as much of what it read as the cap allows.
     Without ``max_slots`` the cap is the model's context. A model without a shipped head profile is profiled
-    once, at its first compaction, and the profile cached (``kvmemory.compaction.head_profiling``)."""
-    lines = {"inner": "selective_context", "inner_params": {"evict_predictable_below": 1.0}}
-    return MemoryPolicy(
-        rules=[
-            CompactionRule(name="system", match=SegmentMatch(kind=["system", "tool_schema"]), protected=True),
-            CompactionRule(name="task", match=SegmentMatch(role="user", first=True), protected=True),
-        ],
-        default=CompactionRule(name="context", method="real", params=lines),
-        budget=MemoryBudget(
-            max_slots=max_slots, recent_tokens=recent_tokens, recent_frames=4, target_fraction=0.95, close_gaps=True
-        ),
-    )
+    once, at its first compaction, and the profile cached (``kvmemory.compaction.head_profiling``).
+    Every choice but the protected rules is a field default of ``MemoryPolicy``, ``CompactionRule`` and
+    ``MemoryBudget``."""
+    return MemoryPolicy(rules=protected_rules(), budget=MemoryBudget(max_slots=max_slots, recent_tokens=recent_tokens))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -62,6 +64,26 @@ def keep_every_token(config) -> None:
         config.use_sliding_window = False
 
 
+@contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off for the block (its settings' bars, and the GGUF converter's own tqdm,
+    which no setting reaches), as they were afterwards."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    shown, bar = hf_logging.is_progress_bar_enabled(), getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_utils.tqdm = lambda items, *args, **kwargs: items
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def load_model_and_tokenizer(name_or_path: str, device, dtype, attn_implementation: str):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -89,9 +111,10 @@ def load_model_and_tokenizer(name_or_path: str, device, dtype, attn_implementati
     keep_every_token(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, gguf_file=gguf_file, config=config, dtype=dtype, attn_implementation=attn_implementation
-        )
+        with quiet_progress_bars():  # a GGUF converts in about a second on every load: not worth two bars
+            model = AutoModelForCausalLM.from_pretrained(
+                source, gguf_file=gguf_file, config=config, dtype=dtype, attn_implementation=attn_implementation
+            )
     except OSError as err:
         raise ModelLoadError(f"could not load the weights of {name_or_path!r}: {err}") from err
     return model.to(device).eval(), tokenizer
