@@ -9,6 +9,7 @@
 #   bubblewrap   the coding agent's command sandbox, installed with apt-get where this runs as root (or with
 #                password-less sudo); elsewhere one line says what to install
 #   kernels      kvmemory's CPU kernels, compiled once per machine with the system's C++ compiler
+#   conversion   the default model's GGUF file as a transformers checkpoint under ~/.cache/kvmemory (once)
 set -euo pipefail
 cd "$(dirname "$0")"
 extra=${1:-}
@@ -57,6 +58,7 @@ else
   fi
 fi
 
-# the first engine would build them; building here says so once, and the demo then starts in seconds
+# the first engine would do both; doing them here says so once, and the demo then starts in seconds
 python -c "from kvmemory.kernels import cpu_ops; cpu_ops()"
+python -c "from kvmemory.runtime.loading import converted_gguf, default_model_file; converted_gguf(default_model_file())"
 step "done"

@@ -181,7 +181,7 @@ class Summarization:
     replaces the messages; probes see that state without summarising again."""
 
     def __init__(self, count_tokens, budget: int, engine):
-        summariser = ChatKVMemory(engine=engine, policy=MemoryPolicy(), max_new_tokens=128)
+        summariser = ChatKVMemory(engine=engine, policy=MemoryPolicy.never(), max_new_tokens=128)
         self.system, self.state, self.seen, self.summaries = [], [], 1, 0
         self.middleware = SummarizationMiddleware(  # counts the system prompt too: the budget is what is sent
             summariser,

@@ -80,7 +80,7 @@ class ChatKVMemory(BaseChatModel):
 
     ``ChatKVMemory.from_pretrained("default", policy=default_policy(max_slots=4096))``. Without a policy
     each thread gets ``default_policy(max_slots=2048)`` (``DEFAULT_MAX_SLOTS``, or the model's context if
-    smaller); pass ``MemoryPolicy()`` for a cache that is never compacted.
+    smaller); pass ``MemoryPolicy.never()`` for a cache that is never compacted.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)

@@ -667,3 +667,26 @@ def test_a_replys_text_decoded_a_few_tokens_at_a_time_is_the_whole_decoded(defau
             assert reply(tokens) == decode(tokens)
 
     check()
+
+
+@pytest.mark.default_model
+def test_a_gguf_file_converts_once_into_the_same_model(tmp_path, monkeypatch):
+    """The cached checkpoint of a GGUF file holds its weights bit for bit and its tokenizer, chat template
+    included; a second load reads the cache."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvmemory.runtime import loading
+
+    monkeypatch.setattr(loading, "CACHE_DIR", tmp_path)
+    gguf = loading.default_model_file()
+    converted = loading.converted_gguf(gguf)
+    assert converted.parent == tmp_path / "models" and loading.converted_gguf(gguf) == converted
+    direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    cached = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32)
+    expected, got = direct.state_dict(), cached.state_dict()
+    assert set(expected) == set(got) and all(torch.equal(expected[k], got[k]) for k in expected)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit, café."}]
+    tokenizers = [AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)]
+    tokenizers.append(AutoTokenizer.from_pretrained(str(converted)))
+    rendered = [t.apply_chat_template(messages, add_generation_prompt=True) for t in tokenizers]
+    assert rendered[0] == rendered[1] and tokenizers[0].eos_token_id == tokenizers[1].eos_token_id

@@ -1,0 +1,84 @@
+"""The examples and both command lines, run as a user runs them (``python -m ...`` in a fresh process, short
+settings), so the README's commands and snippets cannot rot."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_until
+
+ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.default_model
+
+
+def run(*argv: str, timeout: float = 600) -> str:
+    """Run a command from the repository root; its output (stdout and stderr), failing on a non-zero exit."""
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    return output
+
+
+@pytest.mark.parametrize(
+    "example, argv, expected",
+    [
+        ("async_api", [], r"second turn prefilled \d+ new tokens of \d+"),
+        ("custom_policy", [], r"rule test-logs .* slots"),
+        ("create_agent_middleware", [], r"kvmemory: \{'logical_tokens': \d+"),
+        ("stategraph_compaction", [], r"kvmemory: \{'logical_tokens': \d+"),
+        ("demo", ["--steps", "2", "--cap", "512", "--reply-tokens", "4", "--map", "{tmp}/map.png"], r"peak KV bytes"),
+    ],
+)
+def test_an_example_runs_to_the_end(example, argv, expected, tmp_path):
+    output = run(sys.executable, "-m", f"examples.{example}", *[a.format(tmp=tmp_path) for a in argv])
+    assert re.search(expected, output), output[-3000:]
+
+
+@pytest.mark.sandbox
+def test_the_agent_command_line_and_its_example_run_on_the_sample_project():
+    short = ["--max-steps", "1", "--max-new-tokens", "8"]
+    assert "workspace:" in run("kvmemory-agent", "--sample", *short)
+    assert "workspace:" in run(sys.executable, "-m", "examples.coding_agent_under_cap", *short)
+
+
+def test_the_server_command_line_serves_the_openai_client_example():
+    server = subprocess.Popen(["kvmemory", "serve", "--port", "0"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        url = read_server_url(server)
+        wait_until(lambda: answers(f"{url}/v1/models"), timeout=300, what="the server to load its model")
+        output = run(sys.executable, "-m", "examples.chat_openai_client", "--base-url", f"{url}/v1")
+        assert re.search(r"\(\d+ of \d+ prompt tokens were cached\)", output), output
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status == 200
+    except OSError:  # refused, or 503 while the model loads
+        return False
+
+
+def read_server_url(server: subprocess.Popen, timeout: float = 300) -> str:
+    """The address uvicorn says it serves on, read from its log (a port of the kernel's choosing)."""
+    found, said = [], threading.Event()
+
+    def scan():  # reads to the end, so the server never blocks on a full pipe
+        for line in server.stderr:
+            if not found and (match := re.search(r"running on (http://\S+)", line)):
+                found.append(match.group(1))
+                said.set()
+        said.set()  # the server exited
+
+    threading.Thread(target=scan, daemon=True).start()
+    assert said.wait(timeout) and found, f"the server did not start (exit code {server.poll()})"
+    return found[0]
