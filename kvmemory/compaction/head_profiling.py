@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import logging
 import random
 import warnings
 from dataclasses import dataclass
@@ -24,8 +23,8 @@ from pathlib import Path
 import torch
 
 from kvmemory.errors import InvalidArgumentError
+from kvmemory.notices import one_time_work, progress
 
-log = logging.getLogger(__name__)
 PROFILE_DIR = Path.home() / ".cache" / "kvmemory" / "head_profiles"
 SHIPPED_DIR = Path(__file__).parent / "profiles"  # profiles made with this module for the default model
 HAYSTACK_MODULES = (
@@ -98,9 +97,11 @@ def profile_for(engine, path: str | Path | None = None) -> HeadProfile:
             stacklevel=2,
         )
         return HeadProfile.uniform(engine.name, engine.num_layers, engine.num_kv_heads)
-    log.info("profiling the KV heads of %s on needle tasks (once; cached in %s)", engine.name, PROFILE_DIR)
-    profile = profile_heads(engine, model_name=engine.name)
-    profile.save()
+    with one_time_work(
+        f"profiling the KV heads of {engine.name} on needle tasks (cached in {PROFILE_DIR})", "a minute"
+    ):
+        profile = profile_heads(engine, model_name=engine.name)
+        profile.save()
     return profile
 
 
@@ -177,7 +178,7 @@ def profile_heads(
     sums = {m: torch.zeros(L, H) for m in ("rasc", "lcsc", "infsc", "r2")}
     sums_all = {m: torch.zeros(L, H) for m in sums}
     correct, counted, counted_all = 0, 0, 0
-    for case in range(cases):
+    for case in progress(range(cases), cases, "needle tasks"):
         ids, source, answer = needle_case(rng, hay, tok, depth=(case + 0.5) / cases)
         session = engine.session()
         recorder = session.record_queries(window=0)
