@@ -596,18 +596,25 @@ def test_spans_count_the_slots_and_attention_of_exactly_their_positions():
 @pytest.mark.filterwarnings("ignore:no head profile")  # a tiny model without a tokenizer: heads scored alike
 def test_a_policy_written_from_scratch_compacts_as_the_default_policy_does():
     """Every field default is the default policy's choice: with no protected segment in the session, a bare
-    ``MemoryPolicy`` under the same cap leaves the same cache, bit for bit."""
+    ``MemoryPolicy`` under the same cap, and one naming each of the default's choices, leave the same cache,
+    bit for bit."""
     from tests.test_contract import assert_same_state, state_of
 
     engine = Engine(tiny_model("llama", max_position_embeddings=4096))
     sessions = []
-    for policy in (default_policy(max_slots=96), MemoryPolicy(budget=MemoryBudget(max_slots=96))):
+    lines = {"inner": "selective_context", "inner_params": {"evict_predictable_below": 1.0}}
+    spelled_out = MemoryPolicy(
+        default=CompactionRule(name="context", method="real", params=lines),
+        budget=MemoryBudget(max_slots=256, recent_tokens=128, recent_frames=4, target_fraction=0.95, close_gaps=True),
+    )
+    for policy in (default_policy(max_slots=256), MemoryPolicy(budget=MemoryBudget(max_slots=256)), spelled_out):
         session = engine.session(memory=MemoryManager(policy))
         for i in range(12):
-            session.append_tokens(random_tokens(30, seed=i), kind="text")
+            session.append_tokens(random_tokens(60, seed=i), kind="text")
         sessions.append(session)
-    assert sessions[0].compaction_log and sessions[0].cache.physical_length <= 96
+    assert sessions[0].compaction_log and sessions[0].cache.physical_length <= 256
     assert_same_state(state_of(sessions[0]), state_of(sessions[1]))
+    assert_same_state(state_of(sessions[0]), state_of(sessions[2]))
 
 
 def test_a_policy_file_extends_the_default_and_replaces_a_rule_by_name(tmp_path):
