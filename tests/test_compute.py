@@ -80,6 +80,36 @@ def test_an_interrupt_takes_effect_only_once_the_work_has_finished():
     assert order == ["work finished", "caller raised"]
 
 
+def test_an_interrupt_before_the_work_starts_cancels_it():
+    """The compute thread is busy with another thread's job when the caller is interrupted: the caller's job,
+    still queued, never runs, and the caller raises at once (the busy job waits for that)."""
+    ran, started, interrupted, raised = [], threading.Event(), threading.Event(), threading.Event()
+
+    def on_sigint(signum, frame):
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    def busy():
+        started.set()
+        wait_until(lambda: compute._waiting.qsize() == 1, what="the caller's job to be queued")
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        assert raised.wait(30)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    worker = threading.Thread(target=compute.run, args=(busy,))
+    try:
+        worker.start()
+        assert started.wait(30)
+        with pytest.raises(KeyboardInterrupt):
+            compute.run(lambda: ran.append("cancelled job"))
+        raised.set()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        raised.set()
+        worker.join()
+    assert interrupted.is_set() and compute.run(lambda: "next") == "next" and ran == []
+
+
 def test_a_long_job_runs_the_work_queued_meanwhile_when_it_pauses(monkeypatch):
     monkeypatch.setattr(compute, "SLICE_SECONDS", 0.0)
     order, queued = [], threading.Event()

@@ -47,18 +47,19 @@ _slice_started = 0.0  # when the running job started or last paused
 
 def run(fn: Callable[..., T], *args, **kwargs) -> T:
     """``fn(*args, **kwargs)`` on the compute thread (inline when already there); its result or its exception.
-    An interrupt of the waiting caller takes effect once ``fn`` has finished, so nothing is left half done."""
+    An interrupt of the waiting caller takes effect once ``fn`` has finished, so nothing is left half done;
+    one that arrives before ``fn`` has started cancels it (it never runs)."""
     if threading.current_thread() is _thread:
         return fn(*args, **kwargs)
     executor = _compute_executor()
     leave_the_cores()
     future = Future()
-    _waiting.put((future, fn, args, kwargs))
-    executor.submit(_run_next)
-    try:
+    try:  # the queueing too: an interrupt can arrive while the job is queued but not yet handed over
+        _waiting.put((future, fn, args, kwargs))
+        executor.submit(_run_next)
         return future.result()
     except BaseException:
-        if not future.done():
+        if not future.cancel():  # started (or done): wait for it to end
             _finish(future)
         raise
 
@@ -77,14 +78,16 @@ def pause() -> None:
 
 
 def _run_next() -> None:
-    """Run the oldest waiting job, if ``pause`` has not run it already, into its future."""
+    """Run the oldest waiting job that is neither cancelled nor already run by ``pause``, if any, into its
+    future. Cancelled jobs are skipped: their callers were interrupted before the job started."""
     global _slice_started
-    try:
-        future, fn, args, kwargs = _waiting.get_nowait()
-    except queue.Empty:
-        return
-    if not future.set_running_or_notify_cancel():
-        return
+    while True:
+        try:
+            future, fn, args, kwargs = _waiting.get_nowait()
+        except queue.Empty:
+            return
+        if future.set_running_or_notify_cancel():
+            break
     _slice_started = time.perf_counter()
     try:
         result = fn(*args, **kwargs)
