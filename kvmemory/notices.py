@@ -4,7 +4,8 @@ A first run that sits silent for two minutes looks hung, so each such piece of w
 about how long it takes, once, on stderr, and how long it took when it ends; later runs find its result
 cached and say nothing. The notices go to the ``kvmemory.notices`` logger, which prints them itself
 (``kvmemory: ...``) and does not pass them on. Silence them with ``KVMEMORY_QUIET=1`` or
-``logging.getLogger("kvmemory.notices").setLevel(logging.WARNING)``.
+``logging.getLogger("kvmemory.notices").setLevel(logging.WARNING)``; a fallback taken (no compiler, a cache
+that cannot be written) is a warning and shows regardless.
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ if not log.handlers:
 
 
 def say(message: str, *args) -> None:
-    """One line for the user (a fallback taken, what to install), unless notices are silenced."""
+    """One line for the user, unless notices are silenced."""
     log.info(message, *args)
+
+
+def warn(message: str, *args) -> None:
+    """A fallback taken and what to install to avoid it: shown even when notices are silenced."""
+    log.warning(message, *args)
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from kvmemory.notices import one_time_work, say
+from kvmemory.notices import one_time_work, warn
 
 KERNELS = (
     "decode_attention.cpp",
@@ -70,7 +70,7 @@ def _build():
         return None
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        say(
+        warn(
             "no C++ compiler (%s) found: install g++ (apt-get install g++) for kvmemory's CPU kernels; "
             "using torch's sdpa and fbgemm meanwhile (slower decoding)",
             compiler,
@@ -91,7 +91,7 @@ def _build():
                 is_python_module=False,
             )
     except Exception as error:  # missing headers, a compiler that fails: sdpa and fbgemm instead, said once
-        say("kvmemory's CPU kernels could not be built (%s); using torch's sdpa and fbgemm", str(error)[:300])
+        warn("kvmemory's CPU kernels could not be built (%s); using torch's sdpa and fbgemm", str(error)[:300])
         return None
     return torch.ops.kvmemory
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvmemory.errors import ModelLoadError, UnsupportedArchitectureError
-from kvmemory.notices import one_time_work, say
+from kvmemory.notices import one_time_work, warn
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def converted_gguf(gguf: Path) -> Path:
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     except OSError as err:
-        say("cannot cache a converted %s (%s): reading the GGUF file on every load", gguf.name, err)
+        warn("cannot cache a converted %s (%s): reading the GGUF file on every load", gguf.name, err)
         return gguf
     return target
 
