@@ -6,10 +6,11 @@ replica that holds its cache.
 Two deployments:
 
 * ``SessionReplica`` (``--replicas`` of them): an Engine, a SessionStore on the shared sessions directory
-  and the same ``Server`` the single-process app runs, saving every session after each turn.
-* ``OpenAIIngress`` (one): the HTTP front door (``serve.ingress``). It reads the session id (the
-  ``x-session-id`` header or the ``user`` field) and calls the replicas through a handle with that id as
-  the *multiplexed model id*.
+  and the serving core the single-process server runs (``integrations/serving.py``), saving every session
+  after each turn.
+* ``Ingress`` (one): the same HTTP app as the single-process server (``http_app``: every route, dialect,
+  limit and the API keys), over a backend that calls the replicas through a handle with the session's key
+  as the *multiplexed model id*. Stored responses live in the shared directory.
 
 Session affinity: ``SessionAffinityRouter`` ranks the replicas for each session id by rendezvous hashing
 of (session id, replica id), so every router sends a session to the same replica from its first request on,
@@ -21,42 +22,29 @@ the loaded object's ``__del__``, which spills the session to the shared director
 
 When a replica dies or is drained, the ingress retries the request; the router picks a live replica,
 which loads the session from its last saved turn (a shared directory here; object storage in production).
-A missing or damaged file makes a fresh session, which the request rebuilds from its messages (an OpenAI
-request carries the whole conversation). Nothing happens silently: each response names its replica
-(``x-kvmemory-replica``) and, on a session's first request there, where the session came from
-(``x-kvmemory-session``: ``loaded`` from its file, ``new``, or ``rebuilt`` when its file was unusable).
+A missing or damaged file makes a fresh session, which the request rebuilds from its messages (a chat
+request carries the whole conversation); a damaged file is set aside as ``.damaged`` and logged.
 """
 
 import asyncio
 import hashlib
-import json
 import logging
 import os
 from pathlib import Path
 
-from fastapi import FastAPI, Header, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
-from starlette.concurrency import iterate_in_threadpool
 
-from integrations.server import APIError, ChatRequest, Server, error_body, error_response, error_status
+from integrations.server import MB, ResponseLog, http_app
+from integrations.serving import APIError, AsyncCore, ServingCore, Turn
 from kvmemory import Engine, KVMemoryError, MemoryManager, SessionFileError, SessionStore, default_policy
 from kvmemory.runtime.loading import DEFAULT_MODEL_NAME
 
 log = logging.getLogger("kvmemory.ray")
 RETRYABLE = (RayActorError, ActorUnavailableError)  # the replica died or is going away: another can serve
 SESSIONS_PER_REPLICA = 64  # multiplexed ids a replica keeps; its store's byte budget bounds the memory
-
-
-def error_payload(err: APIError | KVMemoryError | ValidationError) -> tuple[int, dict]:
-    if isinstance(err, ValidationError):
-        return 400, error_body(f"invalid request: {err.errors()}", "invalid_request_error")
-    status, message, kind, code = error_status(err)
-    return status, error_body(message, kind, code)
 
 
 class SessionAffinityRouter(RequestRouter):
@@ -87,23 +75,30 @@ def by_affinity(session_id: str, replicas: list, replica_id=str) -> list:
 
 
 class ResidentSession:
-    """What a replica's multiplexer holds for a session id; evicting it spills the session to its file.
-    ``origin`` says how it arrived (reported with the first response, then "resident")."""
+    """What a replica's multiplexer holds for a session key; evicting it spills the session to its file."""
 
-    def __init__(self, store: SessionStore, session_id: str, origin: str):
-        self.store, self.session_id, self.origin = store, session_id, origin
-
-    def report(self) -> str:
-        origin, self.origin = self.origin, "resident"
-        return origin
+    def __init__(self, store: SessionStore, key: str):
+        self.store, self.key = store, key
 
     def __del__(self):  # Ray Serve calls this when it unloads the id (and Python again at collection)
         store, self.store = getattr(self, "store", None), None
-        if store is not None and self.session_id in store.stats()["resident"]:
+        if store is not None and self.key in store.stats()["resident"]:
             try:
-                store.spill(self.session_id)
+                store.spill(self.key)
             except KVMemoryError as err:  # in use by a request: it stays resident until the store spills it
-                log.info("session %s not spilled: %s", self.session_id, err)
+                log.info("session %s not spilled: %s", self.key, err)
+
+
+def outcome(work):
+    """Run ``work()`` and say how it went as plain data: an APIError crosses Ray as its dict."""
+
+    async def run():
+        try:
+            return "ok", await work()
+        except APIError as err:
+            return "error", err.to_dict()
+
+    return run()
 
 
 @serve.deployment(
@@ -112,149 +107,167 @@ class ResidentSession:
     request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
 )
 class SessionReplica:
-    """One engine and its resident sessions (see the module docstring)."""
+    """One engine, its resident sessions and the serving core (see the module docstring)."""
 
-    def __init__(
-        self,
-        model: str,
-        sessions: str,
-        max_slots: int = 2048,
-        max_resident_mb: float | None = None,
-        kv_dtype: str | None = None,
-    ):
-        engine = Engine.from_pretrained(model, kv_dtype=kv_dtype)
-        budget = int(max_resident_mb * 2**20) if max_resident_mb else None
+    def __init__(self, model: str, sessions: str, settings: dict):
+        engine = Engine.from_pretrained(model, kv_dtype=settings.get("kv_dtype"))
+        budget = int(settings["max_resident_mb"] * MB) if settings.get("max_resident_mb") else None
         store = SessionStore(engine, sessions, budget)
-        self.server = Server(engine, store, default_policy(max_slots=max_slots), save_after_turn=True)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        policy = default_policy(max_slots=settings.get("max_slots", 2048))
+        self.core = ServingCore(
+            store,
+            policy,
+            settings.get("busy_timeout", 30.0),
+            True,
+            settings.get("max_sessions"),
+            settings.get("session_ttl"),
+        )
+        self.worker = AsyncCore(self.core)
 
     @serve.multiplexed(max_num_models_per_replica=SESSIONS_PER_REPLICA)
-    async def resident(self, session_id: str) -> ResidentSession:
-        origin = await asyncio.to_thread(self._load, session_id)
-        return ResidentSession(self.server.store, session_id, origin)
+    async def resident(self, key: str) -> ResidentSession:
+        await asyncio.to_thread(self._load, key)
+        return ResidentSession(self.core.store, key)
 
-    def _load(self, session_id: str) -> str:
-        """Bring the session in from its saved file; an unusable file is set aside and the session rebuilt."""
-        store, new = self.server.store, lambda: MemoryManager(self.server.policy)
-        saved = session_id in store
-        try:
-            store.get(session_id, new)
-        except SessionFileError as err:
-            path = store.path(session_id)
-            path.replace(path.with_suffix(".damaged"))
-            log.warning("session %s: saved file unusable (%s); rebuilding it from the request", session_id, err)
-            store.get(session_id, new)
-            return "rebuilt"
-        return "loaded" if saved else "new"
-
-    async def complete(self, body: dict) -> tuple[int, dict, dict]:
-        """(status, OpenAI response or error body, headers naming this replica and the session's origin)."""
-        session_id, headers = await self._enter()
-        status, payload = await asyncio.to_thread(self._complete, session_id, body)
-        return status, payload, headers
-
-    def _complete(self, session_id: str | None, body: dict) -> tuple[int, dict]:
-        try:
-            return 200, self.server.complete(session_id, ChatRequest.model_validate(body))
-        except (APIError, KVMemoryError, ValidationError) as err:
-            return error_payload(err)
-
-    async def stream(self, body: dict):
-        """The completion's server-sent events (as the single-process server sends them)."""
-        session_id, _ = await self._enter()
-        try:
-            request = ChatRequest.model_validate(body)
-        except ValidationError as err:
-            yield f"data: {json.dumps(error_payload(err)[1])}\n\ndata: [DONE]\n\n"
+    def _load(self, key: str) -> None:
+        """Bring a saved session in; an unusable file is set aside (``.damaged``) and the session starts anew,
+        to be rebuilt from the request's conversation."""
+        store = self.core.store
+        if key not in store:
             return
-        async for event in iterate_in_threadpool(self.server.stream(session_id, request)):
-            yield event
-
-    async def _enter(self) -> tuple[str | None, dict]:
-        """The request's session id, its session made resident here, and the headers that report it."""
-        headers = {"x-kvmemory-replica": self.replica_id}
-        session_id = serve.get_multiplexed_model_id() or None
-        if session_id is not None:
-            headers["x-kvmemory-session"] = (await self.resident(session_id)).report()
-        return session_id, headers
-
-
-app = FastAPI(title="kvmemory on Ray Serve")  # (no postponed annotations here: serve.ingress reads them live)
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0})
-@serve.ingress(app)
-class OpenAIIngress:
-    """The OpenAI-compatible front door: routes each request to its session's replica, retrying on another
-    when that one is gone."""
-
-    def __init__(self, replicas, model_name: str, retries: int = 3):
-        self.replicas, self.model_name, self.retries = replicas, model_name, retries
-
-    @app.get("/v1/models")
-    async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "kvmemory"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request, x_session_id: str | None = Header(None)):
         try:
-            body = await request.json()
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            return error_response(400, "the body must be a JSON object", "invalid_request_error")
-        session_id = x_session_id or body.get("user") or ""
-        handle = self.replicas.options(multiplexed_model_id=session_id)
-        if body.get("stream"):
-            return StreamingResponse(self._stream(handle, body), media_type="text/event-stream")
+            store.get(key, lambda: MemoryManager(self.core.policy))
+        except SessionFileError as err:
+            path = store.path(key)
+            path.replace(path.with_suffix(".damaged"))
+            log.warning("session %s: saved file unusable (%s); rebuilding it from the request", key, err)
+
+    async def _enter(self) -> None:
+        key = serve.get_multiplexed_model_id()
+        if key:
+            await self.resident(key)
+
+    async def run(self, turn: Turn):
+        await self._enter()
+        return await outcome(lambda: self.worker.run(turn))
+
+    async def stream(self, turn: Turn):
+        await self._enter()
+        try:
+            async for item in self.worker.stream(turn):
+                yield "ok", item
+        except APIError as err:
+            yield "error", err.to_dict()
+
+    async def session(self, operation: str, key: str):
+        await self._enter()
+        return await outcome(lambda: self.worker.call(getattr(self.core, operation), key))
+
+    async def sessions(self, owner):
+        return await outcome(lambda: self.worker.call(self.core.sessions, owner))
+
+    async def count_tokens(self, turn: Turn):
+        return await outcome(lambda: self.worker.call(self.core.count_tokens, turn))
+
+
+class RayBackend:
+    """The HTTP app's backend under Ray: each call goes to the replica of its session (retried on another
+    when that replica is gone); an APIError a replica answers is raised here as it was raised there."""
+
+    def __init__(self, replicas, retries: int = 3):
+        self.replicas, self.retries = replicas, retries
+
+    async def _call(self, method: str, key: str | None, *args):
+        handle = self.replicas.options(multiplexed_model_id=key or "")
         for attempt in range(self.retries + 1):
             try:
-                status, payload, headers = await handle.complete.remote(body)
-                return JSONResponse(payload, status, headers=headers)
+                status, value = await getattr(handle, method).remote(*args)
+                break
             except RETRYABLE as err:
-                log.warning("replica gone (%s); retrying session %r elsewhere", type(err).__name__, session_id)
+                log.warning("replica gone (%s); retrying session %r elsewhere", type(err).__name__, key)
                 if attempt == self.retries:
-                    return error_response(503, "no replica could serve the request; retry shortly", "server_error")
+                    raise APIError.from_dict(unavailable()) from err
                 await asyncio.sleep(0.5 * (attempt + 1))
+        if status == "error":
+            raise APIError.from_dict(value)
+        return value
 
-    async def _stream(self, handle, body: dict):
-        """Relay the replica's events; a replica lost before the first event is retried on another."""
+    def run(self, turn: Turn):
+        return self._call("run", turn.session, turn)
+
+    async def stream(self, turn: Turn):
+        """The replica's items; a replica lost before the first one is retried on another."""
+        handle = self.replicas.options(multiplexed_model_id=turn.session or "", stream=True)
         for attempt in range(self.retries + 1):
             sent = False
             try:
-                async for event in handle.options(stream=True).stream.remote(body):
+                async for status, item in handle.stream.remote(turn):
+                    if status == "error":
+                        raise APIError.from_dict(item)
                     sent = True
-                    yield event
+                    yield item
                 return
-            except RETRYABLE:
+            except RETRYABLE as err:
                 if sent or attempt == self.retries:
-                    error = error_body("the replica serving this stream was lost", "server_error")
-                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n"
-                    return
+                    raise APIError.from_dict(unavailable()) from err
                 await asyncio.sleep(0.5 * (attempt + 1))
 
+    def session(self, operation: str, key: str):
+        return self._call("session", key, operation, key)
 
-def build_app(
-    model: str,
-    sessions,
-    replicas: int = 2,
-    max_slots: int = 2048,
-    replica_cpus: float = 1.0,
-    kv_dtype: str | None = None,
-):
-    """The Serve application: ``replicas`` engine replicas sharing the ``sessions`` directory, behind the ingress."""
+    def sessions(self, owner):
+        return self._call("sessions", None, owner)
+
+    def count_tokens(self, turn: Turn):
+        return self._call("count_tokens", None, turn)
+
+
+def unavailable() -> dict:
+    return {
+        "status": 503,
+        "type": "server_error",
+        "code": "replica_unavailable",
+        "param": None,
+        "message": "no replica could serve the request; retry shortly",
+    }
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class Ingress:
+    """The HTTP front door: the single-process server's app over the replicas."""
+
+    def __init__(self, replicas, model_name: str, sessions: str, settings: dict):
+        self.replicas, self.model_name, self.sessions, self.settings = replicas, model_name, sessions, settings
+
+    def __serve_build_asgi_app__(self):
+        settings = self.settings
+        return http_app(
+            RayBackend(self.replicas),
+            self.model_name,
+            settings.get("api_keys", ()),
+            settings.get("model_aliases", ()),
+            settings.get("max_request_mb", 32.0),
+            ResponseLog(self.sessions),
+        )
+
+
+def build_app(model: str, sessions, replicas: int = 2, settings: dict | None = None, replica_cpus: float = 1.0):
+    """The Serve application: ``replicas`` engine replicas sharing the ``sessions`` directory, behind the
+    ingress; ``settings`` are the command line's (keys, aliases, limits; see ``integrations/server.py``)."""
+    settings = dict(settings or {})
     Path(sessions).mkdir(parents=True, exist_ok=True)
     engines = SessionReplica.options(num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus}).bind(
-        model, os.fspath(sessions), max_slots, None, kv_dtype
+        model, os.fspath(sessions), settings
     )
-    return OpenAIIngress.bind(engines, DEFAULT_MODEL_NAME if model == "default" else str(model))
+    name = DEFAULT_MODEL_NAME if model == "default" else str(model)
+    return Ingress.bind(engines, name, os.fspath(sessions), settings)
 
 
-def run(model: str, sessions, replicas: int, host: str, port: int, max_slots: int, kv_dtype: str | None = None) -> None:
+def run(model: str, sessions, replicas: int, host: str, port: int, settings: dict) -> None:
     """Start a local Ray cluster (or join the one in ``RAY_ADDRESS``) and serve until interrupted."""
     import ray
 
     ray.init(ignore_reinit_error=True)
     serve.start(http_options={"host": host, "port": port})
-    app = build_app(model, sessions, replicas, max_slots, kv_dtype=kv_dtype)
-    serve.run(app, name="kvmemory", route_prefix="/", blocking=True)
+    serve.run(build_app(model, sessions, replicas, settings), name="kvmemory", route_prefix="/", blocking=True)

@@ -1,306 +1,466 @@
-"""An OpenAI-compatible HTTP server whose sessions keep their compacted KV cache between requests.
+"""The HTTP server: OpenAI Chat Completions, the OpenAI Responses API and the Anthropic Messages API over
+sessions whose compacted KV cache stays resident between requests.
 
-    kvmemory serve [--model default] [--port 8000] [--sessions DIR [--save-after-turn]] [--max-slots 2048]
+    kvmemory serve [--model default] [--port 8000] [--sessions DIR] [--api-key KEY ...]
     kvmemory serve --ray --replicas 2 --sessions DIR   (Ray Serve: see integrations/ray_serve.py)
 
-``POST /v1/chat/completions`` takes the OpenAI request (messages, tools, temperature, top_p, max_tokens,
-stop, seed, ``stream`` with ``stream_options.include_usage``). The ``x-session-id`` header (or the ``user``
-field) names the session: its cache stays resident (compacted under the policy's cap), so each request
-prefills only the messages the session has not seen (``usage.prompt_tokens_details.cached_tokens``). A
-request without a session id runs on a fresh session, like a stateless server. ``extra_body={"kvmemory":
-{"policy": {...}}}`` gives a session its memory policy. Sessions: ``GET /v1/sessions/{id}`` (stats),
-``GET .../memory_map.png``, ``POST .../save``, ``POST .../restore``, ``DELETE /v1/sessions/{id}``.
+Routes (each dialect is converted into the serving core, ``integrations/serving.py``):
 
-Requests on one session are served one at a time (a request that waits longer than ``busy_timeout`` gets
-409); a failed request leaves its session as it was. A client that disconnects mid-stream leaves the
-session holding the part of the reply that was sent (the rest is never added).
+* ``POST /v1/chat/completions``; ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``;
+  ``POST /v1/messages``, ``POST /v1/messages/count_tokens``; ``GET /v1/models``.
+* Sessions: ``GET /v1/sessions`` (yours), ``GET /v1/sessions/{id}`` (stats, readable during a turn),
+  ``GET .../memory_map.png``, ``POST .../save``, ``POST .../restore``, ``DELETE /v1/sessions/{id}``.
+* ``GET /health`` (no key needed: for load balancers).
+
+With ``--api-key`` (repeatable; or ``KVMEMORY_API_KEYS``, comma-separated; or ``--api-key-file``, one per
+line) every other route needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY``, and each key sees only
+the sessions and responses it made (another key gets 404). Request bodies over ``--max-request-mb`` get
+413, chunked or not. A client that goes away cancels its turn at the next token: a non-streaming turn is
+undone, a stream keeps exactly the text it sent.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
+import asyncio
+import hashlib
+import hmac
+import ipaddress
 import json
-import math
+import logging
+import os
 import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
-from typing import Any
+from pathlib import Path
 
-from fastapi import FastAPI, Header, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
 
-from kvmemory import (
-    ContextLengthError,
-    Engine,
-    InvalidArgumentError,
-    KVMemoryError,
-    MemoryCapError,
-    MemoryManager,
-    MemoryPolicy,
-    PolicyError,
-    SessionFileError,
-    SessionStore,
-    StoreFullError,
-    ToolCallParseError,
-    default_policy,
+from integrations.dialects import anthropic_messages, openai_chat, openai_responses
+from integrations.serving import (
+    APIError,
+    AsyncCore,
+    BadRequest,
+    NotFound,
+    Reply,
+    ServerError,
+    ServingCore,
+    TooLarge,
+    Turn,
+    Unauthorized,
+    session_key,
 )
-from kvmemory.memory import plot_memory_map
-from kvmemory.runtime.chat import parse_tool_calls, visible_content
+from kvmemory import Engine, MemoryPolicy, SessionStore, default_policy
 from kvmemory.runtime.engine import KV_DTYPES
 
-
-class ChatRequest(BaseModel):
-    """The OpenAI chat-completions request (fields kvmemory does not use are accepted and ignored)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    messages: list[dict]
-    model: str | None = None
-    tools: list[dict] | None = None
-    tool_choice: Any = None
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    user: str | None = None
-    kvmemory: dict | None = None
+log = logging.getLogger("kvmemory.server")
+MB = 2**20  # every "MB" of the command line is a mebibyte
 
 
-class APIError(Exception):
-    """An error answered as OpenAI answers it: ``{"error": {"message", "type", "code"}}`` with a status."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
+def owner_of(key: str) -> str:
+    """The owner an API key stands for (a digest: keys are never stored or logged)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def error_body(message: str, kind: str, code: str | None = None) -> dict:
-    """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+# ---- backends: where turns run (this process, or Ray replicas) --------------------------------
+
+
+class LocalBackend:
+    """Turns and session calls on a ServingCore in this process."""
+
+    def __init__(self, core: ServingCore):
+        self.core, self.worker = core, AsyncCore(core)
+
+    def run(self, turn: Turn):
+        return self.worker.run(turn)
+
+    def stream(self, turn: Turn) -> AsyncIterator[str | Reply]:
+        return self.worker.stream(turn)
+
+    async def session(self, operation: str, key: str):
+        """``operation`` (stats, memory_map, save, restore, delete) on the session ``key``."""
+        return await self.worker.call(getattr(self.core, operation), key)
+
+    async def sessions(self, owner: str | None) -> list[str]:
+        return await self.worker.call(self.core.sessions, owner)
+
+    async def count_tokens(self, turn: Turn) -> int:
+        return await self.worker.call(self.core.count_tokens, turn)
+
+
+class ResponseLog:
+    """Stored Responses-API responses: the response body, its owner, its session and the conversation the
+    session holds after it (what ``previous_response_id`` continues). In a directory when one is given
+    (shared by Ray replicas), else in memory (the newest ``limit``)."""
+
+    def __init__(self, directory: Path | None = None, limit: int = 10_000):
+        self.directory = Path(directory) / "responses" if directory is not None else None
+        self.limit, self._memory = limit, OrderedDict()
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def put(self, record: dict) -> None:
+        if self.directory is None:
+            self._memory[record["id"]] = record
+            while len(self._memory) > self.limit:
+                self._memory.popitem(last=False)
+            return
+        tmp = self.directory / f".{record['id']}.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self.directory / f"{record['id']}.json")
+
+    def get(self, ident: str, owner: str | None) -> dict:
+        record = None
+        if self.directory is None:
+            record = self._memory.get(ident)
+        elif openai_responses_id(ident):
+            path = self.directory / f"{ident}.json"
+            record = json.loads(path.read_text()) if path.is_file() else None
+        if record is None or record["owner"] != owner:
+            raise NotFound(f"no response {ident!r}", code="response_not_found", param="response_id")
+        return record
+
+    def delete(self, ident: str, owner: str | None) -> None:
+        self.get(ident, owner)
+        if self.directory is None:
+            self._memory.pop(ident, None)
+        else:
+            (self.directory / f"{ident}.json").unlink(missing_ok=True)
+
+    def expire(self, max_idle: float) -> None:
+        if self.directory is not None:
+            for path in self.directory.glob("*.json"):
+                if time.time() - path.stat().st_mtime > max_idle:
+                    path.unlink(missing_ok=True)
+
+
+def openai_responses_id(ident: str) -> bool:
+    return ident.startswith("resp_") and ident[5:].isalnum()
+
+
+# ---- the HTTP app --------------------------------------------------------------------------------
+
+
+def dialect_error(path: str, err: APIError) -> dict:
+    """The error body in the shape of the route's dialect."""
+    if path.startswith("/v1/messages"):
+        return anthropic_messages.error_body(err)
+    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
+
+
+class Gate:
+    """ASGI middleware in front of every route: the API key (401), then the body size (413, counted as the
+    body arrives, so a chunked body cannot pass the limit); the request's owner goes in ``request.state``."""
+
+    def __init__(self, app, keys: tuple[str, ...], max_body: int):
+        self.app, self.owners, self.max_body = app, {k: owner_of(k) for k in keys}, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            scope.setdefault("state", {})["owner"] = self.owner(scope)
+            receive = await self.buffered(scope, receive)
+        except APIError as err:
+            return await JSONResponse(dialect_error(scope["path"], err), err.status)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def owner(self, scope) -> str | None:
+        if not self.owners or scope["path"] == "/health":
+            return None
+        headers = {k.decode().lower(): v.decode(errors="replace") for k, v in scope["headers"]}
+        given = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
+        for key, owner in self.owners.items():
+            if given and hmac.compare_digest(given.encode(), key.encode()):
+                return owner
+        raise Unauthorized("a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)")
+
+    async def buffered(self, scope, receive):
+        """The body read up to the limit, then handed on as one message (later reads see disconnects)."""
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        too_large = TooLarge(f"the request body is over the server's {self.max_body / MB:g} MB limit")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise too_large
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return receive
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body:
+                raise too_large
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        return replay
+
+
+async def json_body(request: Request):
+    try:
+        return json.loads(await request.body() or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadRequest(f"the body is not JSON: {err}") from None
+
+
+async def unless_disconnected(request: Request, work):
+    """Await ``work``; if the client goes away first, cancel it (the core undoes the turn) and raise."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise asyncio.CancelledError("the client went away")
+    finally:
+        task.cancel()  # (a no-op once done) also when this handler is cancelled, as Ray Serve does
+
+
+async def first_then_rest(request: Request, items: AsyncIterator) -> AsyncIterator:
+    """Run a stream to its first item before answering, so that an error found while prefilling gets its
+    own HTTP status; then the whole stream."""
+    first = await unless_disconnected(request, anext(items))
+
+    async def chained():
+        yield first
+        async for item in items:
+            yield item
+
+    return chained()
+
+
+def event_stream(events: AsyncIterator[str], error_event: Callable[[APIError], str]) -> StreamingResponse:
+    async def guarded():
+        try:
+            async for event in events:
+                yield event
+        except APIError as err:
+            yield error_event(err)
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def error_response(status: int, message: str, kind: str, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, code), status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
 
 
-def error_status(err: APIError | KVMemoryError) -> tuple[int, str, str, str | None]:
-    """(HTTP status, message, OpenAI error type, code) for an error a request caused."""
-    if isinstance(err, APIError):
-        return err.status, err.message, err.kind, err.code
-    if isinstance(err, (ContextLengthError, MemoryCapError)):
-        return 400, str(err), "invalid_request_error", "context_length_exceeded"
-    if isinstance(err, StoreFullError):
-        return 503, str(err), "server_error", "store_full"
-    if isinstance(err, SessionFileError):
-        return 404 if "no session file" in str(err) else 400, str(err), "invalid_request_error", None
-    if isinstance(err, ValueError):
-        return 400, str(err), "invalid_request_error", None
-    return 500, str(err), "server_error", None
+def openai_error_event(err: APIError) -> str:
+    return f"data: {json.dumps(dialect_error('', err))}\n\ndata: [DONE]\n\n"
 
 
-def chat_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI messages → the dicts a Session renders (text parts joined, tool-call arguments parsed)."""
-    out = []
-    for i, message in enumerate(messages):
-        msg = dict(message)
-        if isinstance(msg.get("content"), list):
-            msg["content"] = "".join(p.get("text", "") for p in msg["content"] if isinstance(p, dict))
-        calls = []
-        for call in msg.get("tool_calls") or []:
-            function = dict(call.get("function") or {})
-            if isinstance(function.get("arguments"), str):
-                try:
-                    function["arguments"] = json.loads(function["arguments"] or "{}")
-                except json.JSONDecodeError as err:
-                    raise APIError(400, f"messages[{i}]: tool call arguments are not JSON: {err.msg}") from err
-            calls.append({**call, "function": function})
-        if calls:
-            msg["tool_calls"] = calls
-        out.append(msg)
-    return out
+def conversation_key(owner: str | None, messages: list[dict]) -> str:
+    """The session a stateless client's conversation belongs to: found by its messages up to the first user
+    message (a client that resends the conversation every turn keeps landing on the same session)."""
+    head = []
+    for message in messages:
+        head.append({k: message.get(k) for k in ("role", "content")})
+        if message["role"] == "user":
+            break
+    return session_key(owner, "conv-" + hashlib.sha256(json.dumps(head).encode()).hexdigest()[:32])
 
 
-class Server:
-    """The engine, the session store and the per-session locks behind the HTTP app."""
+def http_app(
+    backend,
+    model: str,
+    api_keys: tuple[str, ...] = (),
+    model_aliases: tuple[str, ...] = (),
+    max_request_mb: float = 32.0,
+    responses: ResponseLog | None = None,
+) -> FastAPI:
+    """The routes over ``backend`` (a LocalBackend, or the Ray ingress's replicas)."""
+    app = FastAPI(title="kvmemory", description=__doc__)
+    app.state.backend, app.state.responses = backend, responses or ResponseLog()
+    names = (model, *model_aliases)
 
-    def __init__(
-        self,
-        engine,
-        store: SessionStore,
-        policy: MemoryPolicy,
-        busy_timeout: float = 30.0,
-        save_after_turn: bool = False,
-    ):
-        if save_after_turn and store.directory is None:
-            raise InvalidArgumentError("save_after_turn needs a store with a directory")
-        self.engine, self.store, self.policy, self.busy_timeout = engine, store, policy, busy_timeout
-        self.save_after_turn = save_after_turn
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in names and "*" not in names:
+            served = ", ".join(repr(n) for n in names)
+            raise NotFound(
+                f"model {name!r} is not served here; this server serves {served} (start it with --model-alias NAME "
+                "to accept another name, or --model-alias '*' for any)",
+                code="model_not_found",
+                param="model",
+            )
 
-    @contextmanager
-    def lock(self, session_id: str):
-        """Hold the session against other requests; 409 if it stays busy longer than ``busy_timeout``."""
-        with self._guard:
-            lock = self._locks.setdefault(session_id, threading.Lock())
-        if not lock.acquire(timeout=self.busy_timeout):
-            raise APIError(409, f"session {session_id!r} is busy with another request", "conflict", "session_busy")
-        try:
-            yield
-        finally:
-            lock.release()
+    def key(request: Request, body_id: str | None = None, param: str = "x-session-id") -> str | None:
+        given = request.headers.get("x-session-id") or body_id
+        if given is None:
+            return None
+        return session_key(owner(request), given, "x-session-id" if request.headers.get("x-session-id") else param)
 
-    @contextmanager
-    def session(self, session_id: str | None, policy: dict | None):
-        """The named session (or a fresh one for a request without an id), held for the request."""
-        memory_policy = self._policy(policy)
-        if session_id is None:
-            session = self.engine.session(memory=MemoryManager(memory_policy))
-            try:
-                yield session
-            finally:
-                session.close()
-            return
-        with self.lock(session_id), self.store.use(session_id, lambda: MemoryManager(memory_policy)) as session:
-            if policy is not None:
-                session.memory.set_policy(memory_policy)
-            yield session
+    def owner(request: Request) -> str | None:
+        return request.state.owner
 
-    def complete(self, session_id: str | None, request: ChatRequest) -> dict:
-        """The chat completion for ``request`` on the session (a failure leaves it as it was)."""
-        with self.session(session_id, (request.kvmemory or {}).get("policy")) as session:
-            with session.transaction():
-                prompt, cached = prefill(session, request)
-                result = session.generate(**sampling(request))
-            self._after_turn(session_id)
-        message, finish = reply_message(result.text)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.engine.name,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish or result.finish_reason}],
-            "usage": usage(prompt, cached, len(result.token_ids)),
-        }
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        return JSONResponse(dialect_error(request.url.path, err), err.status)
 
-    def stream(self, session_id: str | None, request: ChatRequest) -> Iterator[str]:
-        """The completion as server-sent events, ending with a usage chunk when asked and ``[DONE]``; errors
-        come as an error event (the status line is sent before the first token)."""
-        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):
+        kind = NotFound if err.status_code == 404 else BadRequest
+        error = kind(f"{request.method} {request.url.path}: {err.detail}", code="unknown_route")
+        error.status = err.status_code
+        return JSONResponse(dialect_error(request.url.path, error), err.status_code)
 
-        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-            body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.engine.name}
-            body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish}] if delta is not None else []
-            return f"data: {json.dumps({**body, **extra})}\n\n"
+    @app.exception_handler(Exception)
+    async def crash(request: Request, err: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        error = ServerError(f"internal error ({type(err).__name__}); the server log has the details")
+        return JSONResponse(dialect_error(request.url.path, error), 500)
 
-        try:
-            with self.session(session_id, (request.kvmemory or {}).get("policy")) as session:
-                before = session.snapshot()  # a failure (not a disconnect) puts the session back as it was
-                try:
-                    prompt, cached = prefill(session, request)
-                    yield chunk({"role": "assistant", "content": ""})
-                    shown, result = 0, None
-                    for _, result in session.start_generation(**sampling(request)):
-                        visible = visible_content(result.text)
-                        if len(visible) > shown:
-                            yield chunk({"content": visible[shown:]})
-                            shown = len(visible)
-                except Exception:
-                    session.restore(before)
-                    raise
-                self._after_turn(session_id)
-                message, finish = reply_message(result.text)
-                if message.get("tool_calls"):
-                    calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-                    yield chunk({"tool_calls": calls})
-                elif (message["content"] or "")[shown:]:
-                    yield chunk({"content": message["content"][shown:]})
-                yield chunk({}, finish or result.finish_reason)
-                if (request.stream_options or {}).get("include_usage"):
-                    yield chunk(None, usage=usage(prompt, cached, len(result.token_ids)))
-        except (APIError, KVMemoryError) as err:
-            _, message, kind, code = error_status(err)
-            yield f"data: {json.dumps({'error': {'message': message, 'type': kind, 'code': code}})}\n\n"
-        yield "data: [DONE]\n\n"
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model}
 
-    def _after_turn(self, session_id: str | None) -> None:
-        """Save the session after each turn when asked to (what a restarted or failed-over server resumes)."""
-        if self.save_after_turn and session_id is not None:
-            self.store.save(session_id)
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "kvmemory", "created": 0}]}
 
-    def _policy(self, requested: dict | None) -> MemoryPolicy:
-        if requested is None:
-            return self.policy
-        try:
-            return MemoryPolicy.from_dict(requested)
-        except PolicyError as err:
-            raise APIError(422, f"invalid kvmemory policy: {err}", "invalid_request_error", "invalid_policy") from err
+    # -- OpenAI Chat Completions --
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = openai_chat.request(await json_body(request))
+        check_model(req.model)
+        turn = openai_chat.turn(req, key(request, req.user, "user"))
+        if req.stream:
+            items = await first_then_rest(request, backend.stream(turn))
+            return event_stream(openai_chat.events(req, items, model), openai_error_event)
+        return openai_chat.answer(await unless_disconnected(request, backend.run(turn)), model)
+
+    # -- OpenAI Responses --
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        req = openai_responses.request(await json_body(request))
+        check_model(req.model)
+        who, log_ = owner(request), app.state.responses
+        earlier, calls, session = [], {}, key(request)
+        if req.previous_response_id is not None:
+            previous = log_.get(req.previous_response_id, who)
+            earlier, calls = previous["conversation"], previous["calls"]
+            session = session or previous["session"]
+        turn = openai_responses.turn(req, session, earlier, calls)
+        if turn.session is None:
+            turn.session = conversation_key(who, turn.messages)
+        ident = "resp_" + os.urandom(16).hex()
+
+        def store(reply: Reply, body: dict) -> None:
+            if req.store:
+                held = reply.conversation[1:] if req.instructions else reply.conversation
+                made = {c["id"]: c["name"] for c in reply.tool_calls}
+                record = {
+                    "id": ident,
+                    "owner": who,
+                    "session": turn.session,
+                    "conversation": held,
+                    "calls": {**calls, **made},
+                    "response": body,
+                }
+                log_.put(record)
+
+        if req.stream:
+            items = await first_then_rest(request, backend.stream(turn))
+            events = openai_responses.events(req, ident, model, items, store)
+            return event_stream(events, lambda err: responses_error_event(ident, err))
+        reply = await unless_disconnected(request, backend.run(turn))
+        body = openai_responses.response(req, ident, model, reply)
+        store(reply, body)
+        return body
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str):
+        return app.state.responses.get(response_id, owner(request))["response"]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str):
+        app.state.responses.delete(response_id, owner(request))
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    # -- Anthropic Messages --
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        req = anthropic_messages.request(await json_body(request))
+        check_model(req.model)
+        turn = anthropic_messages.turn(req, key(request))
+        if turn.session is None:
+            turn.session = conversation_key(owner(request), turn.messages)
+        if req.stream:
+            items = await first_then_rest(request, backend.stream(turn))
+            return event_stream(anthropic_messages.events(model, items), anthropic_messages.error_event)
+        return anthropic_messages.answer(await unless_disconnected(request, backend.run(turn)), model)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        req = anthropic_messages.request(await json_body(request), anthropic_messages.CountRequest)
+        turn = Turn(anthropic_messages.chat_messages(req), anthropic_messages.tools(req))
+        return {"input_tokens": await backend.count_tokens(turn)}
+
+    # -- sessions --
+    @app.get("/v1/sessions")
+    async def sessions(request: Request):
+        ids = await backend.sessions(owner(request))
+        return {"object": "list", "data": [{"id": i, "object": "session"} for i in ids]}
+
+    @app.get("/v1/sessions/{session_id}")
+    async def session_stats(request: Request, session_id: str):
+        stats = await backend.session("stats", key(request, session_id, "session_id"))
+        return finite({"id": session_id, **stats})
+
+    @app.get("/v1/sessions/{session_id}/memory_map.png")
+    async def memory_map(request: Request, session_id: str):
+        png = await backend.session("memory_map", key(request, session_id, "session_id"))
+        return Response(png, media_type="image/png")
+
+    @app.post("/v1/sessions/{session_id}/save")
+    async def save(request: Request, session_id: str):
+        size = await backend.session("save", key(request, session_id, "session_id"))
+        return {"id": session_id, "saved": True, "bytes": size}
+
+    @app.post("/v1/sessions/{session_id}/restore")
+    async def restore(request: Request, session_id: str):
+        """Load the session from its saved file (replacing the resident one)."""
+        tokens = await backend.session("restore", key(request, session_id, "session_id"))
+        return {"id": session_id, "restored": True, "logical_tokens": tokens}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete(request: Request, session_id: str):
+        await backend.session("delete", key(request, session_id, "session_id"))
+        return {"id": session_id, "deleted": True}
+
+    return Gate(app, tuple(api_keys), int(max_request_mb * MB))
 
 
-def sampling(request: ChatRequest) -> dict:
-    stop = [request.stop] if isinstance(request.stop, str) else request.stop
-    return {
-        "max_new_tokens": request.max_completion_tokens or request.max_tokens or 512,
-        "temperature": request.temperature if request.temperature is not None else 0.0,
-        "top_p": request.top_p if request.top_p is not None else 1.0,
-        "stop": stop or None,
-        "seed": request.seed,
+def responses_error_event(ident: str, err: APIError) -> str:
+    failed = {
+        "id": ident,
+        "object": "response",
+        "status": "failed",
+        "error": {"code": err.code or err.kind, "message": err.message},
     }
-
-
-def prefill(session, request: ChatRequest) -> tuple[int, int]:
-    """Bring the session to the request's conversation; (prompt tokens, of those already cached)."""
-    tools = request.tools if request.tool_choice != "none" else None
-    before = session.prefilled_tokens
-    session.set_messages(chat_messages(request.messages), tools=tools, add_generation_prompt=True)
-    prompt = len(session.tokens)
-    return prompt, prompt - (session.prefilled_tokens - before)
-
-
-def reply_message(text: str) -> tuple[dict, str | None]:
-    """The assistant message in the OpenAI shape, and "tool_calls" as finish reason when it calls tools."""
-    try:
-        content, calls = parse_tool_calls(text)
-    except ToolCallParseError:
-        return {"role": "assistant", "content": text}, None
-    if not calls:
-        return {"role": "assistant", "content": content}, None
-    tool_calls = [
-        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["args"])}}
-        for c in calls
-    ]
-    return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, "tool_calls"
+    return f"event: response.failed\ndata: {json.dumps({'type': 'response.failed', 'response': failed})}\n\n"
 
 
 def finite(value):
     """JSON without NaN or infinity (a segment never compacted has an infinite ratio): those become None."""
     if isinstance(value, float):
-        return value if math.isfinite(value) else None
+        return value if value == value and abs(value) != float("inf") else None
     if isinstance(value, dict):
         return {k: finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [finite(v) for v in value]
     return value
-
-
-def usage(prompt: int, cached: int, completion: int) -> dict:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
 
 
 def create_app(
@@ -309,87 +469,22 @@ def create_app(
     policy: MemoryPolicy | None = None,
     max_request_mb: float = 32.0,
     save_after_turn: bool = False,
-) -> FastAPI:
-    """The FastAPI app serving ``engine``; sessions live in ``store`` (in memory by default), saved to its
-    directory after every turn with ``save_after_turn``; request bodies over ``max_request_mb`` get 413."""
+    *,
+    api_keys: tuple[str, ...] = (),
+    model_aliases: tuple[str, ...] = (),
+    max_sessions: int | None = None,
+    session_ttl: float | None = None,
+    busy_timeout: float = 30.0,
+):
+    """The app serving ``engine`` in this process; sessions live in ``store`` (in memory by default), saved
+    to its directory after every turn with ``save_after_turn``; at most ``max_sessions``, those idle for
+    ``session_ttl`` seconds deleted."""
     store = store or SessionStore(engine)
-    server = Server(engine, store, policy or default_policy(max_slots=2048), save_after_turn=save_after_turn)
-    app = FastAPI(title="kvmemory", description=__doc__)
-    app.state.server = server
-
-    @app.middleware("http")
-    async def limit_size(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_request_mb * 1e6:
-            message = f"request body of {int(size):,} bytes is over the server's {max_request_mb:g} MB limit"
-            return error_response(413, message, "invalid_request_error", "request_too_large")
-        return await call_next(request)
-
-    @app.exception_handler(APIError)
-    @app.exception_handler(KVMemoryError)
-    async def request_error(_: Request, err: Exception):
-        return error_response(*error_status(err))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, err: RequestValidationError):
-        return error_response(400, f"invalid request: {err.errors()}", "invalid_request_error")
-
-    @app.get("/v1/models")
-    def models():
-        return {"object": "list", "data": [{"id": engine.name, "object": "model", "owned_by": "kvmemory"}]}
-
-    @app.post("/v1/chat/completions")
-    def chat_completions(request: ChatRequest, x_session_id: str | None = Header(None)):
-        session_id = x_session_id or request.user
-        if request.stream:
-            return StreamingResponse(server.stream(session_id, request), media_type="text/event-stream")
-        return server.complete(session_id, request)
-
-    @app.get("/v1/sessions/{session_id}")
-    def session_stats(session_id: str):
-        known(session_id)
-        with server.session(session_id, None) as session:
-            stats = session.stats()
-        return finite({"id": session_id, **asdict(stats), "compression": stats.compression})
-
-    @app.get("/v1/sessions/{session_id}/memory_map.png")
-    def memory_map(session_id: str):
-        known(session_id)
-        with server.session(session_id, None) as session:
-            buffer = io.BytesIO()
-            plot_memory_map(session.memory.timeline, session.segments, buffer, title=f"session {session_id}")
-        return Response(buffer.getvalue(), media_type="image/png")
-
-    @app.post("/v1/sessions/{session_id}/save")
-    def save(session_id: str):
-        known(session_id)
-        if server.store.directory is None:
-            raise APIError(400, "the server was started without --sessions DIR: nowhere to save")
-        with server.session(session_id, None):
-            path = server.store.save(session_id)
-        return {"id": session_id, "saved": True, "bytes": path.stat().st_size}
-
-    @app.post("/v1/sessions/{session_id}/restore")
-    def restore(session_id: str):
-        """Load the session from its saved file (replacing the resident one)."""
-        path = server.store.path(session_id)
-        if path is None or not path.is_file():
-            raise APIError(404, f"no saved session {session_id!r}", "not_found_error", "session_not_found")
-        with server.lock(session_id):
-            session = server.store.reload(session_id)
-        return {"id": session_id, "restored": True, "logical_tokens": len(session.tokens)}
-
-    @app.delete("/v1/sessions/{session_id}")
-    def delete(session_id: str):
-        known(session_id)
-        server.store.drop(session_id)
-        return {"id": session_id, "deleted": True}
-
-    def known(session_id: str) -> None:
-        if session_id not in server.store:
-            raise APIError(404, f"no session {session_id!r}", "not_found_error", "session_not_found")
-
-    return app
+    core = ServingCore(
+        store, policy or default_policy(max_slots=2048), busy_timeout, save_after_turn, max_sessions, session_ttl
+    )
+    responses = ResponseLog(store.directory)
+    return http_app(LocalBackend(core), engine.name, api_keys, model_aliases, max_request_mb, responses)
 
 
 def loading_app(load: Callable[[], FastAPI]) -> FastAPI:
@@ -450,15 +545,44 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Ite
         listener.close()
 
 
+def api_keys(args) -> tuple[str, ...]:
+    """Keys from ``--api-key``, ``--api-key-file`` (one per line, # comments) and ``KVMEMORY_API_KEYS``."""
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        lines = Path(args.api_key_file).read_text().splitlines()
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    keys += [k.strip() for k in os.environ.get("KVMEMORY_API_KEYS", "").split(",") if k.strip()]
+    return tuple(dict.fromkeys(keys))
+
+
+def warn_if_open(host: str, keys: tuple[str, ...]) -> None:
+    """A server reachable from other machines without a key serves every session to anyone who asks."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback and not keys:
+        log.warning(
+            "kvmemory serve: listening on %s without --api-key: anyone who reaches this port can read, save and "
+            "delete every session (transcripts hold everything the agents read)",
+            host,
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvmemory", description="kvmemory command line")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="an OpenAI-compatible server (see integrations/server.py)")
+    serve = commands.add_parser("serve", help="an OpenAI- and Anthropic-compatible server (integrations/server.py)")
     serve.add_argument("--model", default="default", help="a model name, HF id, local directory or .gguf file")
+    serve.add_argument("--model-alias", action="append", help="another model name to accept ('*': any); repeatable")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", action="append", help="a key clients must send; repeatable")
+    serve.add_argument("--api-key-file", default=None, help="a file of keys, one per line")
     serve.add_argument("--sessions", default=None, help="directory where sessions are saved (and spilled)")
     serve.add_argument("--max-resident-mb", type=float, default=None, help="KV of resident sessions, then spill")
+    serve.add_argument("--max-sessions", type=int, default=256, help="sessions held (resident and saved)")
+    serve.add_argument("--session-ttl-hours", type=float, default=168.0, help="idle sessions are deleted after this")
     serve.add_argument("--max-slots", type=int, default=2048, help="the default policy's cap per session")
     serve.add_argument(
         "--kv-dtype",
@@ -471,23 +595,44 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (see integrations/ray_serve.py)")
     serve.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas")
     args = parser.parse_args(argv)
+    keys = api_keys(args)
+    warn_if_open(args.host, keys)
+    settings = {
+        "api_keys": keys,
+        "model_aliases": tuple(args.model_alias or ()),
+        "max_sessions": args.max_sessions,
+        "session_ttl": args.session_ttl_hours * 3600,
+        "max_request_mb": args.max_request_mb,
+        "max_resident_mb": args.max_resident_mb,
+        "max_slots": args.max_slots,
+        "kv_dtype": args.kv_dtype,
+    }
     if args.ray:
         if args.sessions is None:
             parser.error("--ray needs --sessions DIR: a directory every replica can read (sessions fail over)")
         from integrations.ray_serve import run
 
-        run(args.model, args.sessions, args.replicas, args.host, args.port, args.max_slots, args.kv_dtype)
+        run(args.model, args.sessions, args.replicas, args.host, args.port, settings)
         return
     if args.save_after_turn and args.sessions is None:
         parser.error("--save-after-turn needs --sessions DIR")
     import uvicorn
 
-    def load() -> FastAPI:
+    def load():
         engine = Engine.from_pretrained(args.model, kv_dtype=args.kv_dtype)
-        budget = int(args.max_resident_mb * 1e6) if args.max_resident_mb else None
+        budget = int(args.max_resident_mb * MB) if args.max_resident_mb else None
         store = SessionStore(engine, args.sessions, budget)
-        policy = default_policy(max_slots=args.max_slots)
-        return create_app(engine, store, policy, args.max_request_mb, args.save_after_turn)
+        return create_app(
+            engine,
+            store,
+            default_policy(max_slots=args.max_slots),
+            args.max_request_mb,
+            args.save_after_turn,
+            api_keys=keys,
+            model_aliases=settings["model_aliases"],
+            max_sessions=args.max_sessions,
+            session_ttl=settings["session_ttl"],
+        )
 
     uvicorn.run(loading_app(load), host=args.host, port=args.port)
 

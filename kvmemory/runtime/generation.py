@@ -174,6 +174,7 @@ class Generation:
         self.session, self.params = session, params
         self.progress = ReplyProgress()  # the session keeps this, so an abandoned generation can be settled
         self.finish: str | None = None
+        self.stop_string: str | None = None  # the stop string that ended the reply, if one did
         self.closed = False
         self._undo = None
         self._reply_text = ReplyText(session._decode)
@@ -231,10 +232,11 @@ class Generation:
                 return self._release(self._text())
             self.generated.append(token)
             text = self._text()
-            hits = [i for i in (text.find(s, max(0, len(self.emitted) - len(s))) for s in params.stop) if i >= 0]
+            hits = [(i, s) for s in params.stop if (i := text.find(s, max(0, len(self.emitted) - len(s)))) >= 0]
             if hits:
+                at, self.stop_string = min(hits)
                 self.finish = "stop"
-                return self._release(text[: min(hits)])
+                return self._release(text[:at])
             if len(self.generated) >= params.max_new_tokens:
                 self.finish = "length"
                 return self._release(text)

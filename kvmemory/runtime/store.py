@@ -12,6 +12,10 @@ size) waits while every resident session is in use, and comes in when one is rel
 With ``when_full="wait"`` the store never spills by itself: newcomers wait until ``spill`` or ``drop``
 frees room. A wait longer than ``admission_timeout`` raises ``StoreFullError``; ``stats()`` counts waits.
 
+Bounds: ``ids()`` lists every session (resident and saved: each save leaves a small ``.id`` file naming
+its session), ``expire(max_idle)`` deletes the saved sessions idle longer than that, and a store opened on a
+directory removes the temporary files of saves a crash interrupted.
+
 A directory shared by several stores (engine replicas, one per process): the latest save of a session wins.
 A store remembers which version of the file each resident session was loaded from or saved to; when another
 store has saved the session since, its next use here reloads that file instead of serving the stale copy,
@@ -36,6 +40,7 @@ from kvmemory.runtime.memory_hooks import SessionMemory
 from kvmemory.runtime.session import Session
 
 log = logging.getLogger("kvmemory.store")
+INTERRUPTED_SAVE_AGE = 600.0  # seconds: a temporary save file older than this belongs to a crashed save
 
 
 class SessionStore:
@@ -63,7 +68,10 @@ class SessionStore:
         self._pins: Counter[str] = Counter()
         self._versions: dict[str, tuple | None] = {}  # the file version each resident session matches, if any
         self._lock = threading.Condition(threading.RLock())  # notified when a session is released or leaves
+        self._last_used: dict[str, float] = {}  # resident sessions: when a use of each last ended
         self.loads = self.spills = self.waits = 0
+        if self.directory is not None:
+            self._remove_interrupted_saves()
 
     def path(self, session_id: str) -> Path | None:
         """Where ``session_id`` is saved: a readable prefix of the id plus a hash (ids may hold any text)."""
@@ -89,6 +97,7 @@ class SessionStore:
         finally:
             with self._lock:
                 self._pins[session_id] -= 1
+                self._last_used[session_id] = time.time()
                 if self.when_full == "spill":
                     self._fit()
                 self._lock.notify_all()
@@ -119,6 +128,9 @@ class SessionStore:
                 raise InvalidArgumentError("this store has no directory to save to")
             path = self._resident[session_id].save(self.path(session_id))
             self._versions[session_id] = file_version(path)
+            label = path.with_suffix(".id")
+            if not label.is_file():
+                label.write_text(session_id)
             return path
 
     def spill(self, session_id: str) -> None:
@@ -162,10 +174,46 @@ class SessionStore:
             if session is not None:
                 session.close()
             self._versions.pop(session_id, None)
+            self._last_used.pop(session_id, None)
             path = self.path(session_id)
             if path is not None:
                 path.unlink(missing_ok=True)
+                path.with_suffix(".id").unlink(missing_ok=True)
             self._lock.notify_all()
+
+    def ids(self) -> list[str]:
+        """Every session this store can serve: the resident ones, then the saved ones."""
+        with self._lock:
+            found = dict.fromkeys(self._resident)
+            if self.directory is not None:
+                for label in sorted(self.directory.glob("*.id")):
+                    if label.with_suffix(".kvm").is_file():
+                        found.setdefault(label.read_text(), None)
+            return list(found)
+
+    def idle_seconds(self, session_id: str) -> float:
+        """Seconds since the session was last used (resident) or saved (on disk only)."""
+        with self._lock:
+            if session_id in self._resident:
+                return 0.0 if self._pins[session_id] else time.time() - self._last_used.get(session_id, time.time())
+            path = self.path(session_id)
+            return time.time() - path.stat().st_mtime if path is not None and path.is_file() else 0.0
+
+    def expire(self, max_idle_seconds: float) -> list[str]:
+        """Drop every session not in use and idle longer than ``max_idle_seconds`` (its file too); returns their ids."""
+        with self._lock:
+            expired = [i for i in self.ids() if not self._pins[i] and self.idle_seconds(i) > max_idle_seconds]
+            for session_id in expired:
+                self.drop(session_id)
+            return expired
+
+    def _remove_interrupted_saves(self) -> None:
+        """Temporary files a crash left mid-save (``.NAME.kvm.XXXX.tmp``), never read again: removed on opening
+        once older than any save takes (another store sharing the directory may be writing a newer one)."""
+        for tmp in self.directory.glob(".*.kvm.*.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - tmp.stat().st_mtime > INTERRUPTED_SAVE_AGE:
+                    tmp.unlink()
 
     def resident_bytes(self) -> int:
         with self._lock:

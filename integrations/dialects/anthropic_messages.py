@@ -1,0 +1,270 @@
+"""The Anthropic Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``) ↔ the core.
+
+Messages is stateless: the client resends the whole conversation every turn (as Claude Code does). The
+session is the one the conversation's first messages lead to (or the one the ``x-session-id`` header
+names), so each turn prefills only what was added since the last; usage reports the reused prefix as
+``cache_read_input_tokens`` and ``input_tokens`` as the rest, as Anthropic counts them. Text, ``tool_use`` and
+``tool_result`` blocks are supported (``thinking`` blocks a client sends back are dropped; images and
+documents are refused); errors come in Anthropic's shape (``{"type": "error", "error": {...}}``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from integrations.dialects.common import check_schema, check_tool_name, new_id, parse, sse, unsupported
+from integrations.dialects.openai_chat import sampling
+from integrations.serving import APIError, BadRequest, Reply, Turn
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    499: "api_error",
+    500: "api_error",
+    503: "overloaded_error",
+    507: "api_error",
+}
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str | list[dict]
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")  # cache_control and the like
+    name: str
+    description: str | None = None
+    input_schema: dict
+    type: str | None = None
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    stream: bool = False
+    metadata: dict | None = None
+    thinking: dict | None = None  # accepted and not used: this model keeps no hidden reasoning
+    service_tier: str | None = None
+    context_management: dict | None = None
+    kvmemory: dict | None = None
+
+
+class CountRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[dict] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict | None = None
+    thinking: dict | None = None
+
+
+def request(body, model: type[BaseModel] = Request):
+    req = parse(model, body)
+    if getattr(req, "top_k", None):
+        raise unsupported("top_k")
+    if (req.tool_choice or {}).get("type", "auto") not in ("auto", "none"):
+        raise unsupported("tool_choice", "only 'auto' and 'none' (the model cannot be forced to call a tool)")
+    for i, tool in enumerate(req.tools or []):
+        if tool.type not in (None, "custom"):
+            raise unsupported(f"tools[{i}]", f"server tools like {tool.type!r}; only client tools")
+        check_tool_name(tool.name, f"tools[{i}].name")
+        check_schema(tool.input_schema, f"tools[{i}].input_schema")
+    return req
+
+
+def text_blocks(blocks, where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    for j, block in enumerate(blocks):
+        if block.get("type") != "text":
+            raise unsupported(f"{where}[{j}]", f"blocks of type {block.get('type')!r} here: only text")
+    return "".join(block.get("text", "") for block in blocks)
+
+
+def chat_messages(req) -> list[dict]:
+    """System and messages as the dicts a Session renders: ``tool_use`` blocks become the assistant's tool
+    calls, ``tool_result`` blocks tool messages (before the user's text of the same message)."""
+    out = [{"role": "system", "content": text_blocks(req.system, "system")}] if req.system else []
+    names: dict[str, str] = {}
+    for i, message in enumerate(req.messages):
+        blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
+        text, calls, results = [], [], []
+        for j, block in enumerate(blocks):
+            kind, where = block.get("type"), f"messages[{i}].content[{j}]"
+            if kind == "text":
+                text.append(block.get("text", ""))
+            elif kind == "tool_use" and message.role == "assistant":
+                if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+                    raise BadRequest("a tool_use block needs a 'name' and an object 'input'", param=where)
+                names[block.get("id")] = block["name"]
+                calls.append(
+                    {
+                        "id": block.get("id"),
+                        "type": "function",
+                        "function": {"name": block["name"], "arguments": block.get("input", {})},
+                    }
+                )
+            elif kind == "tool_result" and message.role == "user":
+                name = names.get(block.get("tool_use_id"))
+                if name is None:
+                    raise BadRequest(f"tool_result for unknown tool_use_id {block.get('tool_use_id')!r}", param=where)
+                content = text_blocks(block.get("content", ""), f"{where}.content")
+                if block.get("is_error"):
+                    content = f"Error: {content}"
+                results.append({"role": "tool", "content": content, "name": name, "tool_call_id": block["tool_use_id"]})
+            elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
+                continue
+            else:
+                raise unsupported(where, f"{kind!r} blocks in {message.role} messages")
+        out.extend(results)
+        if message.role == "assistant":
+            out.append({"role": "assistant", "content": "".join(text), **({"tool_calls": calls} if calls else {})})
+        elif text or not results:
+            out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def tools(req) -> list[dict] | None:
+    if not req.tools or (req.tool_choice or {}).get("type") == "none":
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+        }
+        for t in req.tools
+    ]
+
+
+def turn(req: Request, session: str | None) -> Turn:
+    params = sampling(req.max_tokens, req.temperature, req.top_p, req.stop_sequences, None)
+    return Turn(chat_messages(req), tools(req), params, session, (req.kvmemory or {}).get("policy"))
+
+
+def content(reply: Reply) -> list[dict]:
+    blocks = [{"type": "text", "text": reply.content}] if reply.content or not reply.tool_calls else []
+    blocks += [
+        {"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"), "name": c["name"], "input": c["args"]}
+        for c in reply.tool_calls
+    ]
+    return blocks
+
+
+def stop_reason(reply: Reply) -> str:
+    if reply.tool_calls:
+        return "tool_use"
+    if reply.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if reply.stop_sequence else "end_turn"
+
+
+def usage(reply: Reply | None, prompt: int = 0, cached: int = 0) -> dict:
+    if reply is not None:
+        prompt, cached = reply.prompt_tokens, reply.cached_tokens
+    return {
+        "input_tokens": prompt - cached,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": reply.completion_tokens if reply is not None else 0,
+    }
+
+
+def answer(reply: Reply, model: str) -> dict:
+    return {
+        "id": new_id("msg_"),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content(reply),
+        "stop_reason": stop_reason(reply),
+        "stop_sequence": reply.stop_sequence,
+        "usage": usage(reply),
+    }
+
+
+async def events(model: str, items: AsyncIterator[str | Reply]) -> AsyncIterator[str]:
+    """The Messages event stream: message_start, a text block's deltas, tool_use blocks, message_delta with
+    the stop reason and usage, message_stop."""
+    start = {
+        "id": new_id("msg_"),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage(None),
+    }
+    yield sse({"type": "message_start", "message": start}, "message_start")
+    text, index, reply = "", 0, None
+    async for item in items:
+        if isinstance(item, Reply):
+            reply = item
+            break
+        if not text:
+            yield sse(
+                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                "content_block_start",
+            )
+        text += item
+        yield sse(
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": item}},
+            "content_block_delta",
+        )
+    blocks = content(reply)
+    for block in blocks:
+        if block["type"] == "text":
+            rest = block["text"][len(text) :] if block["text"].startswith(text) else ""
+            if not text:
+                yield sse(
+                    {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
+                    "content_block_start",
+                )
+            if rest:
+                yield sse(
+                    {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": rest}},
+                    "content_block_delta",
+                )
+        else:
+            if text and index == 0 and blocks[0]["type"] != "text":  # streamed text the parse did not keep
+                yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+                index += 1
+            yield sse(
+                {"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}},
+                "content_block_start",
+            )
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            yield sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+        yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+        index += 1
+    delta = {"stop_reason": stop_reason(reply), "stop_sequence": reply.stop_sequence}
+    yield sse({"type": "message_delta", "delta": delta, "usage": usage(reply)}, "message_delta")
+    yield sse({"type": "message_stop"}, "message_stop")
+
+
+def error_body(err: APIError) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
+
+
+def error_event(err: APIError) -> str:
+    return sse(error_body(err), "error")

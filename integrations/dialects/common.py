@@ -1,0 +1,73 @@
+"""What the dialects share: request checking with errors that name the field, server-sent events, ids."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from pydantic import BaseModel, ValidationError
+
+from integrations.serving import BadRequest
+
+MAX_SEED = 2**63 - 1
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def parse(model: type[BaseModel], body) -> BaseModel:
+    """``body`` as ``model``, or a BadRequest naming the first bad field (``param``) and why."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = field_path(first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise BadRequest(f"unrecognized request argument: {where}", param=where) from None
+        raise BadRequest(f"invalid '{where}': {first['msg']}", param=where) from None
+
+
+def field_path(loc) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not (isinstance(part, str) and (part.startswith("function-") or part in ("str", "list", "dict"))):
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+def unsupported(name: str, why: str = "kvmemory does not support it") -> BadRequest:
+    return BadRequest(f"'{name}' is not supported: {why}", code="unsupported_parameter", param=name)
+
+
+def check_tool_name(name: str, param: str) -> None:
+    if not TOOL_NAME.fullmatch(name):
+        raise BadRequest(f"invalid tool name {name!r}: use 1 to 64 letters, digits, _ or -", param=param)
+
+
+def check_schema(schema, param: str) -> None:
+    if schema is not None and (not isinstance(schema, dict) or schema.get("type", "object") != "object"):
+        raise BadRequest("a tool's parameters must be a JSON schema of type 'object'", param=param)
+
+
+def json_object(text: str, param: str) -> dict:
+    """Tool-call arguments given as a JSON string, parsed (they must be an object)."""
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError as err:
+        raise BadRequest(f"tool call arguments are not JSON: {err.msg}", param=param) from None
+    if not isinstance(value, dict):
+        raise BadRequest("tool call arguments must be a JSON object", param=param)
+    return value
+
+
+def sse(data: dict, event: str | None = None) -> str:
+    """One server-sent event (``event:`` line where the dialect names its events)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data)}\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"

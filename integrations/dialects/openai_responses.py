@@ -1,0 +1,304 @@
+"""The OpenAI Responses API (``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``) ↔ the core.
+
+``input`` is a string or a list of items (messages with text parts, ``function_call`` and
+``function_call_output`` items); ``instructions`` become the system message of this turn only (as OpenAI
+documents: they are not carried over by ``previous_response_id``). A stored response remembers the
+conversation its session holds after it, so a request with ``previous_response_id`` continues that session
+and prefills only its new input. Without ``previous_response_id`` (a client that resends the whole
+conversation, as Codex does) the session is found by the conversation's first messages, or named by the
+``x-session-id`` header. Streaming sends the Responses event stream (``response.created`` …
+``response.completed``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from integrations.dialects.common import MAX_SEED, check_schema, check_tool_name, new_id, parse, sse, unsupported
+from integrations.dialects.openai_chat import sampling
+from integrations.serving import BadRequest, Reply, Turn
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    input: str | list[dict]
+    model: str | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_output_tokens: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    store: bool = True
+    metadata: dict | None = None
+    user: str | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict | None = None
+    reasoning: dict | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    stream_options: dict | None = None
+    kvmemory: dict | None = None
+
+
+def request(body) -> Request:
+    req = parse(Request, body)
+    if req.tool_choice not in (None, "auto", "none"):
+        raise unsupported("tool_choice", "only 'auto' and 'none' (the model cannot be forced to call a tool)")
+    if (req.text or {}).get("format", {"type": "text"}) != {"type": "text"}:
+        raise unsupported("text.format", "only text replies")
+    if req.truncation not in (None, "disabled"):
+        raise unsupported("truncation", "kvmemory compacts the session's cache instead (see its memory policy)")
+    for i, tool in enumerate(req.tools or []):
+        if tool.get("type") != "function":
+            raise unsupported(f"tools[{i}]", f"only function tools, not {tool.get('type')!r}")
+        spec = parse(FunctionTool, tool)
+        check_tool_name(spec.name, f"tools[{i}].name")
+        check_schema(spec.parameters, f"tools[{i}].parameters")
+    return req
+
+
+def input_messages(req: Request) -> list[dict]:
+    """The request's input items as chat dicts (``function_call`` items become the assistant's tool calls)."""
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        where = f"input[{i}]"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise BadRequest(
+                    f"message role {role!r}: use user, system, developer or assistant", param=f"{where}.role"
+                )
+            out.append(
+                {"role": "system" if role == "developer" else role, "content": text_of(item.get("content"), where)}
+            )
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function", "function": function_of(item, where)}
+            if out and out[-1]["role"] == "assistant" and not out[-1]["content"] or out and out[-1].get("tool_calls"):
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                output = text_of(output, f"{where}.output")
+            out.append({"role": "tool", "content": output, "tool_call_id": item.get("call_id")})
+        elif kind == "reasoning":
+            continue  # a reasoning model's item sent back; this model keeps no hidden reasoning
+        else:
+            raise unsupported(f"{where}.type", f"input items of type {kind!r}")
+    return out
+
+
+def text_of(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest("content must be a string or a list of text parts", param=f"{where}.content")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise unsupported(f"{where}.content[{j}]", f"content of type {kind!r}: only text")
+    return "".join(part.get("text", "") for part in content)
+
+
+def function_of(item: dict, where: str) -> dict:
+    name, arguments = item.get("name"), item.get("arguments", "{}")
+    if not isinstance(name, str):
+        raise BadRequest("a function_call item needs a 'name'", param=f"{where}.name")
+    try:
+        args = json.loads(arguments or "{}") if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError as err:
+        raise BadRequest(f"function_call arguments are not JSON: {err.msg}", param=f"{where}.arguments") from None
+    return {"name": name, "arguments": args}
+
+
+def name_tool_outputs(messages: list[dict], calls: dict[str, str]) -> None:
+    """Give each tool message the name of its call (from this request's calls, or ``calls`` of earlier turns)."""
+    for msg in messages:
+        for call in msg.get("tool_calls") or []:
+            calls.setdefault(call["id"], call["function"]["name"])
+    for msg in messages:
+        if msg["role"] == "tool":
+            name = calls.get(msg["tool_call_id"])
+            if name is None:
+                raise BadRequest(f"function_call_output for unknown call_id {msg['tool_call_id']!r}", param="input")
+            msg["name"] = name
+
+
+def turn(req: Request, session: str | None, earlier: list[dict], calls: dict[str, str]) -> Turn:
+    """The turn: ``earlier`` is the conversation a stored previous response left (empty without one)."""
+    new = input_messages(req)
+    name_tool_outputs(new, dict(calls))
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    tools = [
+        {"type": "function", "function": {k: v for k, v in t.items() if k not in ("type", "strict")}}
+        for t in req.tools or []
+    ]
+    params = sampling(req.max_output_tokens, req.temperature, req.top_p, None, req.seed)
+    return Turn(
+        system + earlier + new,
+        tools if tools and req.tool_choice != "none" else None,
+        params,
+        session,
+        (req.kvmemory or {}).get("policy"),
+    )
+
+
+def output_items(reply: Reply) -> list[dict]:
+    items = []
+    if reply.content or not reply.tool_calls:
+        text = {"type": "output_text", "text": reply.content, "annotations": [], "logprobs": []}
+        items.append(
+            {"type": "message", "id": new_id("msg_"), "status": "completed", "role": "assistant", "content": [text]}
+        )
+    for call in reply.tool_calls:
+        items.append(
+            {
+                "type": "function_call",
+                "id": new_id("fc_"),
+                "call_id": call["id"],
+                "name": call["name"],
+                "arguments": json.dumps(call["args"]),
+                "status": "completed",
+            }
+        )
+    return items
+
+
+def usage(reply: Reply) -> dict:
+    return {
+        "input_tokens": reply.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": reply.cached_tokens},
+        "output_tokens": reply.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+    }
+
+
+def response(req: Request, ident: str, model: str, reply: Reply | None, created: int | None = None) -> dict:
+    """The response object (``reply`` None: one still in progress)."""
+    incomplete = reply is not None and reply.finish_reason == "length"
+    return {
+        "id": ident,
+        "object": "response",
+        "created_at": created or int(time.time()),
+        "status": "in_progress" if reply is None else "incomplete" if incomplete else "completed",
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": model,
+        "output": [] if reply is None else output_items(reply),
+        "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+        "previous_response_id": req.previous_response_id,
+        "store": req.store,
+        "temperature": req.temperature if req.temperature is not None else 0.0,
+        "top_p": req.top_p if req.top_p is not None else 1.0,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [],
+        "metadata": req.metadata or {},
+        "usage": None if reply is None else usage(reply),
+        "user": req.user,
+    }
+
+
+async def events(
+    req: Request, ident: str, model: str, items: AsyncIterator[str | Reply], done=None
+) -> AsyncIterator[str]:
+    """The Responses event stream; ``done(reply, body)`` runs before ``response.completed`` (to store it)."""
+    created, number = int(time.time()), 0
+
+    def event(kind: str, **fields) -> str:
+        nonlocal number
+        number += 1
+        return sse({"type": kind, "sequence_number": number - 1, **fields}, kind)
+
+    yield event("response.created", response=response(req, ident, model, None, created))
+    yield event("response.in_progress", response=response(req, ident, model, None, created))
+    message_id, text, opened = new_id("msg_"), "", False
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    reply = None
+    async for item in items:
+        if isinstance(item, Reply):
+            reply = item
+            break
+        if not opened:
+            opened = True
+            yield event("response.output_item.added", output_index=0, item=message_item(message_id, [], "in_progress"))
+            yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0, part=part)
+        text += item
+        yield event(
+            "response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=item, logprobs=[]
+        )
+    final = response(req, ident, model, reply, created)
+    output = final["output"]
+    if output and output[0]["type"] == "message":
+        output[0]["id"] = message_id
+        if not opened:
+            yield event("response.output_item.added", output_index=0, item=message_item(message_id, [], "in_progress"))
+            yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0, part=part)
+        rest = reply.content[len(text) :] if reply.content.startswith(text) else ""
+        if rest:
+            yield event(
+                "response.output_text.delta",
+                item_id=message_id,
+                output_index=0,
+                content_index=0,
+                delta=rest,
+                logprobs=[],
+            )
+        done_part = output[0]["content"][0]
+        yield event(
+            "response.output_text.done",
+            item_id=message_id,
+            output_index=0,
+            content_index=0,
+            text=done_part["text"],
+            logprobs=[],
+        )
+        yield event("response.content_part.done", item_id=message_id, output_index=0, content_index=0, part=done_part)
+        yield event("response.output_item.done", output_index=0, item=output[0])
+    for index, item in enumerate(output):
+        if item["type"] != "function_call":
+            continue
+        yield event(
+            "response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}
+        )
+        yield event(
+            "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"]
+        )
+        yield event(
+            "response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=item["arguments"]
+        )
+        yield event("response.output_item.done", output_index=index, item=item)
+    if done is not None:
+        done(reply, final)
+    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+    yield event(kind, response=final)
+
+
+def message_item(ident: str, content: list, status: str) -> dict:
+    return {"type": "message", "id": ident, "status": status, "role": "assistant", "content": content}

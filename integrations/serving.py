@@ -1,0 +1,454 @@
+"""The serving core: one place that turns a request into a turn on a resident session.
+
+Every front end is a thin adapter over it: the HTTP app (``integrations/server.py``) and its three API
+dialects (``integrations/dialects/``), the Ray Serve replicas (``integrations/ray_serve.py``) and the
+LangChain chat model. A dialect converts its request into a ``Turn`` (chat messages, tools, sampling, the
+session's key, an optional policy); the core holds the session for the turn, brings it to the turn's
+conversation (prefilling only what its cache lacks), generates, and answers with a ``Reply`` (text, tool
+calls, finish reason, prompt and cached tokens, the conversation the session now holds).
+
+Guarantees, whatever the front end:
+
+* one request at a time per session (another waits up to ``busy_timeout``, then ``SessionBusy``);
+* a failed or cancelled turn leaves its session as it was; a stream closed early keeps exactly the
+  reply text it delivered, and frees the session at its next token;
+* every error a request can cause is an ``APIError`` with its HTTP status, by type (``api_error``);
+* sessions are bounded: at most ``max_sessions`` (resident and saved), and those idle longer than
+  ``session_ttl`` seconds are deleted.
+
+``AsyncCore`` runs the core's blocking work in threads for asyncio servers: cancelling the awaiting task
+(a client that went away) cancels the turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+from kvmemory import (
+    ContextLengthError,
+    KVMemoryError,
+    MemoryCapError,
+    MemoryManager,
+    MemoryPolicy,
+    PolicyError,
+    SessionBusyError,
+    SessionFileError,
+    SessionStore,
+    StoreFullError,
+    ToolCallParseError,
+)
+from kvmemory.runtime.chat import parse_tool_calls, visible_content
+
+SESSION_ID = re.compile(r"[A-Za-z0-9_@:+=-][A-Za-z0-9_.@:+=-]{0,127}")  # what a URL path segment carries as is
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error a request caused, with what an HTTP answer needs: status, error type, code, the parameter."""
+
+    status, kind, code = 400, "invalid_request_error", None
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict:
+        return {
+            "status": self.status,
+            "type": self.kind,
+            "code": self.code,
+            "message": self.message,
+            "param": self.param,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> APIError:
+        err = APIError(data["message"], code=data["code"], param=data["param"])
+        err.status, err.kind = data["status"], data["type"]
+        return err
+
+
+class BadRequest(APIError):
+    pass
+
+
+class Unauthorized(APIError):
+    status, kind, code = 401, "authentication_error", "invalid_api_key"
+
+
+class NotFound(APIError):
+    status, kind, code = 404, "not_found_error", "not_found"
+
+
+class SessionBusy(APIError):
+    status, kind, code = 409, "conflict_error", "session_busy"
+
+
+class TooLarge(APIError):
+    status, code = 413, "request_too_large"
+
+
+class TooManySessions(APIError):
+    status, kind, code = 429, "rate_limit_error", "session_limit_reached"
+
+
+class Cancelled(APIError):
+    """The client went away; nobody reads this answer (499, as nginx logs it)."""
+
+    status, kind, code = 499, "cancelled", "client_closed_request"
+
+
+class StoreFull(APIError):
+    status, kind, code = 507, "server_error", "store_full"
+
+
+class ServerError(APIError):
+    status, kind, code = 500, "server_error", "internal_error"
+
+
+def api_error(err: KVMemoryError, hide: str | None = None) -> APIError:
+    """The APIError for a kvmemory error, chosen by its type; ``hide`` (a server path) is cut from the message."""
+    message = str(err).replace(hide, "<sessions>") if hide else str(err)
+    if isinstance(err, (ContextLengthError, MemoryCapError)):
+        return BadRequest(message, code="context_length_exceeded", param="messages")
+    if isinstance(err, PolicyError):
+        return BadRequest(f"invalid kvmemory policy: {message}", code="invalid_policy", param="kvmemory.policy")
+    if isinstance(err, SessionBusyError):
+        return SessionBusy(message)
+    if isinstance(err, StoreFullError):
+        return StoreFull(message)
+    if isinstance(err, SessionFileError):
+        return APIError(message, code="session_file_unusable")
+    if isinstance(err, ValueError):
+        return BadRequest(message)
+    return ServerError(message)
+
+
+# ---- turns -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    """One generation request, as every dialect converts it. ``session`` is the store key (None: a session
+    for this request only); ``policy`` a MemoryPolicy dict for the session; ``sampling`` the keywords of
+    ``Session.start_generation``."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    sampling: dict = field(default_factory=dict)
+    session: str | None = None
+    policy: dict | None = None
+
+
+@dataclass
+class Reply:
+    """What a turn produced. ``conversation`` is what the session now holds (the reply last), so a client that
+    continues from it (``previous_response_id``) prefills only its new input."""
+
+    text: str
+    content: str
+    tool_calls: list[dict]
+    finish_reason: str  # "stop", "length", "tool_calls"
+    stop_sequence: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    conversation: list[dict]
+
+
+def reply_of(generation, prompt: int, cached: int, conversation: list[dict]) -> Reply:
+    """The Reply for a finished generation: tool calls parsed (text that is no valid call stays text)."""
+    result = generation.result
+    try:
+        content, calls = parse_tool_calls(result.text)
+    except ToolCallParseError:
+        content, calls = result.text, []
+    finish = "tool_calls" if calls else result.finish_reason
+    completion = len(result.token_ids)
+    return Reply(result.text, content, calls, finish, generation.stop_string, prompt, cached, completion, conversation)
+
+
+def prefill(session, turn: Turn, cancel: threading.Event | None = None) -> tuple[int, int]:
+    """Bring ``session`` to the turn's conversation, prefilling only what its cache lacks (a cancel checked
+    between chunks undoes it all). Returns (prompt tokens, of those already in the cache)."""
+
+    def check(_done, _total):
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("the client went away")
+
+    before = session.prefilled_tokens
+    session.set_messages(turn.messages, tools=turn.tools, add_generation_prompt=True, progress=check)
+    prompt = len(session.tokens)
+    return prompt, min(prompt, max(0, prompt - (session.prefilled_tokens - before)))
+
+
+# ---- the core ----------------------------------------------------------------------------------
+
+
+class ServingCore:
+    """Sessions by key in a ``SessionStore``, served one turn at a time (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: SessionStore,
+        policy: MemoryPolicy,
+        busy_timeout: float = 30.0,
+        save_after_turn: bool = False,
+        max_sessions: int | None = None,
+        session_ttl: float | None = None,
+    ):
+        if save_after_turn and store.directory is None:
+            raise BadRequest("save_after_turn needs a store with a directory")
+        self.store, self.engine, self.policy = store, store.engine, policy
+        self.busy_timeout, self.save_after_turn = busy_timeout, save_after_turn
+        self.max_sessions, self.session_ttl = max_sessions, session_ttl
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self._swept = 0.0
+        self._hide = str(store.directory) if store.directory is not None else None
+
+    # -- holding a session --
+    @contextlib.contextmanager
+    def hold(self, key: str | None, policy: dict | None = None) -> Iterator:
+        """The session for ``key`` (made if new), held against other requests for the block; errors come out
+        as APIErrors. ``key`` None: a session for this block only."""
+        memory_policy = self._policy(policy)
+        with self.errors():
+            if key is None:
+                session = self.engine.session(memory=MemoryManager(memory_policy))
+                try:
+                    yield session
+                finally:
+                    session.close()
+                return
+            self._admit(key)
+            with self._locked(key), self.store.use(key, lambda: MemoryManager(memory_policy)) as session:
+                if policy is not None:
+                    session.memory.set_policy(memory_policy)
+                yield session
+
+    @contextlib.contextmanager
+    def errors(self) -> Iterator[None]:
+        """kvmemory errors raised in the block come out as the APIErrors they map to."""
+        try:
+            yield
+        except KVMemoryError as err:
+            raise api_error(err, self._hide) from err
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        if not lock.acquire(timeout=self.busy_timeout):
+            raise SessionBusy(f"session {visible_key(key)!r} is busy with another request")
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def _admit(self, key: str) -> None:
+        """Expire idle sessions (at most once a minute), then refuse a new session past ``max_sessions``."""
+        if self.session_ttl is not None and time.monotonic() - self._swept > 60:
+            self._swept = time.monotonic()
+            self.expire()
+        if self.max_sessions is not None and key not in self.store and len(self.store.ids()) >= self.max_sessions:
+            raise TooManySessions(
+                f"the server holds its maximum of {self.max_sessions} sessions; delete one "
+                "(DELETE /v1/sessions/{id}) or wait for idle ones to expire"
+            )
+
+    def expire(self) -> list[str]:
+        with self._guard:
+            busy = {k for k, lock in self._locks.items() if lock.locked()}
+        idle = [k for k in self.store.ids() if k not in busy and self.store.idle_seconds(k) > self.session_ttl]
+        for key in idle:
+            with contextlib.suppress(KVMemoryError):
+                self.store.drop(key)
+        return idle
+
+    def _policy(self, requested: dict | None) -> MemoryPolicy:
+        if requested is None:
+            return self.policy
+        try:
+            return MemoryPolicy.from_dict(requested)
+        except PolicyError as err:
+            raise api_error(err) from err
+
+    def _after_turn(self, key: str | None) -> None:
+        if self.save_after_turn and key is not None:
+            self.store.save(key)
+
+    # -- turns --
+    def run(self, turn: Turn, cancel: threading.Event | None = None) -> Reply:
+        """The turn's whole reply. A failure, or a cancel (nobody will read the reply), leaves the session as
+        it was."""
+        with self.hold(turn.session, turn.policy) as session, self.errors(), self.engine.batcher.expecting():
+            before = session.snapshot()
+            with contextlib.closing(self._turn(session, turn, cancel, before)) as items:
+                for item in items:
+                    if isinstance(item, Reply):
+                        return item
+            session.restore(before)  # cancelled: the partial reply was never sent
+            raise Cancelled("the client went away")
+
+    def stream(self, turn: Turn, cancel: threading.Event | None = None) -> Iterator[str | Reply]:
+        """The reply's visible text as it grows (tool calls held back), then the Reply. A failure leaves the
+        session as it was; a cancel, or closing the iterator early, keeps exactly the text it yielded."""
+        with self.hold(turn.session, turn.policy) as session, self.errors():
+            yield from self._turn(session, turn, cancel, session.snapshot())
+
+    def _turn(self, session, turn: Turn, cancel: threading.Event | None, before) -> Iterator[str | Reply]:
+        try:
+            prompt, cached = prefill(session, turn, cancel)
+            generation = session.start_generation(**turn.sampling)
+            shown = 0
+            with contextlib.closing(generation):
+                for _, result in generation:
+                    visible = visible_content(result.text)
+                    if len(visible) > shown:
+                        yield visible[shown:]
+                        shown = len(visible)
+                    if cancel is not None and cancel.is_set():
+                        return
+        except Exception:
+            session.restore(before)
+            raise
+        self._after_turn(turn.session)
+        yield reply_of(generation, prompt, cached, session.messages)
+
+    def count_tokens(self, turn: Turn) -> int:
+        with self.errors():
+            return len(self.engine.session().renderer.render(turn.messages, turn.tools, add_generation_prompt=True))
+
+    # -- sessions --
+    def known(self, key: str) -> None:
+        if key not in self.store:
+            raise NotFound(f"no session {visible_key(key)!r}", code="session_not_found")
+
+    def stats(self, key: str) -> dict:
+        """The session's stats; readable while a turn runs on it (they wait for one token at most)."""
+        self.known(key)
+        with self.errors():
+            session = self.store.get(key)
+            stats = session.stats()
+            busy = self._locks.get(key)
+        return {**asdict(stats), "compression": stats.compression, "busy": bool(busy and busy.locked())}
+
+    def memory_map(self, key: str) -> bytes:
+        import io
+
+        from kvmemory.memory import plot_memory_map
+
+        self.known(key)
+        with self.errors():
+            session = self.store.get(key)
+            buffer = io.BytesIO()
+            plot_memory_map(session.memory.timeline, session.segments, buffer, title=f"session {visible_key(key)}")
+        return buffer.getvalue()
+
+    def save(self, key: str) -> int:
+        self.known(key)
+        if self.store.directory is None:
+            raise BadRequest("the server was started without --sessions DIR: nowhere to save")
+        with self.hold(key), self.errors():
+            return self.store.save(key).stat().st_size
+
+    def restore(self, key: str) -> int:
+        path = self.store.path(key)
+        if path is None or not path.is_file():
+            raise NotFound(f"no saved session {visible_key(key)!r}", code="session_not_found")
+        with self._locked(key), self.errors():
+            return len(self.store.reload(key).tokens)
+
+    def delete(self, key: str) -> None:
+        self.known(key)
+        with self._locked(key), self.errors():
+            self.store.drop(key)
+        with self._guard:
+            self._locks.pop(key, None)
+
+    def sessions(self, owner: str | None) -> list[str]:
+        """The session ids ``owner`` can address (its own, under their public ids)."""
+        return [public for key in self.store.ids() if (public := public_id(key, owner)) is not None]
+
+
+# ---- session keys: a session belongs to the API key that made it -------------------------------
+
+
+def session_key(owner: str | None, session_id: str, param: str = "x-session-id") -> str:
+    """The store key of ``owner``'s session ``session_id`` (owners never see each other's sessions)."""
+    if not isinstance(session_id, str) or not SESSION_ID.fullmatch(session_id):
+        raise BadRequest(
+            f"session id {session_id!r} is not valid: use 1 to 128 letters, digits or _ . @ : + = - "
+            "(not starting with a dot), so that /v1/sessions/{id} can address it",
+            code="invalid_session_id",
+            param=param,
+        )
+    return session_id if owner is None else f"{owner}/{session_id}"
+
+
+def public_id(key: str, owner: str | None) -> str | None:
+    """The id ``owner`` knows the session ``key`` by, or None if it is not ``owner``'s."""
+    if owner is None:
+        return key if "/" not in key else None
+    prefix = f"{owner}/"
+    return key[len(prefix) :] if key.startswith(prefix) else None
+
+
+def visible_key(key: str) -> str:
+    return key.split("/", 1)[-1]
+
+
+# ---- asyncio -----------------------------------------------------------------------------------
+
+_END = object()
+
+
+class AsyncCore:
+    """The core for asyncio servers: blocking work runs in worker threads; a cancelled task (a client that
+    went away) cancels its turn, which frees the session at its next token without the task waiting."""
+
+    def __init__(self, core: ServingCore, workers: int = 64):
+        self.core = core
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvmemory-serve")
+
+    async def call(self, method: Callable, *args):
+        return await asyncio.wrap_future(self._pool.submit(method, *args))
+
+    async def run(self, turn: Turn) -> Reply:
+        cancel = threading.Event()
+        future = self._pool.submit(self.core.run, turn, cancel)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            cancel.set()  # the worker undoes the turn and frees the session on its own
+            raise
+
+    async def stream(self, turn: Turn) -> AsyncIterator[str | Reply]:
+        cancel = threading.Event()
+        iterator = self.core.stream(turn, cancel)
+        future = None
+        try:
+            while True:
+                future = self._pool.submit(next, iterator, _END)
+                item = await asyncio.shield(asyncio.wrap_future(future))
+                if item is _END:
+                    return
+                yield item
+        finally:  # no awaiting here (a cancelled task cannot): the worker closes the iterator after its step
+            cancel.set()
+            if future is None:
+                self._pool.submit(iterator.close)
+            else:
+                future.add_done_callback(lambda _: self._pool.submit(iterator.close))
