@@ -123,6 +123,7 @@ class SessionReplica:
             settings.get("session_ttl"),
         )
         self.worker = AsyncCore(self.core)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     @serve.multiplexed(max_num_models_per_replica=SESSIONS_PER_REPLICA)
     async def resident(self, key: str) -> ResidentSession:
@@ -161,7 +162,12 @@ class SessionReplica:
 
     async def session(self, operation: str, key: str):
         await self._enter()
-        return await outcome(lambda: self.worker.call(getattr(self.core, operation), key))
+
+        async def work():
+            value = await self.worker.call(getattr(self.core, operation), key)
+            return {**value, "replica": self.replica_id} if operation == "stats" else value  # stats name the replica
+
+        return await outcome(work)
 
     async def sessions(self, owner):
         return await outcome(lambda: self.worker.call(self.core.sessions, owner))

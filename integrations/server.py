@@ -157,8 +157,13 @@ class Gate:
     """ASGI middleware in front of every route: the API key (401), then the body size (413, counted as the
     body arrives, so a chunked body cannot pass the limit); the request's owner goes in ``request.state``."""
 
-    def __init__(self, app, keys: tuple[str, ...], max_body: int):
+    def __init__(self, app: FastAPI, keys: tuple[str, ...], max_body: int):
         self.app, self.owners, self.max_body = app, {k: owner_of(k) for k in keys}, max_body
+
+    @property
+    def state(self):
+        """The app's state (``backend``, ``responses``; ``core`` in a single process)."""
+        return self.app.state
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -283,7 +288,7 @@ def http_app(
     """The routes over ``backend`` (a LocalBackend, or the Ray ingress's replicas)."""
     app = FastAPI(title="kvmemory", description=__doc__)
     app.state.backend, app.state.responses = backend, responses or ResponseLog()
-    names = (model, *model_aliases)
+    names = (model, "default", *model_aliases)  # "default": whatever model the server was started with
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in names and "*" not in names:
@@ -483,8 +488,11 @@ def create_app(
     core = ServingCore(
         store, policy or default_policy(max_slots=2048), busy_timeout, save_after_turn, max_sessions, session_ttl
     )
-    responses = ResponseLog(store.directory)
-    return http_app(LocalBackend(core), engine.name, api_keys, model_aliases, max_request_mb, responses)
+    app = http_app(
+        LocalBackend(core), engine.name, api_keys, model_aliases, max_request_mb, ResponseLog(store.directory)
+    )
+    app.state.core = core
+    return app
 
 
 def loading_app(load: Callable[[], FastAPI]) -> FastAPI:
