@@ -456,3 +456,55 @@ def test_a_second_request_on_a_busy_session_waits_then_gets_409(live):
             chat(live, "held", user("me too"))
         assert time.monotonic() - started >= SETTINGS["busy_timeout"] * 0.9
         assert live.stats("held")["busy"] is True  # stats do not wait for the turn
+
+
+# ---- Ray: sessions keep to their replica and survive it ---------------------------------------------------
+
+
+def test_a_session_keeps_its_replica_unless_that_replica_leaves():
+    from integrations.ray_serve import by_affinity
+
+    replicas, sessions = ["r1", "r2", "r3"], [f"thread-{i}" for i in range(300)]
+    home = {s: by_affinity(s, replicas)[0] for s in sessions}
+    assert all(by_affinity(s, replicas[::-1])[0] == home[s] for s in sessions)  # whatever order they come in
+    assert all(60 < list(home.values()).count(r) < 140 for r in replicas)  # spread evenly
+    for s in sessions:  # r2 leaves: only its sessions move, each to its next-ranked replica
+        assert by_affinity(s, ["r1", "r3"])[0] == (home[s] if home[s] != "r2" else by_affinity(s, replicas)[1])
+
+
+def conversation(turns: int, replies: list[str]) -> list[dict]:
+    messages = [{"role": "system", "content": "Be brief."}]
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"Question {i}: name a prime number above {10 * i}."})
+        if i < len(replies):
+            messages.append({"role": "assistant", "content": replies[i]})
+    return messages
+
+
+def test_a_session_sticks_to_one_replica_and_survives_that_replica_dying(live, model_dir):
+    """Last in the module: it kills a replica."""
+    if live.kind != "ray":
+        pytest.skip("replicas exist only under Ray")
+    ray = pytest.importorskip("ray")
+    engine = Engine.from_pretrained(str(model_dir))
+    with serve_in_thread(create_app(engine)) as reference:  # what one process answers on the same thread
+        expected = []
+        for turn in range(4):
+            single = Live(reference, "reference", live.model, None)
+            expected.append(chat(single, "t", conversation(turn + 1, expected)).choices[0].message.content)
+    replies, replicas = [], []
+    for turn in range(3):
+        reply = chat(live, "thread-a", conversation(turn + 1, replies))
+        replies.append(reply.choices[0].message.content)
+        replicas.append(live.stats("thread-a")["replica"])
+        if turn:
+            assert reply.usage.prompt_tokens_details.cached_tokens > 0  # the cache stayed on the replica
+    assert replies == expected[:3] and len(set(replicas)) == 1
+
+    holder = next(a for a in ray.util.list_named_actors(all_namespaces=True) if replicas[0] in a["name"])
+    ray.kill(ray.get_actor(holder["name"], namespace=holder["namespace"]), no_restart=True)
+
+    reply = chat(live, "thread-a", conversation(4, replies))
+    assert live.stats("thread-a")["replica"] != replicas[0]
+    assert reply.usage.prompt_tokens_details.cached_tokens > 0  # loaded from the saved turn, not rebuilt
+    assert reply.choices[0].message.content == expected[3]

@@ -1,26 +1,30 @@
-"""The OpenAI-compatible server, live on localhost, driven by the clients a user would use: the ``openai``
-client (plain, streaming, tool messages, errors) and ``langchain-openai`` inside a LangGraph agent."""
+"""The server on the default model, live on localhost, driven by the clients a user would use: the ``openai``
+client (chat, streaming, tool messages, a Responses chain), the ``anthropic`` SDK (a tool-using
+conversation resent every turn, as Claude Code sends it) and ``langchain-openai`` inside a LangGraph agent.
+The protocol suite for both deployments is ``tests/test_http_api.py``."""
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
 
+import anthropic
 import httpx
 import openai
 import pytest
 
-from integrations.server import create_app, loading_app, reply_message, serve_in_thread
+from integrations.dialects.openai_chat import message as openai_message
+from integrations.server import create_app, loading_app, serve_in_thread
+from integrations.serving import Reply
 from kvmemory import SessionStore
 
 pytestmark = pytest.mark.default_model
 
 
 @contextmanager
-def live_server(engine, sessions=None, busy_timeout: float = 30.0):
+def live_server(engine, sessions=None):
     """The app on a free localhost port, served by uvicorn in a thread; yields (base URL, app)."""
     app = create_app(engine, SessionStore(engine, sessions), max_request_mb=1)
-    app.state.server.busy_timeout = busy_timeout
     with serve_in_thread(app) as base:
         yield base, app
 
@@ -88,37 +92,59 @@ def test_tool_messages_round_trip_and_tool_calls_come_back_in_the_openai_shape(d
     with live_server(default_engine) as (base, _):
         reply = ask(client(base, "tools"), messages, tools=tools)
         assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    message, finish = reply_message('<tool_call>{"name": "read_file", "arguments": {"path": "b.py"}}</tool_call>')
-    assert finish == "tool_calls" and message["tool_calls"][0]["function"] == {
-        "name": "read_file",
-        "arguments": '{"path": "b.py"}',
-    }
+    parsed = {"name": "read_file", "args": {"path": "b.py"}, "id": "call_1"}
+    reply = Reply("", "", [parsed], "tool_calls", None, 1, 0, 1, [])
+    assert openai_message(reply)["tool_calls"][0]["function"] == {"name": "read_file", "arguments": '{"path": "b.py"}'}
 
 
-def test_bad_requests_get_openai_errors_and_leave_the_session_as_it_was(default_engine):
-    with live_server(default_engine, busy_timeout=0.2) as (base, app):
-        chat = client(base, "s")
-        ask(chat, [{"role": "user", "content": "Hi"}])
-        before = list(app.state.server.store.get("s").tokens)
-        with pytest.raises(openai.BadRequestError, match="role"):
-            ask(chat, [{"role": "robot", "content": "Hi"}])
-        with pytest.raises(openai.BadRequestError, match="tool call arguments are not JSON"):
-            bad_call = {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
-            ask(chat, [{"role": "assistant", "content": "", "tool_calls": [bad_call]}])
-        with pytest.raises(openai.UnprocessableEntityError, match="invalid kvmemory policy"):
-            bad_policy = {"kvmemory": {"policy": {"budget": {"max_slots": -1}}}}
-            ask(chat, [{"role": "user", "content": "Hi"}], extra_body=bad_policy)
-        with pytest.raises(openai.BadRequestError, match="must be a string"):
-            ask(chat, [{"role": "user", "content": 5}])
-        assert app.state.server.store.get("s").tokens == before
-        with app.state.server.lock("s"):  # another request holds the session
-            with pytest.raises(openai.ConflictError, match="busy"):
-                ask(chat, [{"role": "user", "content": "Hi"}])
-        assert httpx.get(f"{base}/v1/sessions/nobody").status_code == 404
-        with pytest.raises(openai.APIStatusError, match="over the server's 1 MB limit") as err:
-            ask(chat, [{"role": "user", "content": "x" * 2_000_000}])
-        assert err.value.status_code == 413
-        assert app.state.server.store.get("s").tokens == before
+LOG = "\n".join(f"tests/test_mod{i}.py::test_case_{i} PASSED [{i}%]" for i in range(60))
+
+
+def test_a_responses_chain_prefills_only_each_turns_new_input(default_engine):
+    """Five turns chained by previous_response_id: turns 2 to 5 take all but their new input from the cache."""
+    with live_server(default_engine) as (base, _):
+        chat, previous, shares = client(base), None, []
+        for turn in range(5):
+            given = f"Here is the test log:\n{LOG}\nHow many tests passed?" if turn == 0 else f"And test {turn}?"
+            response = chat.responses.create(
+                model="default",
+                input=given,
+                instructions="Be brief.",
+                previous_response_id=previous,
+                max_output_tokens=8,
+            )
+            usage = response.usage
+            shares.append(usage.input_tokens_details.cached_tokens / usage.input_tokens)
+            previous = response.id
+        assert shares[0] == 0 and min(shares[1:]) >= 0.9, shares
+
+
+def test_an_anthropic_client_resending_its_conversation_reads_it_from_the_cache(default_engine):
+    tools = [{"name": "run_tests", "description": "Run the tests", "input_schema": {"type": "object"}}]
+    with live_server(default_engine) as (base, _):
+        claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "Run the tests and tell me how many passed."}]
+        first = claude.messages.create(
+            model="default", max_tokens=8, system="Be brief.", messages=messages, tools=tools
+        )
+        messages += [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "run_tests", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": LOG}]},
+        ]
+        second = claude.messages.create(
+            model="default", max_tokens=8, system="Be brief.", messages=messages, tools=tools
+        )
+        assert second.usage.cache_read_input_tokens >= first.usage.input_tokens - 8
+        messages += [
+            {"role": "assistant", "content": second.content or [{"type": "text", "text": "."}]},
+            {"role": "user", "content": "Which one ran last?"},
+        ]
+        with claude.messages.stream(
+            model="default", max_tokens=8, system="Be brief.", messages=messages, tools=tools
+        ) as stream:
+            third = stream.get_final_message()
+        usage = third.usage
+        assert usage.cache_read_input_tokens / (usage.cache_read_input_tokens + usage.input_tokens) >= 0.9
 
 
 def test_a_saved_session_survives_a_server_restart(tmp_path, default_engine):
@@ -160,7 +186,7 @@ def test_langchain_openai_drives_a_langgraph_agent_through_the_server(default_en
         state = agent.invoke(state)
         usage = state["messages"][-1].usage_metadata
         assert usage["input_token_details"]["cache_read"] > 0  # the thread's cache stayed resident
-        assert "lg" in app.state.server.store.stats()["resident"]
+        assert "lg" in app.state.core.store.stats()["resident"]
 
 
 def test_the_server_answers_503_while_the_model_loads(tiny_engine):
