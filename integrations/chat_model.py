@@ -1,7 +1,8 @@
 """ChatKVMemory: a LangChain chat model over kvmemory sessions, one resident KV cache per LangGraph thread.
 
 Each call re-renders the thread's messages and prefills only the tokens the thread's cache lacks, so an
-agent turn costs the new tool output and the new answer, not the whole history. Tools are rendered by
+agent turn costs the new tool output and the new answer, not the whole history. Threads are sessions of
+the serving core (``integrations/serving.py``) the HTTP server runs, keyed by thread id. Tools are rendered by
 the model's chat template (or, for templates without tools, in the system message); tool calls come back
 parsed from ``<tool_call>`` JSON. Usage metadata reports reused prefix tokens as cache reads.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -25,10 +25,11 @@ from langchain_core.runnables.config import ensure_config
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr
 
+from integrations.serving import Reply, ServingCore, Turn
 from kvmemory import ContextLengthError, Engine, MemoryCapError, Session, SessionStore, ToolCallParseError
 from kvmemory.memory import MemoryManager, MemoryPolicy, default_policy
 from kvmemory.runtime.async_session import finish_step
-from kvmemory.runtime.chat import TOOL_CALL_RE, parse_tool_calls, visible_content
+from kvmemory.runtime.chat import TOOL_CALL_RE, parse_tool_calls
 
 DEFAULT_THREAD = "default"
 DEFAULT_MAX_SLOTS = 2048  # the cap a chat model gets when no policy is given (as in the agent benchmark)
@@ -95,8 +96,7 @@ class ChatKVMemory(BaseChatModel):
     store: Any = Field(None, exclude=True, description="a SessionStore; by default one that keeps threads in memory")
     save_turns: bool = Field(True, description="with a store that has a directory: save each thread after each call")
 
-    _locks: dict = PrivateAttr(default_factory=dict)
-    _guard: Any = PrivateAttr(default_factory=threading.Lock)
+    _core: Any = PrivateAttr(None)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "default", **kwargs) -> ChatKVMemory:
@@ -116,6 +116,8 @@ class ChatKVMemory(BaseChatModel):
             self.policy = default_policy(max_slots=min(DEFAULT_MAX_SLOTS, self.engine.max_context))
         if self.store is None:
             self.store = SessionStore(self.engine)
+        saving = self.save_turns and self.store.directory is not None
+        self._core = ServingCore(self.store, self.policy, busy_timeout=None, save_after_turn=saving)
 
     def _new_memory(self) -> MemoryManager:
         return MemoryManager(self.policy)
@@ -135,12 +137,9 @@ class ChatKVMemory(BaseChatModel):
         """The thread's session, held for a sequence of calls no other call on that thread interleaves with
         (and never spilled meanwhile); saved afterwards when the store has a directory."""
         thread_id = thread_id or DEFAULT_THREAD
-        with self._guard:
-            lock = self._locks.setdefault(thread_id, threading.Lock())
-        with lock, self.store.use(thread_id, self._new_memory) as session:
+        with self._core.hold(thread_id) as session:
             yield session
-            if self.save_turns and self.store.directory is not None:
-                self.store.save(thread_id)
+            self._core.after_turn(thread_id)
 
     @staticmethod
     def current_thread_id(kwargs: dict, config: RunnableConfig | None = None) -> str:
@@ -174,8 +173,8 @@ class ChatKVMemory(BaseChatModel):
 
     def drop_thread(self, thread_id: str) -> None:
         """Forget a thread: its session, and its saved file if the store has one."""
-        with self._guard:
-            self._locks.pop(thread_id, None)
+        with self._core.hold(thread_id):  # waits for a call in progress on it
+            pass
         self.store.drop(thread_id)
 
     # ---- tools -------------------------------------------------------------------------------
@@ -190,33 +189,35 @@ class ChatKVMemory(BaseChatModel):
 
     # ---- generation ----------------------------------------------------------------------------
 
-    def _prefill(self, session, dicts, tools) -> tuple[int, int]:
-        """Sync the thread's cache with the conversation; returns (prompt tokens, tokens reused from cache)."""
-        before = session.prefilled_tokens
+    def _turns(self, messages: list[BaseMessage], stop, kwargs) -> Iterator[str | Reply]:
+        """The core's turn on this call's thread: visible text pieces, then the Reply."""
+        turn = Turn(
+            to_chat_dicts(messages),
+            kwargs.get("tools"),
+            {
+                "max_new_tokens": kwargs.get("max_new_tokens", self.max_new_tokens),
+                "temperature": kwargs.get("temperature", self.temperature),
+                "top_p": kwargs.get("top_p", self.top_p),
+                "stop": stop,
+                "seed": kwargs.get("seed", self.seed),
+            },
+            self.current_thread_id(kwargs),
+        )
         try:
-            session.set_messages(dicts, tools=tools, add_generation_prompt=True)
+            yield from self._core.turn(turn)
         except (ContextLengthError, MemoryCapError) as err:
             raise ContextOverflowError(str(err)) from err
-        prompt = len(session.tokens)
-        return prompt, prompt - (session.prefilled_tokens - before)
 
-    def _steps(self, session, stop, kwargs):
-        return session.start_generation(
-            max_new_tokens=kwargs.get("max_new_tokens", self.max_new_tokens),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            stop=stop,
-            seed=kwargs.get("seed", self.seed),
-        )
-
-    def _final_message(self, text: str, generated: int, prompt: int, cached: int, finish: str, chunk: bool):
+    def _final_message(self, reply: Reply, chunk: bool):
         usage = {
-            "input_tokens": prompt,
-            "output_tokens": generated,
-            "total_tokens": prompt + generated,
-            "input_token_details": {"cache_read": cached},
+            "input_tokens": reply.prompt_tokens,
+            "output_tokens": reply.completion_tokens,
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+            "input_token_details": {"cache_read": reply.cached_tokens},
         }
-        meta = {"finish_reason": "tool_calls" if "<tool_call>" in text else finish, "model_name": self.engine.name}
+        text = reply.text
+        finish = "tool_calls" if "<tool_call>" in text else reply.finish_reason
+        meta = {"finish_reason": finish, "model_name": self.engine.name}
         try:
             content, calls = parse_tool_calls(text)
             invalid = []
@@ -256,16 +257,13 @@ class ChatKVMemory(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        with self.thread(self.current_thread_id(kwargs)) as session:
-            prompt, cached = self._prefill(session, to_chat_dicts(messages), kwargs.get("tools"))
-            result = None
-            for piece, result in self._steps(session, stop, kwargs):
-                if piece and run_manager is not None:
-                    run_manager.on_llm_new_token(piece)
-        message = self._final_message(
-            result.text, len(result.token_ids), prompt, cached, result.finish_reason, chunk=False
-        )
-        return ChatResult(generations=[ChatGeneration(message=message)])
+        reply = None
+        for item in self._turns(messages, stop, kwargs):
+            if isinstance(item, Reply):
+                reply = item
+            elif run_manager is not None:
+                run_manager.on_llm_new_token(item)
+        return ChatResult(generations=[ChatGeneration(message=self._final_message(reply, chunk=False))])
 
     def _stream(
         self,
@@ -274,24 +272,20 @@ class ChatKVMemory(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        with self.thread(self.current_thread_id(kwargs)) as session:
-            prompt, cached = self._prefill(session, to_chat_dicts(messages), kwargs.get("tools"))
-            result, shown = None, 0
-            for piece, result in self._steps(session, stop, kwargs):
-                visible = visible_content(result.text)
-                if len(visible) > shown:
-                    chunk = ChatGenerationChunk(message=AIMessageChunk(content=visible[shown:]))
-                    shown = len(visible)
-                    if run_manager is not None:
-                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-                    yield chunk
-        final = self._final_message(
-            result.text, len(result.token_ids), prompt, cached, result.finish_reason, chunk=True
-        )
+        reply, shown = None, ""
+        for item in self._turns(messages, stop, kwargs):
+            if isinstance(item, Reply):
+                reply = item
+                continue
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=item))
+            shown += item
+            if run_manager is not None:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+        final = self._final_message(reply, chunk=True)
         if not final.tool_call_chunks and not final.invalid_tool_calls:
-            content = parse_tool_calls(result.text)[0]
-            if content.startswith(visible_content(result.text)) and len(content) > shown:
-                final.content = content[shown:]
+            if reply.content.startswith(shown) and len(reply.content) > len(shown):
+                final.content = reply.content[len(shown) :]
         yield ChatGenerationChunk(message=final)
 
     async def _agenerate(

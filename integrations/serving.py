@@ -221,22 +221,21 @@ class ServingCore:
     # -- holding a session --
     @contextlib.contextmanager
     def hold(self, key: str | None, policy: dict | None = None) -> Iterator:
-        """The session for ``key`` (made if new), held against other requests for the block; errors come out
-        as APIErrors. ``key`` None: a session for this block only."""
+        """The session for ``key`` (made if new), held against other requests for the block. ``key`` None: a
+        session for this block only. kvmemory errors pass through as they are (``errors()`` maps them)."""
         memory_policy = self._policy(policy)
-        with self.errors():
-            if key is None:
-                session = self.engine.session(memory=MemoryManager(memory_policy))
-                try:
-                    yield session
-                finally:
-                    session.close()
-                return
-            self._admit(key)
-            with self._locked(key), self.store.use(key, lambda: MemoryManager(memory_policy)) as session:
-                if policy is not None:
-                    session.memory.set_policy(memory_policy)
+        if key is None:
+            session = self.engine.session(memory=MemoryManager(memory_policy))
+            try:
                 yield session
+            finally:
+                session.close()
+            return
+        self._admit(key)
+        with self._locked(key), self.store.use(key, lambda: MemoryManager(memory_policy)) as session:
+            if policy is not None:
+                session.memory.set_policy(memory_policy)
+            yield session
 
     @contextlib.contextmanager
     def errors(self) -> Iterator[None]:
@@ -250,7 +249,7 @@ class ServingCore:
     def _locked(self, key: str) -> Iterator[None]:
         with self._guard:
             lock = self._locks.setdefault(key, threading.Lock())
-        if not lock.acquire(timeout=self.busy_timeout):
+        if not lock.acquire(timeout=-1 if self.busy_timeout is None else self.busy_timeout):
             raise SessionBusy(f"session {visible_key(key)!r} is busy with another request")
         try:
             yield
@@ -285,7 +284,8 @@ class ServingCore:
         except PolicyError as err:
             raise api_error(err) from err
 
-    def _after_turn(self, key: str | None) -> None:
+    def after_turn(self, key: str | None) -> None:
+        """Save the session when the core saves after every turn (what a restart or a failover resumes)."""
         if self.save_after_turn and key is not None:
             self.store.save(key)
 
@@ -293,7 +293,7 @@ class ServingCore:
     def run(self, turn: Turn, cancel: threading.Event | None = None) -> Reply:
         """The turn's whole reply. A failure, or a cancel (nobody will read the reply), leaves the session as
         it was."""
-        with self.hold(turn.session, turn.policy) as session, self.errors(), self.engine.batcher.expecting():
+        with self.errors(), self.hold(turn.session, turn.policy) as session, self.engine.batcher.expecting():
             before = session.snapshot()
             with contextlib.closing(self._turn(session, turn, cancel, before)) as items:
                 for item in items:
@@ -305,7 +305,12 @@ class ServingCore:
     def stream(self, turn: Turn, cancel: threading.Event | None = None) -> Iterator[str | Reply]:
         """The reply's visible text as it grows (tool calls held back), then the Reply. A failure leaves the
         session as it was; a cancel, or closing the iterator early, keeps exactly the text it yielded."""
-        with self.hold(turn.session, turn.policy) as session, self.errors():
+        with self.errors():
+            yield from self.turn(turn, cancel)
+
+    def turn(self, turn: Turn, cancel: threading.Event | None = None) -> Iterator[str | Reply]:
+        """``stream`` with kvmemory's own errors (for in-process front ends such as the LangChain model)."""
+        with self.hold(turn.session, turn.policy) as session:
             yield from self._turn(session, turn, cancel, session.snapshot())
 
     def _turn(self, session, turn: Turn, cancel: threading.Event | None, before) -> Iterator[str | Reply]:
@@ -324,7 +329,7 @@ class ServingCore:
         except Exception:
             session.restore(before)
             raise
-        self._after_turn(turn.session)
+        self.after_turn(turn.session)
         yield reply_of(generation, prompt, cached, session.messages)
 
     def count_tokens(self, turn: Turn) -> int:
@@ -361,7 +366,7 @@ class ServingCore:
         self.known(key)
         if self.store.directory is None:
             raise BadRequest("the server was started without --sessions DIR: nowhere to save")
-        with self.hold(key), self.errors():
+        with self.errors(), self.hold(key):
             return self.store.save(key).stat().st_size
 
     def restore(self, key: str) -> int:

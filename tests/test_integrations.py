@@ -15,6 +15,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
 from integrations import ChatKVMemory, CompactionNode, KVMemoryMiddleware, KVMemoryState, kv_policy
+from integrations.serving import Reply
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy, default_policy
 from tests.conftest import until
 
@@ -95,19 +96,16 @@ def test_tool_call_round_trip_reuses_the_cache(chat):
 
 
 def test_tool_call_parsing_and_malformed_output(chat):
+    def reply(text: str) -> Reply:
+        return Reply(text, text, [], "stop", None, 10, 0, 5, [])
+
     ok = chat._final_message(
-        'Checking.<tool_call>{"name": "lookup_port", "arguments": {"service": "db"}}</tool_call>',
-        5,
-        10,
-        0,
-        "stop",
-        chunk=False,
+        reply('Checking.<tool_call>{"name": "lookup_port", "arguments": {"service": "db"}}</tool_call>'), chunk=False
     )
     assert ok.tool_calls[0]["name"] == "lookup_port" and ok.tool_calls[0]["args"] == {"service": "db"}
     assert ok.content == "Checking."
-    bad = chat._final_message(
-        '<tool_call>{"name": "lookup_port", "arguments": {service: db}}</tool_call>', 5, 10, 0, "stop", chunk=False
-    )
+    malformed = '<tool_call>{"name": "lookup_port", "arguments": {service: db}}</tool_call>'
+    bad = chat._final_message(reply(malformed), chunk=False)
     assert not bad.tool_calls and bad.invalid_tool_calls
     assert "not valid JSON" in bad.invalid_tool_calls[0]["error"]
 
