@@ -254,7 +254,7 @@ class Ingress:
             settings.get("api_keys", ()),
             settings.get("model_aliases", ()),
             settings.get("max_request_mb", 32.0),
-            ResponseLog(self.sessions),
+            ResponseLog(self.sessions, ttl=settings.get("session_ttl")),
         )
 
 

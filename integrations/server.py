@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -98,13 +99,16 @@ class ResponseLog:
     session holds after it (what ``previous_response_id`` continues). In a directory when one is given
     (shared by Ray replicas), else in memory (the newest ``limit``)."""
 
-    def __init__(self, directory: Path | None = None, limit: int = 10_000):
+    def __init__(self, directory: Path | None = None, limit: int = 10_000, ttl: float | None = None):
         self.directory = Path(directory) / "responses" if directory is not None else None
-        self.limit, self._memory = limit, OrderedDict()
+        self.limit, self.ttl, self._memory, self._swept = limit, ttl, OrderedDict(), 0.0
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
     def put(self, record: dict) -> None:
+        if self.ttl is not None and time.monotonic() - self._swept > 60:
+            self._swept = time.monotonic()
+            self.expire(self.ttl)
         if self.directory is None:
             self._memory[record["id"]] = record
             while len(self._memory) > self.limit:
@@ -132,11 +136,13 @@ class ResponseLog:
         else:
             (self.directory / f"{ident}.json").unlink(missing_ok=True)
 
-    def expire(self, max_idle: float) -> None:
+    def expire(self, max_age: float) -> None:
+        """Forget the stored responses older than ``max_age`` seconds (those in memory are bounded by count)."""
         if self.directory is not None:
             for path in self.directory.glob("*.json"):
-                if time.time() - path.stat().st_mtime > max_idle:
-                    path.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - path.stat().st_mtime > max_age:
+                        path.unlink()
 
 
 def openai_responses_id(ident: str) -> bool:

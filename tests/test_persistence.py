@@ -189,6 +189,44 @@ def test_a_session_in_use_is_never_spilled(tmp_path, tiny_engine):
     assert store.stats()["resident"] == [] and store.spills == 2  # both spilled once free
 
 
+def test_the_store_lists_its_sessions_and_expires_the_idle_ones_with_their_files(tmp_path, tiny_engine):
+    store = SessionStore(tiny_engine, tmp_path)
+    for name in ("old", "new", "busy"):
+        with store.use(name) as session:
+            session.append_tokens(random_tokens(8))
+        store.save(name)
+    store.spill("old")
+    assert store.ids() == ["new", "busy", "old"]  # resident first, then saved
+    long_ago = os.stat(store.path("old")).st_mtime - 3600
+    os.utime(store.path("old"), (long_ago, long_ago))
+    with store.use("busy"):
+        with mock.patch("kvmemory.runtime.store.time.time", return_value=os.stat(store.path("new")).st_mtime + 60):
+            assert store.expire(1800) == ["old"]  # "new" was used a minute ago; "busy" is in use
+            assert sorted(store.expire(30)) == ["new"]
+    assert store.ids() == ["busy"] and sorted(p.suffix for p in tmp_path.iterdir()) == [".id", ".kvm"]
+
+
+def test_opening_a_store_removes_what_crashed_saves_left(tmp_path, tiny_engine):
+    crashed, fresh = tmp_path / ".a-1.kvm.x1.tmp", tmp_path / ".b-2.kvm.x2.tmp"
+    crashed.write_bytes(b"half a file")
+    fresh.write_bytes(b"another store is writing this one now")
+    old = crashed.stat().st_mtime - 3600
+    os.utime(crashed, (old, old))
+    SessionStore(tiny_engine, tmp_path)
+    assert not crashed.exists() and fresh.exists()
+
+
+def test_the_serving_core_hides_the_server_paths_in_its_errors(tmp_path, tiny_engine):
+    from integrations.serving import APIError, ServingCore
+
+    store = SessionStore(tiny_engine, tmp_path)
+    core = ServingCore(store, MemoryPolicy.never())
+    store.path("s").write_bytes(b"not a session")
+    with pytest.raises(APIError) as err:
+        core.restore("s")
+    assert err.value.code == "session_file_unusable" and str(tmp_path) not in err.value.message
+
+
 def test_a_newcomer_waits_while_every_resident_session_is_in_use(tmp_path, tiny_engine):
     budget = tiny_engine.kv_bytes_per_token * 50
     store = SessionStore(tiny_engine, tmp_path, max_resident_bytes=budget)

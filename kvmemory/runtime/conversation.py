@@ -10,7 +10,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 
-from kvmemory.errors import InvalidMessageError
+from kvmemory.errors import ContextLengthError, InvalidMessageError
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.segments import Segment
 
@@ -98,10 +98,17 @@ def render_with_spans(
     add_generation_prompt: bool,
     held: list[MessageSpan] | None = None,
     tokens: list[int] | None = None,
+    limit: int | None = None,
+    progress=None,
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids of the conversation and each message's [start, end) in them. ``held`` spans (rendered
-    with the same tools) whose tokens are unchanged in ``tokens`` are reused instead of re-rendering."""
+    with the same tools) whose tokens are unchanged in ``tokens`` are reused instead of re-rendering. A
+    conversation longer than ``limit`` tokens raises before its messages are located (which renders every
+    prefix: the time grows with the square of the number of messages; ``progress(0, total)`` runs before each,
+    so that a caller can stop there)."""
     full = renderer.render(messages, tools, add_generation_prompt)
+    if limit is not None and len(full) > limit:
+        raise ContextLengthError(f"conversation renders to {len(full)} tokens; the engine's position limit is {limit}")
     spans: list[tuple[int, int]] = []
     reusable = held is not None
     for i, msg in enumerate(messages):
@@ -111,6 +118,8 @@ def render_with_spans(
                 spans.append((s, e))
                 continue
         reusable = False
+        if progress is not None:
+            progress(0, len(full))
         end = len(renderer.render(messages[: i + 1], tools, False))
         spans.append((spans[-1][1] if spans else 0, min(end, len(full))))
     return full, spans

@@ -461,7 +461,13 @@ class Session:
         full = renderer.render(held + new, tools, add_generation_prompt)
         if full[: len(base)] != base:  # a template that re-renders earlier turns: fall back to diffing
             return self._set_messages(held + new, tools, add_generation_prompt, progress)
-        ends = [len(renderer.render(held + new[: i + 1], tools)) for i in range(len(new))]
+        if self.memory is None or len(self.tokens) + len(full) - len(base) > self.engine.position_limit:
+            self._check_room(len(full) - len(base))  # what cannot fit fails before each message is located
+        ends = []
+        for i in range(len(new)):  # (progress runs per message too: a caller can stop a long conversation here)
+            if progress is not None:
+                progress(0, len(full) - len(base))
+            ends.append(len(renderer.render(held + new[: i + 1], tools)))
         starts = [len(base)] + ends[:-1]
         delta = len(full) - len(base)
         base_at = len(self.tokens) - len(base)
@@ -503,13 +509,11 @@ class Session:
     def _set_messages(self, messages, tools, add_generation_prompt, progress) -> list[Segment]:
         same_tools = self._tools_key == tools_key(tools)
         held = self._message_spans if same_tools else None
-        target, spans = render_with_spans(self.renderer, messages, tools, add_generation_prompt, held, self.tokens)
+        limit = self.engine.position_limit
+        target, spans = render_with_spans(
+            self.renderer, messages, tools, add_generation_prompt, held, self.tokens, limit, progress
+        )
         self._tools_key = tools_key(tools)
-        if len(target) > self.engine.position_limit:
-            raise ContextLengthError(
-                f"conversation renders to {len(target)} tokens; the engine's position limit is "
-                f"{self.engine.position_limit}"
-            )
         self._flush_pending()
         keep = common_prefix(self.tokens, target)
         cut = self._cut_point(keep)
