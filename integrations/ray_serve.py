@@ -37,9 +37,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from integrations.server import MB, ResponseLog, http_app
+from integrations.server import MB, ResponseLog, http_app, serving_policy
 from integrations.serving import APIError, AsyncCore, ServingCore, Turn
-from kvmemory import Engine, KVMemoryError, MemoryManager, SessionFileError, SessionStore, default_policy
+from kvmemory import Engine, KVMemoryError, MemoryManager, SessionFileError, SessionStore
 from kvmemory.runtime.loading import DEFAULT_MODEL_NAME
 
 log = logging.getLogger("kvmemory.ray")
@@ -113,14 +113,14 @@ class SessionReplica:
         engine = Engine.from_pretrained(model, kv_dtype=settings.get("kv_dtype"))
         budget = int(settings["max_resident_mb"] * MB) if settings.get("max_resident_mb") else None
         store = SessionStore(engine, sessions, budget)
-        policy = default_policy(max_slots=settings.get("max_slots", 2048))
         self.core = ServingCore(
             store,
-            policy,
+            serving_policy(settings),
             settings.get("busy_timeout", 30.0),
             True,
             settings.get("max_sessions"),
             settings.get("session_ttl"),
+            settings.get("max_new_tokens"),
         )
         self.worker = AsyncCore(self.core)
         self.replica_id = serve.get_replica_context().replica_id.unique_id

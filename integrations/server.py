@@ -56,7 +56,7 @@ from integrations.serving import (
     Unauthorized,
     session_key,
 )
-from kvmemory import Engine, MemoryPolicy, SessionStore, default_policy
+from kvmemory import Engine, KVMemoryError, MemoryPolicy, SessionStore, default_policy
 from kvmemory.runtime.engine import KV_DTYPES
 
 log = logging.getLogger("kvmemory.server")
@@ -486,14 +486,14 @@ def create_app(
     max_sessions: int | None = None,
     session_ttl: float | None = None,
     busy_timeout: float = 30.0,
+    max_new_tokens: int | None = None,
 ):
     """The app serving ``engine`` in this process; sessions live in ``store`` (in memory by default), saved
     to its directory after every turn with ``save_after_turn``; at most ``max_sessions``, those idle for
     ``session_ttl`` seconds deleted."""
     store = store or SessionStore(engine)
-    core = ServingCore(
-        store, policy or default_policy(max_slots=2048), busy_timeout, save_after_turn, max_sessions, session_ttl
-    )
+    policy = policy or default_policy(max_slots=2048)
+    core = ServingCore(store, policy, busy_timeout, save_after_turn, max_sessions, session_ttl, max_new_tokens)
     app = http_app(
         LocalBackend(core), engine.name, api_keys, model_aliases, max_request_mb, ResponseLog(store.directory)
     )
@@ -569,6 +569,13 @@ def api_keys(args) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
+def serving_policy(settings: dict) -> MemoryPolicy:
+    """``--policy FILE`` when given, else the default policy under ``--max-slots``."""
+    if settings.get("policy"):
+        return MemoryPolicy.from_file(settings["policy"])
+    return default_policy(max_slots=settings.get("max_slots", 2048))
+
+
 def warn_if_open(host: str, keys: tuple[str, ...]) -> None:
     """A server reachable from other machines without a key serves every session to anyone who asks."""
     try:
@@ -598,12 +605,14 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-sessions", type=int, default=256, help="sessions held (resident and saved)")
     serve.add_argument("--session-ttl-hours", type=float, default=168.0, help="idle sessions are deleted after this")
     serve.add_argument("--max-slots", type=int, default=2048, help="the default policy's cap per session")
+    serve.add_argument("--policy", default=None, help="a memory policy file (.yaml/.toml/.json) for every session")
     serve.add_argument(
         "--kv-dtype",
         choices=sorted(KV_DTYPES),
         default=None,
         help="KV cache storage (default: float16 under 16-bit or int4 weights on CPU, else the model's dtype)",
     )
+    serve.add_argument("--max-new-tokens", type=int, default=None, help="the longest reply, whatever a client asks")
     serve.add_argument("--max-request-mb", type=float, default=32.0, help="larger request bodies get 413")
     serve.add_argument("--save-after-turn", action="store_true", help="save each session after every turn")
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (see integrations/ray_serve.py)")
@@ -619,8 +628,14 @@ def main(argv: list[str] | None = None) -> None:
         "max_request_mb": args.max_request_mb,
         "max_resident_mb": args.max_resident_mb,
         "max_slots": args.max_slots,
+        "policy": args.policy and os.path.abspath(args.policy),
         "kv_dtype": args.kv_dtype,
+        "max_new_tokens": args.max_new_tokens,
     }
+    try:
+        serving_policy(settings)  # a bad policy file fails now, not after the model has loaded
+    except KVMemoryError as err:
+        parser.error(str(err))
     if args.ray:
         if args.sessions is None:
             parser.error("--ray needs --sessions DIR: a directory every replica can read (sessions fail over)")
@@ -639,13 +654,14 @@ def main(argv: list[str] | None = None) -> None:
         return create_app(
             engine,
             store,
-            default_policy(max_slots=args.max_slots),
+            serving_policy(settings),
             args.max_request_mb,
             args.save_after_turn,
             api_keys=keys,
             model_aliases=settings["model_aliases"],
             max_sessions=args.max_sessions,
             session_ttl=settings["session_ttl"],
+            max_new_tokens=args.max_new_tokens,
         )
 
     uvicorn.run(loading_app(load), host=args.host, port=args.port)

@@ -207,12 +207,14 @@ class ServingCore:
         save_after_turn: bool = False,
         max_sessions: int | None = None,
         session_ttl: float | None = None,
+        max_new_tokens: int | None = None,
     ):
         if save_after_turn and store.directory is None:
             raise BadRequest("save_after_turn needs a store with a directory")
         self.store, self.engine, self.policy = store, store.engine, policy
         self.busy_timeout, self.save_after_turn = busy_timeout, save_after_turn
         self.max_sessions, self.session_ttl = max_sessions, session_ttl
+        self.max_new_tokens = max_new_tokens  # a server-wide bound on a reply (clients ask for 64,000)
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._swept = 0.0
@@ -316,7 +318,10 @@ class ServingCore:
     def _turn(self, session, turn: Turn, cancel: threading.Event | None, before) -> Iterator[str | Reply]:
         try:
             prompt, cached = prefill(session, turn, cancel)
-            generation = session.start_generation(**turn.sampling)
+            sampling = dict(turn.sampling)
+            if self.max_new_tokens is not None:
+                sampling["max_new_tokens"] = min(sampling.get("max_new_tokens", 256), self.max_new_tokens)
+            generation = session.start_generation(**sampling)
             shown = 0
             with contextlib.closing(generation):
                 for _, result in generation:

@@ -36,7 +36,7 @@ ERROR_TYPES = {
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code sends system reminders as messages too
     content: str | list[dict]
 
 
@@ -65,6 +65,7 @@ class Request(BaseModel):
     thinking: dict | None = None  # accepted and not used: this model keeps no hidden reasoning
     service_tier: str | None = None
     context_management: dict | None = None
+    output_config: dict | None = None  # (reasoning effort: accepted, nothing to set on this model)
     kvmemory: dict | None = None
 
 
@@ -76,6 +77,8 @@ class CountRequest(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None
+    context_management: dict | None = None
+    output_config: dict | None = None
 
 
 def request(body, model: type[BaseModel] = Request):
@@ -140,7 +143,7 @@ def chat_messages(req) -> list[dict]:
         if message.role == "assistant":
             out.append({"role": "assistant", "content": "".join(text), **({"tool_calls": calls} if calls else {})})
         elif text or not results:
-            out.append({"role": "user", "content": "".join(text)})
+            out.append({"role": message.role, "content": "".join(text)})
     return out
 
 
