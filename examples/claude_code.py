@@ -63,7 +63,7 @@ def main() -> None:
     base = f"http://127.0.0.1:{args.port}"
     policy = os.path.join(os.path.dirname(__file__), "claude_code_policy.yaml")
     with tempfile.TemporaryDirectory() as workdir:
-        serve = [sys.executable, "-m", "integrations.server", "serve", "--port", str(args.port), "--api-key", KEY]
+        serve = [sys.executable, "-m", "integrations.cli", "serve", "--port", str(args.port), "--api-key", KEY]
         serve += ["--model-alias", "*", "--policy", policy, "--max-new-tokens", str(args.max_new_tokens)]
         server = subprocess.Popen(serve, env={**os.environ, "KVMEMORY_QUIET": "1"})
         try:

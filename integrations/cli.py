@@ -1,0 +1,121 @@
+"""The ``kvmemory`` command line: ``kvmemory serve`` in this process (``integrations/server.py``) or on Ray
+Serve (``integrations/ray_serve.py``). Run ``kvmemory serve --help`` for every option."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+from pathlib import Path
+
+from integrations.server import MB, create_app, loading_app, serving_policy
+from kvmemory import Engine, KVMemoryError, SessionStore
+from kvmemory.runtime.engine import KV_DTYPES
+
+log = logging.getLogger("kvmemory.server")
+
+
+def api_keys(args) -> tuple[str, ...]:
+    """Keys from ``--api-key``, ``--api-key-file`` (one per line, # comments) and ``KVMEMORY_API_KEYS``."""
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        lines = Path(args.api_key_file).read_text().splitlines()
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    keys += [k.strip() for k in os.environ.get("KVMEMORY_API_KEYS", "").split(",") if k.strip()]
+    return tuple(dict.fromkeys(keys))
+
+
+def warn_if_open(host: str, keys: tuple[str, ...]) -> None:
+    """A server reachable from other machines without a key serves every session to anyone who asks."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback and not keys:
+        log.warning(
+            "kvmemory serve: listening on %s without --api-key: anyone who reaches this port can read, save and "
+            "delete every session (transcripts hold everything the agents read)",
+            host,
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvmemory", description="kvmemory command line")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="an OpenAI- and Anthropic-compatible server (integrations/server.py)")
+    serve.add_argument("--model", default="default", help="a model name, HF id, local directory or .gguf file")
+    serve.add_argument("--model-alias", action="append", help="another model name to accept ('*': any); repeatable")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", action="append", help="a key clients must send; repeatable")
+    serve.add_argument("--api-key-file", default=None, help="a file of keys, one per line")
+    serve.add_argument("--sessions", default=None, help="directory where sessions are saved (and spilled)")
+    serve.add_argument("--max-resident-mb", type=float, default=None, help="KV of resident sessions, then spill")
+    serve.add_argument("--max-sessions", type=int, default=256, help="sessions held (resident and saved)")
+    serve.add_argument("--session-ttl-hours", type=float, default=168.0, help="idle sessions are deleted after this")
+    serve.add_argument("--max-slots", type=int, default=2048, help="the default policy's cap per session")
+    serve.add_argument("--policy", default=None, help="a memory policy file (.yaml/.toml/.json) for every session")
+    serve.add_argument(
+        "--kv-dtype",
+        choices=sorted(KV_DTYPES),
+        default=None,
+        help="KV cache storage (default: float16 under 16-bit or int4 weights on CPU, else the model's dtype)",
+    )
+    serve.add_argument("--max-new-tokens", type=int, default=None, help="the longest reply, whatever a client asks")
+    serve.add_argument("--max-request-mb", type=float, default=32.0, help="larger request bodies get 413")
+    serve.add_argument("--save-after-turn", action="store_true", help="save each session after every turn")
+    serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (see integrations/ray_serve.py)")
+    serve.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas")
+    args = parser.parse_args(argv)
+    keys = api_keys(args)
+    warn_if_open(args.host, keys)
+    settings = {
+        "api_keys": keys,
+        "model_aliases": tuple(args.model_alias or ()),
+        "max_sessions": args.max_sessions,
+        "session_ttl": args.session_ttl_hours * 3600,
+        "max_request_mb": args.max_request_mb,
+        "max_resident_mb": args.max_resident_mb,
+        "max_slots": args.max_slots,
+        "policy": args.policy and os.path.abspath(args.policy),
+        "kv_dtype": args.kv_dtype,
+        "max_new_tokens": args.max_new_tokens,
+    }
+    try:
+        serving_policy(settings)  # a bad policy file fails now, not after the model has loaded
+    except KVMemoryError as err:
+        parser.error(str(err))
+    if args.ray:
+        if args.sessions is None:
+            parser.error("--ray needs --sessions DIR: a directory every replica can read (sessions fail over)")
+        from integrations.ray_serve import run
+
+        run(args.model, args.sessions, args.replicas, args.host, args.port, settings)
+        return
+    if args.save_after_turn and args.sessions is None:
+        parser.error("--save-after-turn needs --sessions DIR")
+    import uvicorn
+
+    def load():
+        engine = Engine.from_pretrained(args.model, kv_dtype=args.kv_dtype)
+        budget = int(args.max_resident_mb * MB) if args.max_resident_mb else None
+        store = SessionStore(engine, args.sessions, budget)
+        return create_app(
+            engine,
+            store,
+            serving_policy(settings),
+            args.max_request_mb,
+            args.save_after_turn,
+            api_keys=keys,
+            model_aliases=settings["model_aliases"],
+            max_sessions=args.max_sessions,
+            session_ttl=settings["session_ttl"],
+            max_new_tokens=args.max_new_tokens,
+        )
+
+    uvicorn.run(loading_app(load), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()
