@@ -354,7 +354,7 @@ def http_app(
         req = openai_responses.request(await json_body(request))
         check_model(req.model)
         who, log_ = owner(request), app.state.responses
-        earlier, calls, session = [], {}, key(request)
+        earlier, calls, session = [], {}, key(request, req.prompt_cache_key, "prompt_cache_key")
         if req.previous_response_id is not None:
             previous = log_.get(req.previous_response_id, who)
             earlier, calls = previous["conversation"], previous["calls"]

@@ -3,11 +3,12 @@
 ``input`` is a string or a list of items (messages with text parts, ``function_call`` and
 ``function_call_output`` items); ``instructions`` become the system message of this turn only (as OpenAI
 documents: they are not carried over by ``previous_response_id``). A stored response remembers the
-conversation its session holds after it, so a request with ``previous_response_id`` continues that session
-and prefills only its new input. Without ``previous_response_id`` (a client that resends the whole
-conversation, as Codex does) the session is found by the conversation's first messages, or named by the
-``x-session-id`` header. Streaming sends the Responses event stream (``response.created`` …
-``response.completed``).
+conversation its session holds after it, so a request with ``previous_response_id`` continues that session and
+prefills only its new input. Without ``previous_response_id`` (a client that resends the whole conversation,
+as Codex does) the session is the one ``prompt_cache_key`` or the ``x-session-id`` header names, else the one
+the conversation's first messages lead to. Only function tools reach the model: hosted tools (``web_search``,
+namespaces) are left out of the prompt, since this server cannot run them. Streaming sends the Responses event
+stream (``response.created`` … ``response.completed``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Request(BaseModel):
     prompt_cache_key: str | None = None
     service_tier: str | None = None
     stream_options: dict | None = None
+    client_metadata: dict | None = None
     kvmemory: dict | None = None
 
 
@@ -70,7 +72,7 @@ def request(body) -> Request:
         raise unsupported("truncation", "kvmemory compacts the session's cache instead (see its memory policy)")
     for i, tool in enumerate(req.tools or []):
         if tool.get("type") != "function":
-            raise unsupported(f"tools[{i}]", f"only function tools, not {tool.get('type')!r}")
+            continue  # a hosted tool (web_search, a namespace): left out, as this server cannot run it
         spec = parse(FunctionTool, tool)
         check_tool_name(spec.name, f"tools[{i}].name")
         check_schema(spec.parameters, f"tools[{i}].parameters")
@@ -155,6 +157,7 @@ def turn(req: Request, session: str | None, earlier: list[dict], calls: dict[str
     tools = [
         {"type": "function", "function": {k: v for k, v in t.items() if k not in ("type", "strict")}}
         for t in req.tools or []
+        if t.get("type") == "function"
     ]
     params = sampling(req.max_output_tokens, req.temperature, req.top_p, None, req.seed)
     return Turn(
