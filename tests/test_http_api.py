@@ -214,6 +214,23 @@ def test_responses_take_function_call_outputs_and_stream_their_events(live):
         )
 
 
+def test_a_client_resending_its_conversation_is_served_from_its_prompt_cache_key_session(live):
+    """As Codex sends it: the whole conversation each turn, store false, a prompt_cache_key, hosted tools."""
+    client = live.openai()
+    tools = [{"type": "web_search"}, {"type": "function", "name": "exec_command", "parameters": {"type": "object"}}]
+    items = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+    ask = {"model": live.model, "tools": tools, "store": False, "prompt_cache_key": "codex-thread-1"}
+    first = client.responses.create(input=items, max_output_tokens=4, **ask)
+    items += [
+        {"role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+        {"role": "user", "content": "Another?"},
+    ]
+    second = client.responses.create(input=items, max_output_tokens=4, **ask)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):  # store false: nothing to retrieve
+        client.responses.retrieve(second.id)
+
+
 # ---- Anthropic Messages ----------------------------------------------------------------------------
 
 
