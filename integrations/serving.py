@@ -270,13 +270,22 @@ class ServingCore:
             )
 
     def expire(self) -> list[str]:
-        with self._guard:
-            busy = {k for k, lock in self._locks.items() if lock.locked()}
-        idle = [k for k in self.store.ids() if k not in busy and self.store.idle_seconds(k) > self.session_ttl]
-        for key in idle:
-            with contextlib.suppress(KVMemoryError):
-                self.store.drop(key)
-        return idle
+        """Delete the sessions idle longer than ``session_ttl`` (files too); returns their keys."""
+        expired = []
+        for key in [k for k in self.store.ids() if self.store.idle_seconds(k) > self.session_ttl]:
+            with self._guard:
+                lock = self._locks.setdefault(key, threading.Lock())
+            if not lock.acquire(blocking=False):
+                continue  # a request has it
+            try:
+                with contextlib.suppress(KVMemoryError):  # in use all the same: it stays
+                    self.store.drop(key)
+                    expired.append(key)
+            finally:
+                with self._guard:
+                    self._locks.pop(key, None)
+                lock.release()
+        return expired
 
     def _policy(self, requested: dict | None) -> MemoryPolicy:
         if requested is None:

@@ -227,6 +227,18 @@ def test_the_serving_core_hides_the_server_paths_in_its_errors(tmp_path, tiny_en
     assert err.value.code == "session_file_unusable" and str(tmp_path) not in err.value.message
 
 
+def test_the_serving_core_expires_idle_sessions_but_not_one_in_use(tmp_path, tiny_engine):
+    from integrations.serving import ServingCore
+
+    core = ServingCore(SessionStore(tiny_engine, tmp_path), MemoryPolicy.never(), session_ttl=0.0)
+    for key in ("idle", "busy"):
+        with core.hold(key) as session:
+            session.append_tokens(random_tokens(4))
+    with core.hold("busy"):
+        assert core.expire() == ["idle"]
+    assert core.store.ids() == ["busy"]
+
+
 def test_a_newcomer_waits_while_every_resident_session_is_in_use(tmp_path, tiny_engine):
     budget = tiny_engine.kv_bytes_per_token * 50
     store = SessionStore(tiny_engine, tmp_path, max_resident_bytes=budget)
