@@ -81,9 +81,9 @@ def main() -> None:
             started = time.perf_counter()
             httpx.post(f"{base}/v1/sessions/bench/restore", timeout=600).raise_for_status()
             restore_s = time.perf_counter() - started
-            tokens = len(app.state.server.store.get("bench").tokens)
+            tokens = len(app.state.core.store.get("bench").tokens)
         started = time.perf_counter()
-        engine.session().append_tokens(app.state.server.store.get("bench").tokens)
+        engine.session().append_tokens(app.state.core.store.get("bench").tokens)
         reprefill_s = time.perf_counter() - started
     summary = [
         {
