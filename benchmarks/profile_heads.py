@@ -9,7 +9,7 @@ import argparse
 import time
 
 from kvmemory import Engine
-from kvmemory.compaction.head_profiling import SHIPPED_DIR, profile_heads
+from kvmemory.runtime.head_profiling import SHIPPED_DIR, profile_heads
 
 
 def main() -> None:

@@ -7,16 +7,16 @@ import torch
 
 from kvmemory import Engine, InvalidArgumentError
 from kvmemory.cache import CompactionPlan, LayerPlan
-from kvmemory.compaction import head_profiling
-from kvmemory.compaction.base import LayerSpan, ModelAccess
-from kvmemory.compaction.compactor import compact_span
+from kvmemory.compaction.base import LayerSpan
 from kvmemory.compaction.head_budgets import headkv_budgets, uniform_budgets
 from kvmemory.compaction.methods import TAM, AttentionMatching
 from kvmemory.compaction.methods.attention_matching import proportional_split
-from kvmemory.compaction.methods.counter_causal import own_token_logits, query_phases
 from kvmemory.compaction.methods.tam import allocate
 from kvmemory.compaction.registry import available_methods, get_method
 from kvmemory.compaction.solvers import attention_output_error, fit_bias_and_values, nnls_box
+from kvmemory.runtime import head_profiling
+from kvmemory.runtime.model_view import SessionModelView, own_token_logits, query_phases
+from kvmemory.runtime.session_compaction import compact_span
 from tests.conftest import ARCHITECTURES, random_tokens, tiny_model
 
 
@@ -195,7 +195,7 @@ def test_fast_counter_causal_equals_full_on_one_layer_model():
     session = engine.session()
     session.record_last_layer_inputs()
     session.append_tokens(random_tokens(40))
-    access = ModelAccess.from_session(session)
+    access = SessionModelView.of(session)
     positions = torch.arange(40)
     full = own_token_logits(access, positions, fast=False)
     fast = own_token_logits(access, positions, fast=True)
@@ -212,7 +212,7 @@ def test_counter_causal_score_matches_a_dense_reference():
     tokens = random_tokens(300, seed=3)  # longer than one row block, so the blocking is exercised
     session.append_tokens(tokens)
     positions = torch.arange(300)
-    got = own_token_logits(ModelAccess.from_session(session), positions, fast=True)
+    got = own_token_logits(SessionModelView.of(session), positions, fast=True)
 
     layer, attn, base = model.model.layers[0], model.model.layers[0].self_attn, model.model
     with torch.no_grad():
@@ -263,7 +263,7 @@ def test_counter_causal_score_survives_a_rebase():
     session.apply_plan(
         CompactionPlan([LayerPlan(keep=drop_front.expand(lay.num_heads, -1).clone()) for lay in session.cache.layers])
     )
-    access = ModelAccess.from_session(session)
+    access = SessionModelView.of(session)
     before = own_token_logits(access, drop_front, fast=False)
     session.rebase_positions()
     assert torch.allclose(own_token_logits(access, drop_front, fast=False), before, atol=2e-3)  # bf16 matmuls on CPU
@@ -327,7 +327,7 @@ def test_reference_query_sources(tiny_engine):
     session.record_queries(8, context=16)
     session.append_tokens(random_tokens(60))
     before = (list(session.tokens), session.cache.physical_length, session._last_logits.clone())
-    from kvmemory.compaction.queries import reference_queries
+    from kvmemory.runtime.reference_queries import reference_queries
 
     g = tiny_engine.config.num_attention_heads // tiny_engine.num_kv_heads
     positions = torch.arange(10, 50)
@@ -343,7 +343,7 @@ def test_reference_query_sources(tiny_engine):
 
 def test_a_source_gives_at_most_a_bounded_number_of_tokens_queries(tiny_engine):
     """A span of many segments must not hand a method an unbounded query matrix (its fit holds H·m·n)."""
-    from kvmemory.compaction.queries import reference_queries
+    from kvmemory.runtime.reference_queries import reference_queries
 
     session = tiny_engine.session()
     session.record_queries(8, context=16)
@@ -361,7 +361,7 @@ def test_a_source_gives_at_most_a_bounded_number_of_tokens_queries(tiny_engine):
 
 
 def test_scratch_query_sources_leave_the_session_unchanged(default_engine):
-    from kvmemory.compaction.queries import reference_queries
+    from kvmemory.runtime.reference_queries import reference_queries
 
     session = default_engine.session()
     session.record_queries(8)
@@ -403,7 +403,8 @@ def test_registering_a_method_keeps_the_builtins_and_bad_names_are_named():
 
 @pytest.mark.parametrize("name", ["snapkv", "attention_matching", "tam"])
 def test_one_plan_for_several_spans_equals_compacting_them_one_by_one(tiny_engine, name):
-    from kvmemory.compaction.compactor import SpanJob, compact_spans
+    from kvmemory.compaction.jobs import SpanJob
+    from kvmemory.runtime.session_compaction import compact_spans
 
     one_by_one, batched = tiny_engine.session(), tiny_engine.session()
     for session in (one_by_one, batched):

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from kvmemory import CompactionPlan, Engine, InvalidArgumentError, InvalidTokenError, LayerPlan
 from kvmemory.cache.compact_cache import LayerState, Slots
-from kvmemory.compaction.compactor import compact_span
 from kvmemory.compaction.registry import available_methods, get_method
+from kvmemory.runtime.session_compaction import compact_span
 from tests.conftest import random_tokens, tiny_model
 from tests.test_contract import assert_same_state, state_of, uneven_plan
 

@@ -26,8 +26,8 @@ from kvmemory import (
 from kvmemory.attention import folded_sdpa, mask_sdpa
 from kvmemory.cache import int8_rows
 from kvmemory.cache.compact_cache import rotation_tables
-from kvmemory.runtime.generation import ReplyText
 from kvmemory.runtime.recorders import SurprisalRecorder
+from kvmemory.runtime.sampling import ReplyText
 from tests.conftest import random_tokens, reference_copy, tiny_model
 
 

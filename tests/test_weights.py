@@ -8,12 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmemory import Engine, InvalidArgumentError, SamplingParams
-from kvmemory.compaction.compactor import compact_span
 from kvmemory.compaction.registry import available_methods, get_method
 from kvmemory.hardware import cpu_has_fbgemm
 from kvmemory.kernels import cpu_ops
 from kvmemory.runtime import weights
 from kvmemory.runtime.forward import DirectForward, SideBySide, TransformersForward
+from kvmemory.runtime.session_compaction import compact_span
 from kvmemory.runtime.weights import (
     DIRECT_ROWS,
     INT4_GROUP,

@@ -1,8 +1,9 @@
-"""Compaction: pure tensor methods (one per file in ``methods/``), their registry, and the compactor that
-connects them to a live session. Importing this package registers the built-in methods."""
+"""Compaction: pure tensor methods (one per file in ``methods/``), their registry, and the jobs the runtime
+runs them in (``runtime/session_compaction.py`` connects them to a live session). Importing this package
+registers the built-in methods."""
 
 from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, LayerSpan, MethodConfig
-from kvmemory.compaction.compactor import CompactionRecord  # noqa: E402
+from kvmemory.compaction.jobs import CompactionRecord, SpanJob  # noqa: E402
 from kvmemory.compaction.methods import *  # noqa: E402,F403  (registers the built-ins)
 from kvmemory.compaction.methods import __all__ as _methods
 from kvmemory.compaction.registry import available_methods, get_method, register
@@ -11,6 +12,7 @@ __all__ = [
     "CacheSpan",
     "CompactionMethod",
     "CompactionRecord",
+    "SpanJob",
     "LayerResult",
     "LayerSpan",
     "MethodConfig",

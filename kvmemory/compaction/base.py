@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -79,26 +79,21 @@ class LayerSpan:
         return phi / row_mass.clamp_min(1e-30)[..., None]
 
 
-@dataclass
-class ModelAccess:
-    """What model-running methods (counter-causal) may use: the model, the live cache, the transcript."""
+class ModelView(Protocol):
+    """What a method may ask of the model (the counter-causal score, REAL's head profile), answered by the
+    runtime, which owns the model and the cache: methods never see a live session, a model or a cache."""
 
-    model: object
-    cache: object
-    tokens: list[int]
-    last_layer_inputs: dict[int, torch.Tensor] | None = None
-    engine: object = None
+    logical_length: int  # positions the session has consumed (its last token is ``logical_length - 1``)
 
-    @classmethod
-    def from_session(cls, session) -> ModelAccess:
-        recorder = session.hidden_recorder
-        return cls(
-            session.engine.model,
-            session.cache,
-            session.tokens,
-            recorder.store if recorder is not None else None,
-            session.engine,
-        )
+    def own_token_logits(
+        self, positions: torch.Tensor, fast: bool, pause: Callable[[], None] = lambda: None
+    ) -> torch.Tensor:
+        """(N,) each position's LM-head logit of its own token when it is re-read attending only to strictly
+        later cached slots; ``fast``: from the stored last-layer inputs where every position has one."""
+
+    def head_profile(self, path: str | None = None):
+        """The model's REAL head profile (a ``HeadProfile``: ``.scores(which)`` gives (L, H) scores): the
+        file at ``path``, else the one shipped or cached for the model, else one made now."""
 
 
 @dataclass
@@ -108,7 +103,7 @@ class CacheSpan:
     layers: list[LayerSpan]
     token_of_position: dict[int, int] = field(default_factory=dict)  # logical position → token id
     text_of_token: callable = None  # token id → its text (for text-aware methods like TAM)
-    model: ModelAccess | None = None  # for methods that run the model (counter-causal)
+    model: ModelView | None = None  # for methods that score with the model (counter-causal)
     protected_positions: set[int] = field(default_factory=set)  # positions a method must keep verbatim
     surprisal: torch.Tensor | None = None  # each token's surprisal by logical position (NaN unknown), if recorded
     query_group_size: int = 1  # G: reference query rows per token and KV head

@@ -6,7 +6,11 @@ sum exactly to the requested total and never exceed what a head holds.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+from kvmemory.errors import InvalidArgumentError
 
 
 def uniform_budgets(total: int, capacity: torch.Tensor) -> torch.Tensor:
@@ -46,3 +50,16 @@ def headkv_budgets(
     s = scores.float().clamp_min(0).pow(temperature)
     s = s / s.sum() if float(s.sum()) > 0 else torch.full_like(s, 1.0 / heads)
     return fill_to_total(floor + s * pool, total, capacity)
+
+
+def head_scores(span, given: list[list[float]] | None, path: str | Path | None, which: str) -> torch.Tensor:
+    """(L, H) head scores for ``span``'s model: ``given`` directly, else ``which`` score of its head profile
+    (``ModelView.head_profile``). Scores of another shape than the model's (layers, KV heads) are refused,
+    naming both."""
+    scores = torch.tensor(given) if given is not None else span.model.head_profile(path).scores(which)
+    expected = tuple(span.head_capacity().shape)
+    if tuple(scores.shape) != expected:
+        raise InvalidArgumentError(
+            f"head scores have shape {tuple(scores.shape)}, the model has {expected} (layers, KV heads)"
+        )
+    return scores

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmemory.compaction.compactor import CompactionRecord, SpanJob, compact_spans
+from kvmemory.compaction.jobs import CompactionRecord, SpanJob
 from kvmemory.compaction.registry import get_method
 from kvmemory.errors import InvalidArgumentError, MemoryCapError
 from kvmemory.memory.policy import CompactionRule, MemoryPolicy, _as_list, default_policy
@@ -183,14 +183,14 @@ class MemoryManager:
             raise InvalidArgumentError("this MemoryManager is not attached to a session")
         if self._busy:
             return []
-        with self.session.transaction() as session:
+        with self.session.edit() as edit:
             self._busy = True
             try:
-                return self._compact(session, trigger, goal_slots)
+                return self._compact(edit, trigger, goal_slots)
             finally:
                 self._busy = False
 
-    def _compact(self, session, trigger: str, goal_slots: int | None) -> list[CompactionRecord]:
+    def _compact(self, edit, trigger: str, goal_slots: int | None) -> list[CompactionRecord]:
         started = time.perf_counter()
         items = self._budgets(goal_slots)
         jobs, head_ratio, frames = [], self.max_head_ratio(), self._recent_frames()
@@ -201,20 +201,17 @@ class MemoryManager:
                 SpanJob(span.positions, method, slots, source, protected_positions=frames, max_head_ratio=head_ratio)
             )
         # one cache rebuild for the whole pass
-        records = compact_spans(session, jobs, trigger=trigger, measure_error=self.policy.budget.measure_error)
+        records = edit.compact(jobs, trigger=trigger, measure_error=self.policy.budget.measure_error)
+        session = edit.session
         if records and self.policy.budget.close_gaps and session.engine.rebase_positions:
-            session._rebase()  # in the transaction: undone with the compaction if anything later fails
+            edit.rebase_positions()  # in the edit: undone with the compaction if anything later fails
         forced_on = {}  # segment id -> compactions below its rule's budget that the cap forced in this pass
         for span, _, forced in items:
             for segment in span.segments:
                 forced_on[segment.id] = forced_on.get(segment.id, 0) + forced
-            if session.query_recorder is not None:  # segments compacted to their end: context queries served
-                first, end = int(span.positions[0]), int(span.positions[-1]) + 1
-                session.query_recorder.drop_context([s.id for s in session.segments if first < s.end <= end])
-        session.segments = [
-            s.replaced(cap_forced=s.cap_forced + forced_on[s.id]) if forced_on.get(s.id) else s
-            for s in session.segments
-        ]
+            first, end = int(span.positions[0]), int(span.positions[-1]) + 1  # segments compacted to their end
+            edit.release_context_queries([s.id for s in session.segments if first < s.end <= end])  # have used theirs
+        edit.mark_cap_forced(forced_on)
         self._last_compaction_at = len(session.tokens)
         if records:
             self._record(trigger, seconds=time.perf_counter() - started)

@@ -297,7 +297,7 @@ def default_policy(max_slots: int | None = None, recent_tokens: int = 128) -> Me
     the model loses track of whose turn is next. A compaction the cap forces aims at 95% of it
     (``target_fraction``): each frees little, so the memory holds as much of what it read as the cap allows.
     Without ``max_slots`` the cap is the model's context. A model without a shipped head profile is profiled
-    once, at its first compaction, and the profile cached (``kvmemory.compaction.head_profiling``).
+    once, at its first compaction, and the profile cached (``kvmemory.runtime.head_profiling``).
     Every choice but the protected rules is a field default of ``MemoryPolicy``, ``CompactionRule`` and
     ``MemoryBudget``."""
     return MemoryPolicy(rules=protected_rules(), budget=MemoryBudget(max_slots=max_slots, recent_tokens=recent_tokens))

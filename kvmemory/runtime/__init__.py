@@ -3,9 +3,10 @@
 from kvmemory.runtime.async_session import AsyncSession
 from kvmemory.runtime.compute import run as run_on_compute
 from kvmemory.runtime.engine import Engine
-from kvmemory.runtime.generation import Generation, GenerationResult, SamplingParams
+from kvmemory.runtime.sampling import GenerationResult, SamplingParams
 from kvmemory.runtime.segments import Segment
 from kvmemory.runtime.session import Session, SessionStats
+from kvmemory.runtime.session_generation import Generation
 from kvmemory.runtime.store import SessionStore
 
 __all__ = [

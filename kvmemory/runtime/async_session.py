@@ -13,8 +13,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from kvmemory.runtime.generation import Generation, GenerationResult
+from kvmemory.runtime.sampling import GenerationResult
 from kvmemory.runtime.session import Session
+from kvmemory.runtime.session_generation import Generation
 
 STREAM_CLOSE_WAIT = 2.0
 

@@ -31,7 +31,7 @@ from kvmemory.cache.compact_cache import EMPTY_LAYER, FIELDS, CacheSnapshot, Lay
 from kvmemory.errors import ModelMismatchError, SessionFileError
 from kvmemory.runtime.memory_hooks import memory_loader
 from kvmemory.runtime.segments import Segment
-from kvmemory.runtime.state import SessionState
+from kvmemory.runtime.session_state import SessionState
 
 FORMAT, FORMAT_VERSION = "kvmemory-session", 2
 READABLE_VERSIONS = (1, 2)  # version 1 stored each layer padded to its longest head

@@ -1,7 +1,7 @@
 """REAL: per-head budgets from attention-behaviour profiling, then per-head selection.
 
 Li, Feng, Xie, Song, "REAL", ACL 2026; allocation follows HeadKV (Fu et al., ICLR 2025). Heads are
-profiled offline on needle tasks (``kvmemory.compaction.head_profiling``); the budget the scheduler asks
+profiled offline on needle tasks (``kvmemory.runtime.head_profiling``); the budget the scheduler asks
 for is redistributed from a shared pool by head score, and an inner method (SnapKV by default, as in the
 paper; Attention Matching works too) selects within each head's budget.
 """
@@ -14,8 +14,7 @@ import torch
 from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, MethodConfig
-from kvmemory.compaction.head_budgets import headkv_budgets
-from kvmemory.compaction.head_profiling import head_scores
+from kvmemory.compaction.head_budgets import head_scores, headkv_budgets
 from kvmemory.compaction.registry import get_method, register
 
 

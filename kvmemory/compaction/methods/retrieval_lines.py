@@ -5,7 +5,7 @@ al., ICLR 2025; DuoAttention, Xiao et al., ICLR 2025). kvmemory's two selectors 
 context (``selective_context``) keeps an agent's single-mention facts in every head but continues text worse
 than per-head eviction, and SnapKV under REAL's head budgets continues best but loses those facts
 (``benchmarks/agent_memory.py``, ``benchmarks/quality.py``). Here the head profile that REAL allocates by
-(needle-retrieval scores, ``kvmemory.compaction.head_profiling``) names the retrieval heads: the top
+(needle-retrieval scores, ``kvmemory.runtime.head_profiling``) names the retrieval heads: the top
 ``line_heads`` share of KV heads keep selective context's lines (every one of them the same lines), the others
 SnapKV's choice. Run it under REAL's budgets, ``get_method("real", inner="retrieval_lines")``, so the retrieval
 heads also get the larger budgets; it sits between the two selectors, keeping fewer facts than selective
@@ -21,7 +21,7 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
-from kvmemory.compaction.head_profiling import head_scores
+from kvmemory.compaction.head_budgets import head_scores
 from kvmemory.compaction.methods.selective_context import line_surprisal
 from kvmemory.compaction.methods.snapkv import SnapKV
 from kvmemory.compaction.registry import register

@@ -8,6 +8,9 @@ the top-k attended positions of its query give
 RAsc = W_R/(W_R+W_D), LCsc = W_R/(W_R+W_B), INFsc = their harmonic mean; HeadKV-R2 = mass of the
 top-|source| positions that fall in the source. Averaged over tokens and correctly answered cases,
 query heads averaged into their KV head. Profiles are saved per model as JSON.
+
+The REAL methods read a profile through their span's ``ModelView.head_profile`` (``compaction/head_budgets.py``
+``head_scores``): profiling runs the model, which is the runtime's.
 """
 
 from __future__ import annotations
@@ -22,11 +25,10 @@ from pathlib import Path
 
 import torch
 
-from kvmemory.errors import InvalidArgumentError
 from kvmemory.notices import one_time_work, progress
 
 PROFILE_DIR = Path.home() / ".cache" / "kvmemory" / "head_profiles"
-SHIPPED_DIR = Path(__file__).parent / "profiles"  # profiles made with this module for the default model
+SHIPPED_DIR = Path(__file__).parent / "head_profiles"  # profiles made with this module for the default model
 HAYSTACK_MODULES = (
     "json",
     "re",
@@ -71,7 +73,7 @@ class HeadProfile:
     def load(cls, path: str | Path | None) -> HeadProfile:
         if path is None:
             raise FileNotFoundError(
-                "no head profile given: run kvmemory.compaction.head_profiling.profile_heads(engine).save()"
+                "no head profile given: run kvmemory.runtime.head_profiling.profile_heads(engine).save()"
             )
         return cls(**json.loads(Path(path).read_text()))
 
@@ -103,18 +105,6 @@ def profile_for(engine, path: str | Path | None = None) -> HeadProfile:
         profile = profile_heads(engine, model_name=engine.name)
         profile.save()
     return profile
-
-
-def head_scores(span, given: list[list[float]] | None, path: str | Path | None, which: str) -> torch.Tensor:
-    """(L, H) head scores for ``span``'s model: ``given`` directly, else ``which`` score of its profile
-    (``profile_for``). Scores of another shape than the model's (layers, KV heads) are refused, naming both."""
-    scores = torch.tensor(given) if given is not None else profile_for(span.model.engine, path).scores(which)
-    expected = tuple(span.head_capacity().shape)
-    if tuple(scores.shape) != expected:
-        raise InvalidArgumentError(
-            f"head scores have shape {tuple(scores.shape)}, the model has {expected} (layers, KV heads)"
-        )
-    return scores
 
 
 def haystack_text() -> str:

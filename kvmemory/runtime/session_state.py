@@ -1,7 +1,9 @@
-"""A Session's whole state at one moment: what every rollback restores and what a saved session holds."""
+"""A Session's whole state at one moment (what every rollback restores and what a saved session holds), and
+the scope every public call runs in."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,5 +38,20 @@ class SessionState:
     def tokens(self) -> list[int]:
         """The transcript as it was. A snapshot is taken before every decoded token, so it holds the session's
         own list and its length, not a copy: the session only appends past that length, and copies the
-        list before it cuts below a length a snapshot holds (``Session._cut_tokens``)."""
+        list before it cuts below a length a snapshot holds (``SessionForward._cut_tokens``)."""
         return self.transcript[: self.token_count]
+
+
+def exclusive(method):
+    """A public Session call: serialised with other threads' calls, refused while a stream is open, and
+    undone whole if it raises."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            self.check_open()
+            self._check_no_stream()
+            with self._atomic():
+                return method(self, *args, **kwargs)
+
+    return call
