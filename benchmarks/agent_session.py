@@ -92,15 +92,15 @@ def run(
     def respond(messages):
         shown = transform(session, messages, cap) if transform else messages
         session.set_messages(to_chat_dicts(shown), add_generation_prompt=True)
-        peak[0] = max(peak[0], session.cache.physical_length)
+        peak[0] = max(peak[0], session.cache.slots_per_head)
         text = session.generate(max_new_tokens=reply_tokens).text
-        peak[0] = max(peak[0], session.cache.physical_length)  # the last sampled token is not in the cache yet
+        peak[0] = max(peak[0], session.cache.slots_per_head)  # the last sampled token is not in the cache yet
         return text
 
     def on_step(i, name, args, output, reply):
         print(
             f"  [{label}] step {i + 1:2d} {name:<11} logical {len(session.tokens):6d}  slots "
-            f"{session.cache.physical_length:5d}",
+            f"{session.cache.slots_per_head:5d}",
             flush=True,
         )
 
@@ -184,7 +184,7 @@ def ask_facts(engine, session, messages, transform, cap, answer_tokens: int, rec
             probe.set_messages(to_chat_dicts(shown), add_generation_prompt=True)
         logps[key] = float(probe.logprobs(tok.encode(answer, add_special_tokens=False)).sum())
         text = probe.generate(max_new_tokens=answer_tokens).text
-        peak = max(peak, probe.cache.physical_length, probe.memory.peak_slots if probe.memory is not None else 0)
+        peak = max(peak, probe.cache.slots_per_head, probe.memory.peak_slots if probe.memory is not None else 0)
         answers[key] = text.strip()
         hits += answer.lower() in text.lower()
         probe.close()

@@ -27,7 +27,7 @@ from benchmarks.common import RESULTS, default_model_config, save, table
 from kvmemory import run_on_compute
 from kvmemory.attention.decode_kernel import decode_op
 from kvmemory.cache import int8_rows
-from kvmemory.cache.compact_cache import META_BYTES
+from kvmemory.cache.compact_layer import META_BYTES
 
 FORMATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 

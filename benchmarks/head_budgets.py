@@ -48,7 +48,7 @@ def quality(engine, windows: int, n_context: int, ratio: float) -> list[dict]:
             nll = float(-session.logprobs(continuation).mean())
             per_label[label].append(
                 {
-                    "slots_per_head": session.cache.physical_length,
+                    "slots_per_head": session.cache.slots_per_head,
                     "fewest": fewest,
                     "most": most,
                     "kv_mb": held / 1e6,

@@ -42,7 +42,7 @@ def measure(engine, ids: list[int], cap: int, folder: Path) -> dict:
     probe = ids[:16]
     return {
         "logical_tokens": len(ids),
-        "slots": session.cache.physical_length,
+        "slots": session.cache.slots_per_head,
         "file_mb": path.stat().st_size / 1e6,
         "save_s": save_s,
         "load_s": load_s,

@@ -139,8 +139,8 @@ class Soak:
             [{"role": "user", "content": "(fork) " + self.rng.choice(QUESTIONS)}], add_generation_prompt=True
         )
         child.generate(max_new_tokens=8)
-        if child.cache.physical_length > self.cap:
-            self.violations.append(f"fork passed the cap: {child.cache.physical_length}")
+        if child.cache.slots_per_head > self.cap:
+            self.violations.append(f"fork passed the cap: {child.cache.slots_per_head}")
         child.close()
 
     def bad_call(self) -> None:
@@ -177,8 +177,8 @@ class Soak:
 
     def check(self) -> None:
         s = self.session
-        if s.cache.physical_length > self.cap or s.memory.peak_slots > self.cap:
-            self.violations.append(f"cap passed: {s.cache.physical_length} slots, peak {s.memory.peak_slots}")
+        if s.cache.slots_per_head > self.cap or s.memory.peak_slots > self.cap:
+            self.violations.append(f"cap passed: {s.cache.slots_per_head} slots, peak {s.memory.peak_slots}")
         text = "".join(seg["text"] for seg in s.transcript())
         position = 0
         for item in self.expected:
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                 "turn": turn,
                 "kind": kind,
                 "logical_tokens": stats.logical_tokens,
-                "slots": soak.session.cache.physical_length,
+                "slots": soak.session.cache.slots_per_head,
                 "kv_bytes": stats.kv_bytes,
                 "allocated_bytes": stats.allocated_bytes,
                 "rss_bytes": resident_bytes(),

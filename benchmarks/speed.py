@@ -232,7 +232,7 @@ def transformers_plain(model):
 def evenly_spaced_plan(session, slots: int, uneven: bool = False) -> CompactionPlan:
     """``slots`` evenly spaced slots per head; ``uneven``: head h of H keeps slots × (0.5 + h/(H−1)) instead
     (the same total per layer), rotated across layers."""
-    n = session.cache.physical_length
+    n = session.cache.slots_per_head
     plans = []
     for li, layer in enumerate(session.cache.layers):
         heads = layer.num_heads
@@ -263,7 +263,7 @@ def compacted_section(engine, text_ids, ctx, n_dec, repeats):
     row = {
         "context": ctx,
         "repeats": repeats,
-        "slots": small.cache.physical_length,
+        "slots": small.cache.slots_per_head,
         "uncompacted_decode_tok_s": n_dec / seconds["uncompacted"],
         "compacted_decode_tok_s": n_dec / seconds["compacted"],
         "uneven_decode_tok_s": n_dec / seconds["uneven"],

@@ -22,7 +22,7 @@ def memory_stats(session) -> dict:
     stats = session.stats()
     return {
         "logical_tokens": stats.logical_tokens,
-        "physical_slots": stats.slots_per_head,  # as the cap counts them: the mean over every head
+        "slots_per_head": stats.slots_per_head,  # as the cap counts them: the mean over every head
         "kv_bytes": stats.kv_bytes,
         "uncompacted_kv_bytes": stats.uncompacted_kv_bytes,
         "compression": round(stats.compression, 3),
@@ -45,7 +45,7 @@ class CompactionNode:
     def _run(self, config: RunnableConfig) -> dict[str, Any]:
         thread = (config or {}).get("configurable", {}).get("thread_id")
         with self.chat_model.thread(thread) as session:
-            if self.only_over is None or session.cache.physical_length > self.only_over:
+            if self.only_over is None or session.cache.slots_per_head > self.only_over:
                 session.memory.compact(trigger="node")
             return {"kvmemory": memory_stats(session)}
 

@@ -731,7 +731,7 @@ class SessionContract(RuleBasedStateMachine):
     @invariant()
     def cap_held(self):
         if hasattr(self, "s") and self.memory is not None and not self.closed:
-            assert self.s.cache.physical_length <= CAP
+            assert self.s.cache.slots_per_head <= CAP
 
     @invariant()
     def uncompacted_cache_equals_a_fresh_prefill(self):

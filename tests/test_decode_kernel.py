@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from kvmemory import Engine
 from kvmemory.attention import decode_kernel
 from kvmemory.cache import int8_rows
-from kvmemory.cache.compact_cache import CompactCache, CompactLayer, LayerState, Slots
+from kvmemory.cache.compact_cache import CompactCache
+from kvmemory.cache.compact_layer import CompactLayer, LayerState, Slots
 from kvmemory.runtime import batching
 from tests.conftest import random_tokens, tiny_model
 from tests.test_batching import KINDS, build, run_together, slow_passes

@@ -191,7 +191,7 @@ async def test_middleware_async_compacts_every_call(default_engine):
     assert out["kvmemory"]["logical_tokens"] > 0
     triggers = [e["trigger"] for e in session.compaction_log]
     assert triggers and set(triggers) == {"middleware"}  # only the middleware compacted (no cap was reached)
-    assert session.cache.physical_length < len(session.tokens)
+    assert session.cache.slots_per_head < len(session.tokens)
 
 
 async def test_a_cancelled_astream_leaves_the_thread_usable(default_engine):

@@ -155,9 +155,9 @@ def test_cap_protection_and_recall_in_a_long_session():
         outputs.append(
             session.append_tokens(random_tokens(40 + 9 * i, seed=i), kind="tool_output", tool_name="run_tests")
         )
-        assert session.cache.physical_length <= 160
+        assert session.cache.slots_per_head <= 160
         session.generate(max_new_tokens=4)
-        assert session.cache.physical_length <= 160
+        assert session.cache.slots_per_head <= 160
     assert manager.peak_slots <= 160 and session.cache.compactions > 0
     after = protected_slots(session, system.id)
     assert all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
@@ -176,14 +176,14 @@ def test_a_fork_with_memory_keeps_the_cap_and_leaves_the_original_alone(tiny_eng
     session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=160)), prefill_chunk_size=32)
     session.append_tokens(random_tokens(20), kind="system")
     session.append_tokens(random_tokens(130, seed=1), kind="tool_output", tool_name="run_tests")
-    tokens, slots, timeline = list(session.tokens), session.cache.physical_length, len(session.memory.timeline)
+    tokens, slots, timeline = list(session.tokens), session.cache.slots_per_head, len(session.memory.timeline)
     capped, free = session.fork(with_memory=True), session.fork()
     for fork in (capped, free):
         fork.append_tokens(random_tokens(120, seed=2), kind="tool_output", tool_name="run_tests")
-    assert capped.cache.physical_length <= 160 and capped.memory is not session.memory
-    assert free.memory is None and free.cache.physical_length == slots + 120
+    assert capped.cache.slots_per_head <= 160 and capped.memory is not session.memory
+    assert free.memory is None and free.cache.slots_per_head == slots + 120
     assert (
-        session.tokens == tokens and session.cache.physical_length == slots and len(session.memory.timeline) == timeline
+        session.tokens == tokens and session.cache.slots_per_head == slots and len(session.memory.timeline) == timeline
     )
 
 
@@ -236,16 +236,16 @@ def test_context_queries_are_released_once_their_segment_is_compacted(tiny_engin
     assert session.segment(old.id).compactions == 1 and old.id not in recorder.context
     assert session.stats().query_bytes < held
     session.memory.compact(goal_slots=60)  # re-compaction falls back to the selector window
-    assert session.segment(old.id).compactions == 2 and session.cache.physical_length <= 60
+    assert session.segment(old.id).compactions == 2 and session.cache.slots_per_head <= 60
 
 
 def test_a_cap_below_the_protected_content_raises_before_any_change(tiny_engine):
     session = tiny_engine.session(memory=MemoryManager(small_policy(max_slots=60)))
     session.append_tokens(random_tokens(30), kind="system")
-    state = (list(session.tokens), len(session.segments), session.cache.physical_length)
+    state = (list(session.tokens), len(session.segments), session.cache.slots_per_head)
     with pytest.raises(MemoryCapError, match="cap of 60"):
         session.append_tokens(random_tokens(40, seed=2), kind="system")
-    assert state == (list(session.tokens), len(session.segments), session.cache.physical_length)
+    assert state == (list(session.tokens), len(session.segments), session.cache.slots_per_head)
 
 
 def test_periodic_trigger_compacts_every_interval(tiny_engine):
@@ -254,7 +254,7 @@ def test_periodic_trigger_compacts_every_interval(tiny_engine):
     for i in range(5):
         session.append_tokens(random_tokens(60, seed=i), kind="tool_output", tool_name="run_x")
     periodic = [e for e in session.compaction_log if e["trigger"] == "periodic"]
-    assert periodic and session.cache.physical_length < len(session.tokens)
+    assert periodic and session.cache.slots_per_head < len(session.tokens)
 
 
 def test_memory_map_plot(tmp_path, tiny_engine):
@@ -294,7 +294,7 @@ def test_cap_is_never_exceeded_in_random_sessions(ops, cap):
             session.generate(max_new_tokens=min(n, 12))
         elif len(session.segments) > 1:
             session.recall(session.segments[1].id)
-        assert session.cache.physical_length <= cap
+        assert session.cache.slots_per_head <= cap
     assert manager.peak_slots <= cap
 
 
@@ -324,7 +324,7 @@ def test_recompaction_keeps_each_segments_rule_ratio_unless_the_cap_forces_more(
     capped = engine.session(memory=MemoryManager({**rules, "budget": {"max_slots": 160, "recent_tokens": 16}}))
     for i in range(6):
         capped.append_tokens(random_tokens(150, seed=i), kind="tool_output" if i % 2 else "text")
-    assert capped.cache.physical_length <= 160
+    assert capped.cache.slots_per_head <= 160
     assert any(seg["cap_forced"] for seg in capped.stats().segments)
 
 
@@ -338,7 +338,7 @@ def test_hundreds_of_segments_share_floors_when_one_floor_each_no_longer_fits():
         tokens = random_tokens(6, seed=i)
         session.append_tokens(tokens, kind="text")
         appended += tokens
-        assert session.cache.physical_length <= 120
+        assert session.cache.slots_per_head <= 120
     assert session.tokens == appended
     old = [s for s in session.stats().segments[1:60]]
     assert all(s["cap_forced"] for s in old) and sum(s["slots"] for s in old) < 2 * len(old)
@@ -351,7 +351,7 @@ def test_a_capped_session_runs_far_past_the_trained_positions():
     session = engine.session(memory=MemoryManager(small_policy(max_slots=48, recent=8)), prefill_chunk_size=8)
     for i in range(30):  # 600 tokens: over 9× the 64 trained positions
         session.append_tokens(random_tokens(20, seed=i), kind="text")
-        assert session.cache.rope_length <= 64 + 8 and session.cache.physical_length <= 48
+        assert session.cache.rope_length <= 64 + 8 and session.cache.slots_per_head <= 48
     assert len(session.tokens) == 600 and torch.isfinite(session.logprobs(random_tokens(3, seed=99))).all()
     fixed = Engine(tiny_model("llama", max_position_embeddings=64), rebase_positions=False)
     assert fixed.position_limit == 4 * 64
@@ -379,7 +379,7 @@ def test_a_policy_without_a_cap_compacts_at_the_models_context():
     session = engine.session(memory=MemoryManager(default_policy(recent_tokens=8)), prefill_chunk_size=8)
     for i in range(10):
         session.append_tokens(random_tokens(20, seed=i), kind="text")
-        assert session.cache.physical_length <= 96
+        assert session.cache.slots_per_head <= 96
     assert len(session.tokens) == 200 and session.cache.compactions > 0
 
 
@@ -434,7 +434,7 @@ def test_the_default_policy_closes_the_gaps_its_compactions_leave(tiny_engine, c
     session = tiny_engine.session(memory=MemoryManager(policy))
     for i in range(6):
         session.append_tokens(random_tokens(40, seed=i), kind="text")
-    assert session.cache.compactions > 0 and session.cache.physical_length <= 64
+    assert session.cache.compactions > 0 and session.cache.slots_per_head <= 64
     for layer in session.cache.layers:
         for rope, positions in zip(layer.head_views("rope"), layer.head_views("positions")):
             consecutive = torch.equal(rope.long(), torch.arange(len(rope)))
@@ -483,9 +483,9 @@ def test_uneven_head_budgets_never_grow_a_head_past_the_models_context(cap):
     session = engine.session(memory=MemoryManager(policy), prefill_chunk_size=8)
     for i in range(40):  # 800 tokens, over 8× the context
         session.append_tokens(random_tokens(20, seed=i), kind="text")
-        assert session.cache.longest_layer <= engine.max_context
-        assert session.cache.physical_length <= cap
-    uneven = session.cache.longest_layer > session.cache.physical_length
+        assert session.cache.longest_head <= engine.max_context
+        assert session.cache.slots_per_head <= cap
+    uneven = session.cache.longest_head > session.cache.slots_per_head
     assert uneven == (cap < engine.max_context)  # a cap at the context leaves no head room above the mean
     assert torch.isfinite(session.logprobs(random_tokens(8, seed=99))).all()
 
@@ -612,7 +612,7 @@ def test_a_policy_written_from_scratch_compacts_as_the_default_policy_does():
         for i in range(12):
             session.append_tokens(random_tokens(60, seed=i), kind="text")
         sessions.append(session)
-    assert sessions[0].compaction_log and sessions[0].cache.physical_length <= 256
+    assert sessions[0].compaction_log and sessions[0].cache.slots_per_head <= 256
     assert_same_state(state_of(sessions[0]), state_of(sessions[1]))
     assert_same_state(state_of(sessions[0]), state_of(sessions[2]))
 

@@ -326,7 +326,7 @@ def test_reference_query_sources(tiny_engine):
     session = tiny_engine.session()
     session.record_queries(8, context=16)
     session.append_tokens(random_tokens(60))
-    before = (list(session.tokens), session.cache.physical_length, session._last_logits.clone())
+    before = (list(session.tokens), session.cache.slots_per_head, session._last_logits.clone())
     from kvmemory.runtime.reference_queries import reference_queries
 
     g = tiny_engine.config.num_attention_heads // tiny_engine.num_kv_heads
@@ -337,7 +337,7 @@ def test_reference_query_sources(tiny_engine):
     assert 16 * g <= context[0].shape[1] <= 32 * g
     both = reference_queries(session, ["window", "context"], positions)
     assert both[0].shape[1] == window[0].shape[1] + context[0].shape[1]
-    assert (list(session.tokens), session.cache.physical_length) == before[:2]
+    assert (list(session.tokens), session.cache.slots_per_head) == before[:2]
     assert torch.equal(session._last_logits, before[2])
 
 
@@ -368,7 +368,7 @@ def test_scratch_query_sources_leave_the_session_unchanged(default_engine):
     session.append_text("The build failed: ImportError: cannot import name 'parse' from 'configlib'.\n" * 3)
     before = (
         list(session.tokens),
-        session.cache.physical_length,
+        session.cache.slots_per_head,
         session._last_logits.clone(),
         [session.query_recorder.window_queries(i).clone() for i in range(default_engine.num_layers)],
     )
@@ -376,7 +376,7 @@ def test_scratch_query_sources_leave_the_session_unchanged(default_engine):
     repeat = reference_queries(session, "repeat", positions)
     study = reference_queries(session, "self_study", positions, self_study_tokens=8)
     assert repeat[0].shape[1] >= len(session.tokens) * 3 and study[0].shape[1] > 0
-    assert (list(session.tokens), session.cache.physical_length) == before[:2]
+    assert (list(session.tokens), session.cache.slots_per_head) == before[:2]
     assert torch.equal(session._last_logits, before[2])
     windows = [session.query_recorder.window_queries(i) for i in range(default_engine.num_layers)]
     assert all(torch.equal(a, b) for a, b in zip(windows, before[3]))
@@ -452,7 +452,7 @@ def test_the_compact_verb_equals_compacting_the_span_by_hand(tiny_engine):
         30,
     )
     assert record.reconstruction_error is not None and same_cache(cache_state(by_verb), cache_state(by_hand))
-    assert by_verb.cache.physical_length == 4 + 30 + 16
+    assert by_verb.cache.slots_per_head == 4 + 30 + 16
 
 
 @pytest.mark.parametrize("name", ["random", "streaming_llm", "key_norm", "counter_causal", "snapkv", "tam"])

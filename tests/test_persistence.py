@@ -113,7 +113,7 @@ def test_a_chat_session_keeps_its_conversation(tmp_path, default_engine):
 
 def test_an_empty_session_round_trips(tmp_path, tiny_engine):
     loaded = tiny_engine.load_session(tiny_engine.session().save(tmp_path / "empty.kvm"))
-    assert loaded.tokens == [] and loaded.cache.physical_length == 0
+    assert loaded.tokens == [] and loaded.cache.slots_per_head == 0
     loaded.append_tokens(random_tokens(10))
 
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmemory import CompactionPlan, Engine, InvalidArgumentError, InvalidTokenError, LayerPlan
-from kvmemory.cache.compact_cache import LayerState, Slots
+from kvmemory.cache.compact_layer import LayerState, Slots
 from kvmemory.compaction.registry import available_methods, get_method
 from kvmemory.runtime.session_compaction import compact_span
 from tests.conftest import random_tokens, tiny_model
@@ -39,8 +39,26 @@ def test_stats_count_slots_per_head_as_the_cap_does(tiny_engine):
     keeps = ([torch.arange(0, 300, 3), torch.arange(0, 300, 10)], [torch.arange(0, 300, 15), torch.arange(0, 300, 30)])
     session.apply_plan(CompactionPlan([LayerPlan(keep=list(k)) for k in keeps]))  # 100 + 30 and 20 + 10 slots
     stats = session.stats()
-    assert stats.physical_slots == [65, 15] and stats.slots_per_head == 40 == session.cache.physical_length
+    assert stats.slots_per_head_by_layer == [65, 15] and stats.slots_per_head == 40 == session.cache.slots_per_head
     assert stats.kv_bytes == 160 * session.cache.layers[0].head_slot_bytes()
+    assert session.cache.longest_head == 100  # the most slots one head holds
+
+
+def test_the_old_names_of_slot_counts_still_answer_and_warn(tiny_engine):
+    """``physical_length``, ``longest_layer`` and ``physical_slots`` were renamed to the words of the glossary
+    (docs/architecture.md); code that reads them keeps working, told the new name."""
+    session = tiny_engine.session()
+    session.append_tokens(random_tokens(50, seed=2))
+    session.apply_plan(CompactionPlan([LayerPlan(keep=[torch.arange(0, 50, 2), torch.arange(0, 50, 5)])] * 2))
+    cache, stats = session.cache, session.stats()
+    for old, new, value in (
+        ("physical_length", "slots_per_head", cache.slots_per_head),
+        ("longest_layer", "longest_head", cache.longest_head),
+    ):
+        with pytest.warns(DeprecationWarning, match=new):
+            assert getattr(cache, old) == value
+    with pytest.warns(DeprecationWarning, match="slots_per_head_by_layer"):
+        assert stats.physical_slots == stats.slots_per_head_by_layer == [18, 18]
 
 
 def test_uneven_heads_cost_only_their_slots(tiny_engine):
@@ -51,7 +69,7 @@ def test_uneven_heads_cost_only_their_slots(tiny_engine):
     session.apply_plan(CompactionPlan(plans))  # 100 and 30 slots
     after = session.stats()
     layer = session.cache.layers[0]
-    assert layer.lengths == (100, 30) and after.physical_slots == [65, 65]
+    assert layer.lengths == (100, 30) and after.slots_per_head_by_layer == [65, 65]
     assert after.kv_bytes == 2 * 130 * layer.head_slot_bytes() == 130 * session.cache.bytes_per_token() // 2
     assert after.allocated_bytes == after.kv_bytes  # exactly the kept slots: no padding, no headroom
     assert after.allocated_bytes < before.allocated_bytes / 4

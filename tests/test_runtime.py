@@ -25,7 +25,7 @@ from kvmemory import (
 )
 from kvmemory.attention import folded_sdpa, mask_sdpa
 from kvmemory.cache import int8_rows
-from kvmemory.cache.compact_cache import rotation_tables
+from kvmemory.cache.compact_layer import rotation_tables
 from kvmemory.runtime.recorders import SurprisalRecorder
 from kvmemory.runtime.sampling import ReplyText
 from tests.conftest import random_tokens, reference_copy, tiny_model

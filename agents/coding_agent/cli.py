@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample", action="store_true", help="use a fresh copy of the bundled sample project")
     parser.add_argument("--task", default=TASK)
     parser.add_argument("--model", default="default", help="HF id, local directory, .gguf file or 'default'")
-    parser.add_argument("--max-slots", type=int, default=2048, help="KV memory cap (physical slots)")
+    parser.add_argument("--max-slots", type=int, default=2048, help="KV memory cap (slots per head)")
     parser.add_argument("--max-steps", type=int, default=12, help="model calls before the agent is stopped")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     args = parser.parse_args(argv)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                 stats = (delta or {}).get("kvmemory")
                 if stats:
                     print(
-                        f"   memory: {stats['logical_tokens']} tokens in {stats['physical_slots']} slots "
+                        f"   memory: {stats['logical_tokens']} tokens in {stats['slots_per_head']} slots a head "
                         f"({stats['kv_bytes'] / 2**20:.1f} MiB, {stats['compression']:.1f}x), compactions "
                         f"{stats['compactions']}"
                     )

@@ -149,20 +149,20 @@ class MemoryManager:
         cap = self.slot_cap()
         if self._busy:
             return
-        held = self.session.cache.physical_length  # summed over every layer: once per decoded token
+        held = self.session.cache.slots_per_head  # summed over every layer: once per decoded token
         self.peak_slots = max(self.peak_slots, min(held + n_new, cap))
         if held + n_new > cap:
             goal = min(cap - n_new, int(cap * self.policy.budget.target_fraction))
             for _ in range(4):  # budgets are per-head means: later passes aim lower to absorb rounding
                 self.compact(trigger="cap", goal_slots=max(goal, 1))
-                over = self.session.cache.physical_length + n_new - cap
+                over = self.session.cache.slots_per_head + n_new - cap
                 if over <= 0:
                     break
                 goal -= over + max(8, cap // 16)
-            self.peak_slots = max(self.peak_slots, self.session.cache.physical_length + n_new)
-            if self.session.cache.physical_length + n_new > cap:
+            self.peak_slots = max(self.peak_slots, self.session.cache.slots_per_head + n_new)
+            if self.session.cache.slots_per_head + n_new > cap:
                 raise MemoryCapError(
-                    f"compaction left {self.session.cache.physical_length} slots; {n_new} more would exceed "
+                    f"compaction left {self.session.cache.slots_per_head} slots; {n_new} more would exceed "
                     f"the cap of {cap}"
                 )
 
@@ -270,7 +270,7 @@ class MemoryManager:
             return 0
         still_recent = max(0, self.policy.budget.recent_tokens - n_new)
         runs = _merge_oldest(self._spans(recent_tokens=still_recent), room=0)
-        return math.ceil(self.session.cache.physical_length - sum(max(0.0, r.current - r.floor) for r in runs))
+        return math.ceil(self.session.cache.slots_per_head - sum(max(0.0, r.current - r.floor) for r in runs))
 
     def _importance(self, spans: list[_Span]) -> list[float]:
         """Share of the attention the selector-window queries give each span's own positions (summed over layers
@@ -303,7 +303,7 @@ class MemoryManager:
         per segment do the oldest adjacent segments share one span (and one floor)."""
         spans = self._spans()
         if goal_slots is not None and spans:
-            excess = self.session.cache.physical_length - sum(s.current - s.wanted for s in spans) - goal_slots
+            excess = self.session.cache.slots_per_head - sum(s.current - s.wanted for s in spans) - goal_slots
             if excess > 0:  # the rules' budgets are not enough: share what is left by importance
                 room = max(sum(s.wanted for s in spans) - excess, 0)
                 spans = _merge_oldest(self._join_global(spans), room)
@@ -333,14 +333,14 @@ class MemoryManager:
         """A timeline entry; a compaction's carries the ``seconds`` it held the session (selection, rebuild,
         closing gaps): the pause a user waits."""
         kv = self.session.cache.kv_bytes()
-        self.peak_slots = max(self.peak_slots, self.session.cache.physical_length)
+        self.peak_slots = max(self.peak_slots, self.session.cache.slots_per_head)
         self.peak_kv_bytes = max(self.peak_kv_bytes, kv)
         self.timeline.append(
             {
                 "time": time.time(),
                 "event": event,
                 "logical": len(self.session.tokens),
-                "physical": self.session.cache.physical_length,
+                "physical": self.session.cache.slots_per_head,
                 "kv_bytes": kv,
                 "segments": self.session.segment_slots(),
                 **({} if seconds is None else {"seconds": seconds}),

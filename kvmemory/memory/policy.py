@@ -156,16 +156,16 @@ class CompactionRule(BaseModel):
 
 
 class MemoryBudget(BaseModel):
-    """When to compact: a cap on physical slots or bytes, a period, and what stays verbatim; what a compaction
-    does besides (closing gaps, measuring its error)."""
+    """When to compact: a cap on slots per head or on bytes, a period, and what stays verbatim; what a
+    compaction does besides (closing gaps, measuring its error)."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_slots: int | None = Field(
         None,
         ge=1,
-        description="cap on physical KV slots per layer (the mean over layers when per-layer budgets differ, "
-        "so the cap bounds bytes)",
+        description="cap on slots per head: the mean over every layer's KV heads (heads may hold different "
+        "counts), so the cap bounds bytes",
     )
     max_bytes: int | None = Field(None, ge=1, description="cap on KV bytes of the whole cache")
     interval: int | None = Field(None, ge=1, description="P: compact every P new tokens")

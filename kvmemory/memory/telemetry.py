@@ -41,7 +41,7 @@ def plot_memory_map(timeline: list[dict], segments, path, cap: int | None = None
     line_handles, line_labels = ax.get_legend_handles_labels()
     ax.legend(handles + line_handles, labels + line_labels, fontsize=8, loc="upper left")
     ax.set_xlabel("tokens seen (logical length)")
-    ax.set_ylabel("physical slots per head")
+    ax.set_ylabel("slots per head")
     ax.set_ylim(0, max(max(e["physical"] for e in timeline) * 1.3, cap or 0) if timeline else 1)
     ax.set_title(title)
     fig.tight_layout()

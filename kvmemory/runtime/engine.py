@@ -11,7 +11,7 @@ import torch
 
 from kvmemory.attention import ATTENTION_NAME, ATTENTION_PATHS, decode_kernel
 from kvmemory.cache import int8_rows
-from kvmemory.cache.compact_cache import META_BYTES
+from kvmemory.cache.compact_layer import META_BYTES
 from kvmemory.errors import InvalidArgumentError
 from kvmemory.runtime import compute
 from kvmemory.runtime.batching import ForwardBatcher
@@ -95,7 +95,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = model.config
         self.name = name or getattr(model.config, "name_or_path", None) or model.config.model_type
-        # The attention window (physical slots) defaults to the trained context. Logical positions keep
+        # The attention window (slots of the longest head) defaults to the trained context. Logical positions keep
         # counting the true token index after compaction. Once RoPE positions would pass ``rebase_at``
         # (default: the trained positions), the cache is re-rotated to close compaction's gaps (see
         # Session.rebase_positions), so RoPE positions stay bounded and a capped session may run for as

@@ -17,7 +17,7 @@ class SessionMemory(Protocol):
         """Bind to ``session`` (once) and switch on the recorders its compaction methods read."""
 
     def slot_cap(self) -> int:
-        """The cap on physical slots (mean over layers): the policy's, at most the model's context."""
+        """The cap in slots per head (the mean over every layer's heads): the policy's, at most the model's context."""
 
     def check_fits(self, n_new: int, new_segments: list[Segment]) -> None:
         """Raise ``MemoryCapError`` before anything changes if ``n_new`` tokens cannot fit, even compacted."""

@@ -27,7 +27,8 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from kvmemory.cache import int8_rows
-from kvmemory.cache.compact_cache import EMPTY_LAYER, FIELDS, CacheSnapshot, LayerState, Slots
+from kvmemory.cache.compact_cache import CacheSnapshot
+from kvmemory.cache.compact_layer import EMPTY_LAYER, FIELDS, LayerState, Slots
 from kvmemory.errors import ModelMismatchError, SessionFileError
 from kvmemory.runtime.memory_hooks import memory_loader
 from kvmemory.runtime.segments import Segment

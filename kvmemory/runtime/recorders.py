@@ -116,7 +116,7 @@ class QueryRecorder:
     def shift(self, delta: int, inv_freq: torch.Tensor) -> None:
         """After a position rebase: re-rotate the window (its tokens all moved by ``delta``); context queries
         of older segments moved by different amounts and are dropped."""
-        from kvmemory.cache.compact_cache import rotate, rotation_tables
+        from kvmemory.cache.compact_layer import rotate, rotation_tables
 
         if self.recent:
             window = self.joined_window()

@@ -51,7 +51,7 @@ class SessionForward:
 
     def _longest_after(self, n_new: int) -> int:
         """Slots of the longest layer once ``n_new`` more tokens (and any pending ones) are in the cache."""
-        return (self.cache.longest_layer if self.cache.layers[0].is_initialized else 0) + len(self._pending) + n_new
+        return (self.cache.longest_head if self.cache.layers[0].is_initialized else 0) + len(self._pending) + n_new
 
     def _extend_segment(self, segment_id: int, ids: list[int], progress: ProgressCallback | None) -> Segment:
         """Prefill ``ids`` into the segment chunk by chunk, giving the memory manager room before each chunk;
@@ -116,7 +116,7 @@ class SessionForward:
             segment_id >= 0
             and engine.rebase_positions
             and self.cache.rope_length + len(ids) > engine.rebase_at
-            and self.cache.rope_length > self.cache.physical_length + len(ids)
+            and self.cache.rope_length > self.cache.slots_per_head + len(ids)
         ):  # only when there are gaps to close
             self._rebase()
         recording, before = self._records_surprisal(segment_id), self._last_logits

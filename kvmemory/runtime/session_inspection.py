@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -9,8 +10,10 @@ import torch
 
 @dataclass
 class SessionStats:
-    logical_tokens: int
-    physical_slots: list[int]  # per layer: slots per KV head (mean over its heads, rounded up)
+    """What a session holds (the words are those of docs/architecture.md, "Words")."""
+
+    logical_tokens: int  # tokens consumed: the transcript's length
+    slots_per_head_by_layer: list[int]  # per layer: the mean slots of its KV heads, rounded up
     slots_per_head: int  # over the whole cache, as a slot cap counts them (layers may hold different counts)
     kv_bytes: int  # bytes of the slots held: every head pays for its own slots only
     allocated_bytes: int  # those plus the bounded headroom left for appends
@@ -18,6 +21,12 @@ class SessionStats:
     compactions: int
     segments: list[dict] = field(default_factory=list)
     query_bytes: int = 0  # reference queries held for compaction (selector window + context queries)
+
+    @property
+    def physical_slots(self) -> list[int]:
+        """Deprecated: ``slots_per_head_by_layer``."""
+        warnings.warn("SessionStats.physical_slots is now slots_per_head_by_layer", DeprecationWarning, stacklevel=2)
+        return self.slots_per_head_by_layer
 
     @property
     def compression(self) -> float:
@@ -57,8 +66,10 @@ class SessionInspection:
             ]
             return SessionStats(
                 logical_tokens=len(self.tokens),
-                physical_slots=[-(-layer.slot_count // max(layer.num_heads, 1)) for layer in self.cache.layers],
-                slots_per_head=self.cache.physical_length,
+                slots_per_head_by_layer=[
+                    -(-layer.slot_count // max(layer.num_heads, 1)) for layer in self.cache.layers
+                ],
+                slots_per_head=self.cache.slots_per_head,
                 kv_bytes=self.cache.kv_bytes(),
                 allocated_bytes=self.cache.allocated_bytes(),
                 uncompacted_kv_bytes=self.cache.logical_length * per_token,
