@@ -12,8 +12,7 @@ The Session contract:
   values, β and positions, whatever its length) and memory-manager state bit-identical: each mutating
   call runs on a copy-on-write snapshot (``snapshot``/``restore``, also used by scratch forwards, forks
   and cancelled generation steps). Other modules change a session only through ``edit()``, in the same
-  scope. Bad input raises a ``KVMemoryError`` naming the problem before
-  anything runs.
+  scope. Bad input raises a ``KVMemoryError`` naming the problem before anything runs.
 * A stream that stops early (``break``, ``close()``, ``aclose()``, a cancelled task) leaves exactly the
   tokens of the text the caller received.
 * Calls on one Session from several threads are serialised (each waits for the one before). While a
