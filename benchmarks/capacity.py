@@ -326,7 +326,7 @@ def plot(rows: list[dict], path: Path) -> None:
     parallel = [r for r in rows if r["part"] == "parallel"]
     for label in sorted({(r["engine"], r.get("cap_slots")) for r in parallel}, key=str):
         mine = [r for r in parallel if (r["engine"], r.get("cap_slots")) == label]
-        name = label[0] + (f", cap {label[1]} slots" if label[1] else "")
+        name = label[0] + (f", each under {label[1]} slots" if label[1] else ", uncompacted")
         left.plot([r["sessions"] for r in mine], [r["aggregate_decode_tps"] for r in mine], "o-", label=name)
     left.set_xlabel("sessions decoding at once (2k-token contexts)")
     left.set_ylabel("aggregate decode tokens/s")
