@@ -222,7 +222,6 @@ def load_session(engine, path, session_id: str | None = None):
         session.record_queries(queries["window"], context=queries["context_tokens"]).groups = queries["groups"]
     layers = [_layer_state(meta, i, tensor, engine.kv_dtype) for i, meta in enumerate(state["cache"]["layers"])]
     saved_cache = state["cache"]
-    session.compaction_log = list(state["compaction_log"])
     session.restore(
         SessionState(
             cache=CacheSnapshot(
@@ -242,13 +241,14 @@ def load_session(engine, path, session_id: str | None = None):
             message_spans=[tuple(span) for span in state["message_spans"]],
             tools_key=state["tools_key"],
             reply=tuple(state["reply"]) if state["reply"] is not None else None,
-            compaction_log=len(session.compaction_log),
+            compaction_log=len(state["compaction_log"]),
             prefilled_tokens=state["prefilled_tokens"],
             turn_prefilled=state["turn_prefilled"],
             queries=_query_state(queries, tensor, engine.num_layers),
             hidden=_hidden_state(state["hidden_positions"], tensor),
             memory=memory.state() if memory is not None else None,
             surprisal=tensor("surprisal").cpu() if state.get("surprisal") else None,
+            records=state["compaction_log"],
         )
     )
     return session

@@ -147,6 +147,8 @@ class Session(SessionChat, SessionGeneration, SessionForward, SessionCompaction,
         self._next_segment_id = state.next_segment_id
         self._messages, self._message_spans = list(state.messages), list(state.message_spans)
         self._tools_key, self._reply = state.tools_key, state.reply
+        if state.records is not None:
+            self.compaction_log = list(state.records)
         del self.compaction_log[state.compaction_log :]
         self.prefilled_tokens, self._turn_prefilled = state.prefilled_tokens, state.turn_prefilled
         if self.query_recorder is not None and state.queries is not None:

@@ -26,13 +26,14 @@ class SessionState:
     message_spans: list[tuple[str, int, int]]
     tools_key: str | None
     reply: tuple[int, int] | None
-    compaction_log: int
+    compaction_log: int  # the log's length (snapshots share the list); see ``records``
     prefilled_tokens: int
     turn_prefilled: int
     queries: object
     hidden: dict | None
     memory: tuple | None
     surprisal: torch.Tensor | None = None
+    records: list[dict] | None = None  # the log itself, when the state comes from a file rather than a snapshot
 
     @property
     def tokens(self) -> list[int]:
