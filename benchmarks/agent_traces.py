@@ -7,12 +7,13 @@ note of its reasoning. Each trace carries facts (values, names, versions, paths)
 mention exactly once, early, and that are asked only at the end.
 
 ``python -m benchmarks.agent_traces`` records the traces anew and checks every fact, and records the tool
-outputs of the coding agent's scripted session; the benchmarks only read the frozen files (``load_traces``,
+outputs of the coding agent's scripted session (``--set held-out``: only the held-out traces); the benchmarks only read the frozen files (``load_traces``,
 ``agents.coding_agent.scripted_session.recorded_tools``), so results never depend on what is installed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import tempfile
@@ -255,6 +256,127 @@ SPECS = [
     ),
 ]
 
+# Held out: written and frozen before the compositions of ``benchmarks/seed_methods.py`` were measured and
+# never tuned on. Other projects and fact kinds: paths, hosts, error messages, identifiers, and decisions the
+# agent itself wrote down earlier in the session.
+HELD_OUT = [
+    TraceSpec(
+        "notifier",
+        "notifier",
+        "Task: one message in last night's notification batch crashed the delivery worker. Find out why, make the "
+        "worker report such messages as failed instead of crashing, and make every test pass.",
+        [
+            ("list_files", {}, "A notifier package with settings, templates and dispatch, an outbox replay script."),
+            ("read_file", {"path": "README.md"}, "Noted the maintainer and the escalation rota."),
+            ("read_file", {"path": "notifier/settings.py"}, "Relay, retries, rate limit, template directory, locale."),
+            ("run_command", {"command": "pytest -q"}, "One test fails: a missing template field must not crash."),
+            (
+                "run_command",
+                {"command": "python scripts/drain_outbox.py data/outbox.jsonl"},
+                "One message crashed with a KeyError; one recipient was refused by the relay; a timeout was retried.",
+            ),
+            (
+                "read_file",
+                {"path": "notifier/dispatch.py"},
+                "deliver() renders the body before its try block. Decision: keep MAX_RETRIES as it is and make "
+                "render errors a permanent failure.",
+            ),
+            ("read_file", {"path": "notifier/templates.py"}, "render() formats the template with the given fields."),
+            (
+                "run_command",
+                {"command": "pytest -v --tb=long tests/test_dispatch.py"},
+                "The traceback ends in str.format: the invoice message has no total field.",
+            ),
+            ("grep", {"pattern": "render"}, "render is only called from deliver."),
+            ("read_file", {"path": "tests/test_dispatch.py"}, "The new test wants status 'failed' for it."),
+            (
+                "patch_file",
+                {
+                    "path": "notifier/dispatch.py",
+                    "old": '    body = render(kind, message["fields"])\n',
+                    "new": '    try:\n        body = render(kind, message["fields"])\n    except KeyError as err:\n'
+                    "        log(f\"{message['id']} cannot be rendered: missing field {err}\")\n"
+                    '        return "failed"\n',
+                },
+                "A message whose template lacks a field is now logged and reported as failed.",
+            ),
+            ("run_command", {"command": "pytest -v"}, "All four tests pass."),
+            ("run_command", {"command": "pytest -q -rA"}, "Green; done."),
+        ],
+        [
+            ("Who maintains the notifier?", "Marisol Achterberg"),
+            ("Through which rota do escalations go?", "NOTIFY-OPS"),
+            ("Which project needs a change request before the settings change?", "NTF"),
+            ("What is the SMTP relay host?", "relay-7.mail.internal"),
+            ("Which SMTP port is configured?", "2525"),
+            ("Where is the template directory?", "/srv/notifier/templates/v3"),
+            ("What is the default locale?", "pt-BR"),
+            ("How many seconds is the retry delay?", "RETRY_DELAY_SECONDS = 45"),
+            ("What is the rate limit per minute?", "RATE_LIMIT_PER_MINUTE = 37"),
+            ("What did the relay answer for the refused recipient?", "550 5.1.1 mailbox unavailable"),
+            ("Which message crashed in the dry run?", "msg-5e9a03"),
+            ("What did you decide to do about render errors?", "make render errors a permanent failure"),
+        ],
+    ),
+    TraceSpec(
+        "tilecache",
+        "tilecache",
+        "Task: warmed map tiles disappear from the cache within minutes. Find the cause, fix it and make every "
+        "test pass. Keep track of the configuration and what the warm-up log says.",
+        [
+            ("list_files", {}, "A tilecache package with config, regions and the cache, a warm-up script, tests."),
+            ("read_file", {"path": "README.md"}, "Noted the owner and the incident channel."),
+            ("read_file", {"path": "tilecache/config.py"}, "Cache root, TTL, size, upstream timeout, zoom range."),
+            ("run_command", {"command": "pytest -q"}, "One test fails: an entry is gone an hour after it was put."),
+            (
+                "run_command",
+                {"command": "python scripts/warm.py"},
+                "Three tiles warmed, one region timed out, and two minutes later none is cached.",
+            ),
+            (
+                "read_file",
+                {"path": "tilecache/cache.py"},
+                "get() divides the TTL by 1000 as if it were milliseconds. Decision: fix the unit in cache.py rather "
+                "than lowering the configured TTL.",
+            ),
+            ("read_file", {"path": "scripts/warm.py"}, "The warm-up reads entries back two minutes after warming."),
+            (
+                "run_command",
+                {"command": "pytest -v --tb=long tests/test_cache.py"},
+                "The traceback confirms the entry expired after 86.4 seconds.",
+            ),
+            ("grep", {"pattern": "TILE_TTL"}, "The TTL is read only in cache.get."),
+            ("read_file", {"path": "tests/test_cache.py"}, "The tests put an entry and read it an hour later."),
+            (
+                "patch_file",
+                {
+                    "path": "tilecache/cache.py",
+                    "old": "if self.clock() - stored_at > config.TILE_TTL_SECONDS / 1000:  # BUG: the TTL is already "
+                    "in seconds",
+                    "new": "if self.clock() - stored_at > config.TILE_TTL_SECONDS:",
+                },
+                "get() now compares against the TTL in seconds.",
+            ),
+            ("run_command", {"command": "pytest -v --tb=long"}, "All four tests pass."),
+            ("run_command", {"command": "pytest -q -rA"}, "Green; done."),
+        ],
+        [
+            ("Who owns tilecache?", "Dagrun Solheim-Okafor"),
+            ("Which channel gets tile incidents?", "#tiles-incidents"),
+            ("Which decision record reviewed the configuration?", "ADR-0042"),
+            ("What is the cache root path?", "/var/cache/tilecache/z-order"),
+            ("What is the maximum number of cache entries?", "250_000"),
+            ("What is the stats prefix?", "maps.tilecache.prod"),
+            ("What eviction policy is configured?", 'EVICTION = "lru"'),
+            ("What is the zoom range?", "MIN_ZOOM, MAX_ZOOM = 3, 17"),
+            ("Which tile was warmed for Lyon?", "z14/8412/5844"),
+            ("Which upstream server timed out during the warm-up?", "tiles-ap-4.maps.internal"),
+            ("What did you decide instead of lowering the configured TTL?", "fix the unit in cache.py"),
+        ],
+    ),
+]
+TRACE_SETS = {"tuning": SPECS, "held-out": HELD_OUT}
+
 
 def _project(spec: TraceSpec, into: Path) -> Path:
     if spec.project == "sample":
@@ -303,22 +425,26 @@ def fact_problems(trace: dict) -> list[str]:
     return problems
 
 
-def load_traces(names: list[str] | None = None) -> list[dict]:
-    """The frozen traces (all, or those named), in SPECS order."""
-    chosen = [s.name for s in SPECS if names is None or s.name in names]
+def load_traces(names: list[str] | None = None, trace_set: str = "tuning") -> list[dict]:
+    """The frozen traces of a set (``TRACE_SETS``: all, or those named), in its order."""
+    chosen = [s.name for s in TRACE_SETS[trace_set] if names is None or s.name in names]
     return [json.loads((TRACES / f"{name}.json").read_text()) for name in chosen]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--set", choices=TRACE_SETS, default="tuning", help="which traces to record")
+    args = parser.parse_args()
     TRACES.mkdir(parents=True, exist_ok=True)
     problems = []
-    for spec in SPECS:
+    for spec in TRACE_SETS[args.set]:
         trace = record(spec)
         problems += fact_problems(trace)
         (TRACES / f"{spec.name}.json").write_text(json.dumps(trace, indent=1, ensure_ascii=False))
         print(f"{spec.name}: {len(trace['messages'])} messages, {len(trace_text(trace['messages'])):,} characters")
     print("\n".join(problems) or "every fact is mentioned exactly once, early")
-    print(f"scripted session: {len(record_tool_outputs())} tool outputs")
+    if args.set == "tuning":
+        print(f"scripted session: {len(record_tool_outputs())} tool outputs")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""A region-aware cache for rendered map tiles."""
