@@ -55,6 +55,9 @@ from benchmarks.common import RESULTS, save, table
 from integrations.chat_model import ChatKVMemory, to_chat_dicts
 from kvmemory import Engine, MemoryManager, MemoryPolicy, default_policy
 
+SEEDS = [("cc", "counter_causal"), ("am", "attention_matching"), ("tam", "tam")]  # condition prefix, method
+DEFAULT_LINES = {"inner": "selective_context", "inner_params": {"evict_predictable_below": 1.0}}
+MASS_ONLY = {"fit_values": False, "beta_box": (0.0, 3.0)}
 KV_METHODS = {  # condition: (registry name, params) every compacted rule of the default policy switches to
     # the default's ranking with every head keeping the same count (so the same tokens): the default before
     "uniform-lines": ("selective_context", {"evict_predictable_below": 1.0}),
@@ -66,6 +69,22 @@ KV_METHODS = {  # condition: (registry name, params) every compacted rule of the
     "tam": ("tam", {}),
     "counter-causal": ("counter_causal", {}),
     "snapkv": ("snapkv", {}),
+    # the seed methods composed with what made the default win (``benchmarks/seed_methods.py``): their
+    # ranking by whole lines with the surprise floor, one selection, REAL's head budgets, gaps closed
+    **{f"{seed}-lines": ("real", {"inner": "lines", "inner_params": {"inner": method}}) for seed, method in SEEDS},
+    # and Attention Matching's β and value fit on that choice
+    **{
+        f"{seed}-lines-fit": ("real", {"inner": "fitted", "inner_params": {"inner_params": {"inner": method}}})
+        for seed, method in SEEDS
+    },
+    # Attention Matching's fit on the default's choice: β and values, or only β raised (the mass the evicted
+    # tokens held, given back to the kept ones; never pushed down)
+    "am-fit-default": ("real", {"inner": "fitted", "inner_params": DEFAULT_LINES}),
+    "am-mass-default": ("real", {"inner": "fitted", "inner_params": {**DEFAULT_LINES, "matching": MASS_ONLY}}),
+    # the default with less of each head's budget pooled by REAL (β = 2: half, β = 4: a quarter; the default
+    # pools ⌊b/1.4⌋): between the default and uniform-lines
+    "default-pool50": ("real", {**DEFAULT_LINES, "beta": 2.0}),
+    "default-pool25": ("real", {**DEFAULT_LINES, "beta": 4.0}),
 }
 CONDITIONS = [
     "uncompacted",
@@ -87,7 +106,9 @@ ANSWER_TOKENS, REPLY_TOKENS, BOOTSTRAP = 16, 48, 2000
 
 
 # the default's ranking, alone or in some heads; the others keep their gaps
-CLOSE_GAPS = {"kvmemory-default", "uniform-lines", "whole-lines", "retrieval-lines"}
+CLOSE_GAPS = {"kvmemory-default", "uniform-lines", "whole-lines", "retrieval-lines"} | {
+    c for c in KV_METHODS if "-lines" in c or "default" in c
+}
 
 
 def capped_policy(
@@ -361,6 +382,7 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
         # the pauses the memory manager held the session for (selection, rebuild, closing gaps)
         "compaction_ms": 1e3 * sum(e.get("seconds", 0.0) for e in memory.timeline) if memory else 0.0,
         "slots_compacted": sum(r["slots_before"] for r in session.compaction_log),
+        "pauses_s": [e["seconds"] for e in memory.timeline if "seconds" in e] if memory else [],
         "summaries": getattr(view, "summaries", 0),
         "facts": facts,
         "replies": [{"text": t, "degenerate": degenerate(t, context)} for t in texts],

@@ -7,8 +7,9 @@ note of its reasoning. Each trace carries facts (values, names, versions, paths)
 mention exactly once, early, and that are asked only at the end.
 
 ``python -m benchmarks.agent_traces`` records the traces anew and checks every fact, and records the tool
-outputs of the coding agent's scripted session (``--set held-out``: only the held-out traces); the benchmarks only read the frozen files (``load_traces``,
-``agents.coding_agent.scripted_session.recorded_tools``), so results never depend on what is installed.
+outputs of the coding agent's scripted session (``--set held-out``: only the held-out traces); the benchmarks
+only read the frozen files (``load_traces``, ``agents.coding_agent.scripted_session.recorded_tools``), so
+results never depend on what is installed.
 """
 
 from __future__ import annotations

@@ -423,6 +423,49 @@ def agent_memory_section(d: dict) -> str:
     return "\n".join(out)
 
 
+def seed_methods_section(d: dict) -> str:
+    columns = ["condition", "fact gain kept", "95% CI", "answers held", "ΔNLL last turn", "95% CI (traces)"]
+    columns += ["degenerate"]
+    columns += ["median pause s", "worst pause s", "s / 2,048 slots"]
+    sets = ", ".join(f"{name}: {', '.join(traces)}" for name, traces in d["traces"].items() if traces)
+    out = [
+        "**Seed methods composed** (`python -m benchmarks.seed_methods`): counter-causal surprise, Attention "
+        "Matching and TAM each give one ranking of positions (counter-causal: how little the later context "
+        "predicts a token; AM: the heads' consensus on recent attention; TAM: that attention spread over thought "
+        "segments by its budget rule), composed with what made the default win: *<seed>-lines* is "
+        "`REAL(inner=Lines(<seed>))`, the ranking by whole lines, tokens under 1 nat of surprisal first to go, one "
+        "selection for every head and segment, REAL's head budgets, gaps closed; *counter-causal* is the method "
+        "alone (per token and head, gaps kept); *kvmemory-default* the default policy, *uniform-lines* its ranking "
+        "with every head keeping the same count, *drop-oldest* the text baseline at the same token budget. All on "
+        "the default 16-bit cache (equal slots are equal bytes), replayed step by step under a cap of 1/N of each "
+        f"trace ({sets}; the held-out traces were written and frozen before any composition was measured and "
+        "never tuned on), metrics as in *Agent memory* (*answers held*: the share of the fact gain whose answer the "
+        "memory still holds at the end); *median pause*: the median over sessions of each "
+        "session's median compaction pause; *worst pause*: the longest of any session"
+        f"{on_cpu(d)}.\n\n![seed methods](benchmarks/results/seed_methods.png)"
+    ]
+    for trace_set in dict.fromkeys(r["set"] for r in d["summary"]):
+        for cap in dict.fromkeys(r["cap"] for r in d["summary"] if r["set"] == trace_set):
+            body = [
+                [
+                    r["condition"],
+                    f"{r['fact_gain_kept']:.2f}",
+                    r["gain_ci"],
+                    f"{r['answers_held']:.2f}",
+                    f"{r['delta_nll_last_turn']:+.3f}",
+                    r["nll_ci"],
+                    f"{r['degenerate_replies']:.0%}",
+                    f"{r['pause_median_s']:.2f}",
+                    f"{r['pause_worst_s']:.2f}",
+                    "–" if not r["pause_s_per_2048_slots"] else f"{r['pause_s_per_2048_slots']:.2f}",
+                ]
+                for r in d["summary"]
+                if r["set"] == trace_set and r["cap"] == cap
+            ]
+            out.append(f"\n*{trace_set} traces, cap {cap}*\n\n" + md(body, columns))
+    return "\n".join(out)
+
+
 def agent_turns_section(d: dict) -> str:
     traces = list(d["summary"][0]["per_trace"])
     out = [
@@ -753,6 +796,7 @@ def render() -> str:
         ("head_budgets", head_budgets_section),
         ("agent_memory", agent_memory_section),
         ("agent_memory_turns", agent_turns_section),
+        ("seed_methods", seed_methods_section),
         ("agent_session", agent_section),
         ("persistence", persistence_section),
         ("serve", serve_section),

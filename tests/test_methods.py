@@ -240,7 +240,7 @@ def test_counter_causal_score_matches_a_dense_reference():
 
 
 def test_span_positions_cover_every_head_and_layer():
-    from kvmemory.compaction.methods.counter_causal import span_positions
+    from kvmemory.compaction.position_scores import span_positions
     from kvmemory.compaction.planner import extract_span, span_slots
 
     session = Engine(tiny_model("llama")).session()
@@ -510,7 +510,7 @@ def test_recorded_surprisal_is_the_models_own(tiny_engine):
 
 
 def test_selective_context_keeps_the_lines_of_highest_mean_surprisal():
-    from kvmemory.compaction.methods.selective_context import unit_scores
+    from kvmemory.compaction.methods.lines import unit_scores
 
     positions = torch.arange(8)
     surprisal = torch.tensor([1.0, 3.0, 2.0, float("nan"), 6.0, 0.0, 4.0, float("nan")])
@@ -524,7 +524,7 @@ def test_selective_context_keeps_the_lines_of_highest_mean_surprisal():
 
 
 def test_selective_context_can_evict_predictable_tokens_before_any_line():
-    from kvmemory.compaction.methods.selective_context import keep_order
+    from kvmemory.compaction.methods.lines import keep_order
 
     scores = torch.tensor([2.0, 2.0, 4.0, 4.0, 4.0, 2.0, 2.0])  # lines [0,1] [2..4] [5,6]
     surprisal = torch.tensor([1.0, 3.0, 0.1, float("nan"), 0.2, 3.0, 0.3])

@@ -16,6 +16,8 @@ from typing import ClassVar, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from kvmemory.errors import InvalidArgumentError
+
 NEG_INF = float("-inf")
 
 
@@ -161,6 +163,15 @@ class CompactionMethod(ABC):
     @abstractmethod
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         """``budgets``: (L, H) slots each head may keep of the span."""
+
+    def position_scores(self, span: CacheSpan):
+        """One score per logical position of the span, the same in every head (higher is kept first): a
+        ``PositionScores`` (``compaction/position_scores.py``). Wrappers that keep the same tokens in every
+        head rank by it (``Lines``); a method that can rank positions overrides this."""
+        raise InvalidArgumentError(
+            f"{self.name} does not rank positions, so it cannot be wrapped by a method that keeps the same tokens "
+            "in every head (such as lines)"
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, LayerSpan, protected_mask, topk_per_head
+from kvmemory.compaction.position_scores import PositionScores, consensus, head_ranks
 
 
 class ScoreEviction(CompactionMethod):
@@ -13,6 +14,10 @@ class ScoreEviction(CompactionMethod):
     def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:
         """(H, n) importance of each span slot; higher is kept first."""
         raise NotImplementedError
+
+    def position_scores(self, span: CacheSpan) -> PositionScores:
+        """Each position's mean rank in the heads that hold it: the heads' consensus, scale-free."""
+        return consensus(span, lambda layer: head_ranks(self.score(layer, span), layer.valid))
 
     def forced(self, layer: LayerSpan, budget: torch.Tensor) -> torch.Tensor | None:
         """(H, n) slots to keep regardless of score (sinks, recent windows), or None."""

@@ -2,8 +2,10 @@
 
 from kvmemory.compaction.methods.attention_matching import AttentionMatching, AttentionMatchingConfig
 from kvmemory.compaction.methods.counter_causal import CounterCausal, CounterCausalConfig
+from kvmemory.compaction.methods.fitted import Fitted, FittedConfig
 from kvmemory.compaction.methods.h2o import H2O, H2OConfig
 from kvmemory.compaction.methods.key_norm import KeyNorm, KeyNormConfig
+from kvmemory.compaction.methods.lines import Lines, LinesConfig
 from kvmemory.compaction.methods.random_eviction import RandomEviction, RandomEvictionConfig
 from kvmemory.compaction.methods.real import REAL, REALConfig
 from kvmemory.compaction.methods.retrieval_lines import RetrievalLines, RetrievalLinesConfig
@@ -18,10 +20,14 @@ __all__ = [
     "AttentionMatchingConfig",
     "CounterCausal",
     "CounterCausalConfig",
+    "Fitted",
+    "FittedConfig",
     "H2O",
     "H2OConfig",
     "KeyNorm",
     "KeyNormConfig",
+    "Lines",
+    "LinesConfig",
     "REAL",
     "REALConfig",
     "RandomEviction",

@@ -24,6 +24,7 @@ from kvmemory.compaction.base import (
     topk_per_head,
 )
 from kvmemory.compaction.methods.counter_causal import surprise_scores
+from kvmemory.compaction.position_scores import PositionScores, consensus, head_ranks
 from kvmemory.compaction.registry import register
 from kvmemory.compaction.solvers import fit_bias_and_values, gather_columns, nnls_box, pool_scores, reduce_attention
 
@@ -98,11 +99,21 @@ class AttentionMatching(CompactionMethod):
             return topk_per_head(scores, layer.valid, budget, forced)
         if self.config.selector == "omp":
             return self._omp(layer, budget, forced)
-        scores = reduce_attention(layer.attention(), self.config.reduction)
-        scores = pool_scores(scores, self.config.pool_kernel)
+        scores = self.attention_scores(layer)
         if self.config.adaptive_heads > 0:
             budget = adaptive_head_budgets(scores, layer.valid, budget, self.config.adaptive_heads)
         return topk_per_head(scores, layer.valid, budget, forced)
+
+    def attention_scores(self, layer: LayerSpan) -> torch.Tensor:
+        """(H, n) how much the reference queries attend to each slot, reduced over them (and pooled)."""
+        return pool_scores(reduce_attention(layer.attention(), self.config.reduction), self.config.pool_kernel)
+
+    def position_scores(self, span: CacheSpan) -> PositionScores:
+        """The counter-causal surprise with that selector, else each position's mean rank of attention in the
+        heads that hold it (OMP has no score per slot: attention stands in)."""
+        if self.config.selector == "counter_causal":
+            return surprise_scores(span, fast=self.config.counter_causal_fast)
+        return consensus(span, lambda layer: head_ranks(self.attention_scores(layer), layer.valid))
 
     def fit(self, layer: LayerSpan, keep: list[torch.Tensor], forced: torch.Tensor | None) -> LayerResult:
         index, sel_valid = pad_selection(keep, layer.keys.device)

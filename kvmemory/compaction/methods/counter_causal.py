@@ -15,45 +15,17 @@ the full score.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.position_scores import PositionScores, span_positions
 from kvmemory.compaction.registry import register
 
 
 class CounterCausalConfig(MethodConfig):
     fast: bool = Field(True, description="single-layer score from stored last-layer inputs (7-9x faster)")
-
-
-@dataclass
-class PositionScores:
-    """A score per logical position, mapped onto any layer's slots."""
-
-    positions: torch.Tensor  # (N,) sorted
-    scores: torch.Tensor  # (N,)
-
-    def score_slots(self, slot_positions: torch.Tensor) -> torch.Tensor:
-        """(H, n) scores of the slots at these positions; −∞ for positions without a score (padding)."""
-        if not hasattr(self, "_dense"):
-            self._dense = torch.full((int(self.positions.max()) + 2,), float("-inf"))
-            self._dense[self.positions] = self.scores.float()
-        index = slot_positions.long().clamp(min=-1, max=len(self._dense) - 2)
-        return self._dense[torch.where(index < 0, len(self._dense) - 1, index)]
-
-
-def span_positions(span: CacheSpan) -> torch.Tensor:
-    """Sorted logical positions held by any head of any layer (a max-scatter per layer: no sort of L·H·n)."""
-    size = 1 + max(int(layer.positions.max()) for layer in span.layers)
-    present = torch.zeros(size, dtype=torch.uint8, device=span.layers[0].positions.device)
-    for layer in span.layers:
-        present.scatter_reduce_(
-            0, layer.positions.clamp_min(0).flatten(), layer.valid.flatten().to(torch.uint8), "amax"
-        )
-    return torch.nonzero(present).flatten()
 
 
 def surprise_scores(span: CacheSpan, fast: bool) -> PositionScores:
@@ -78,8 +50,11 @@ class CounterCausal(ScoreEviction):
     def needs_last_layer_inputs(self) -> bool:
         return self.config.fast
 
+    def position_scores(self, span: CacheSpan) -> PositionScores:
+        return surprise_scores(span, self.config.fast)
+
     def compact(self, span: CacheSpan, budgets: torch.Tensor):
-        self._scores = surprise_scores(span, self.config.fast)
+        self._scores = self.position_scores(span)
         return super().compact(span, budgets)
 
     def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:

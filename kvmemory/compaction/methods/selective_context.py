@@ -22,9 +22,9 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
-from kvmemory.compaction.methods.counter_causal import PositionScores, span_positions
+from kvmemory.compaction.methods.lines import line_ranking, recorded_surprisal
+from kvmemory.compaction.position_scores import PositionScores, span_positions
 from kvmemory.compaction.registry import register
-from kvmemory.errors import InvalidArgumentError
 
 
 class SelectiveContextConfig(MethodConfig):
@@ -37,65 +37,16 @@ class SelectiveContextConfig(MethodConfig):
     )
 
 
-def unit_scores(
-    positions: torch.Tensor, surprisal: torch.Tensor, ends_line: torch.Tensor, max_unit_tokens: int
-) -> torch.Tensor:
-    """Mean surprisal of the unit each position belongs to.
-
-    ``positions`` (n,) sorted logical positions; ``surprisal`` (n,) their surprisal, NaN where unknown (the
-    mean skips them; a unit with none known scores the median of the others); ``ends_line`` (n,) True for a
-    token whose text holds a newline (it ends its unit)."""
-    n = positions.numel()
-    unit = torch.zeros(n, dtype=torch.long)
-    current, length = 0, 0
-    for i, ends in enumerate(ends_line.tolist()):
-        unit[i] = current
-        length += 1
-        if ends or length >= max_unit_tokens:
-            current, length = current + 1, 0
-    units = int(unit[-1]) + 1 if n else 0
-    known = ~surprisal.isnan()
-    total = torch.zeros(units).index_add_(0, unit[known], surprisal[known].float())
-    count = torch.zeros(units).index_add_(0, unit[known], torch.ones(int(known.sum())))
-    mean = total / count.clamp_min(1)
-    if bool((count == 0).any()):
-        mean[count == 0] = mean[count > 0].median()
-    return mean[unit]
-
-
-def keep_order(
-    scores: torch.Tensor, surprisal: torch.Tensor, ends_line: torch.Tensor, predictable_below: float | None
-) -> torch.Tensor:
-    """Rank of each position in the order of keeping (0 is kept first): by unit score, within a tie the
-    earlier position first; with ``predictable_below``, the predictable tokens (not newlines) rank last."""
-    order = torch.argsort(-scores, stable=True)  # positions ascend: within a tie the earlier token comes first
-    if predictable_below is not None:
-        predictable = (surprisal < predictable_below) & ~ends_line  # NaN (unknown) is never predictable
-        order = order[torch.argsort(predictable[order].int(), stable=True)]
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(len(order))
-    return rank
+def recorded_scores(span: CacheSpan) -> PositionScores:
+    """Each span position's recorded surprisal (NaN where unknown); raises if none was recorded."""
+    positions = span_positions(span).cpu()
+    return PositionScores(positions, recorded_surprisal(span, positions, "selective_context"))
 
 
 def line_surprisal(span: CacheSpan, max_unit_tokens: int, predictable_below: float | None = None) -> PositionScores:
     """Each span position ranked by the mean surprisal of its unit (higher is kept first; within a unit the
     earlier token first, so a partly kept line keeps its start). Raises if no surprisal was recorded."""
-    positions = span_positions(span).cpu()
-    recorded = span.surprisal if span.surprisal is not None else torch.empty(0)
-    surprisal = torch.full(positions.shape, float("nan"))
-    inside = positions < len(recorded)
-    surprisal[inside] = recorded[positions[inside]].float()
-    if bool(surprisal.isnan().all()):
-        raise InvalidArgumentError(
-            "selective_context ranks tokens by their recorded surprisal and none was recorded for this span: "
-            "call session.record_surprisal() before appending (a memory manager whose policy uses the method "
-            "switches it on when attached)"
-        )
-    texts = [span.text_of_token(span.token_of_position.get(p, -1)) for p in positions.tolist()]
-    ends_line = torch.tensor(["\n" in text for text in texts], dtype=torch.bool)
-    scores = unit_scores(positions, surprisal, ends_line, max_unit_tokens)
-    rank = keep_order(scores, surprisal, ends_line, predictable_below)
-    return PositionScores(positions, -rank.float())
+    return line_ranking(span, recorded_scores(span), max_unit_tokens, predictable_below, "selective_context")
 
 
 @register
@@ -111,8 +62,11 @@ class SelectiveContext(ScoreEviction):
     def needs_surprisal(self) -> bool:
         return True
 
+    def position_scores(self, span: CacheSpan) -> PositionScores:
+        return line_surprisal(span, self.config.max_unit_tokens, self.config.evict_predictable_below)
+
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
-        self._scores = line_surprisal(span, self.config.max_unit_tokens, self.config.evict_predictable_below)
+        self._scores = self.position_scores(span)
         return super().compact(span, budgets)
 
     def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:

@@ -18,6 +18,7 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, LayerSpan, MethodConfig, protected_mask
 from kvmemory.compaction.methods.attention_matching import AttentionMatching, AttentionMatchingConfig
+from kvmemory.compaction.position_scores import PositionScores, consensus
 from kvmemory.compaction.registry import register
 
 
@@ -110,6 +111,25 @@ def allocate(budget: int, weights: torch.Tensor, lengths: torch.Tensor, a: float
     return out
 
 
+def quota_scores(share: torch.Tensor, segment: torch.Tensor, a: float, b: float, pivotal_factor: float) -> torch.Tensor:
+    """(n,) one ranking that spreads any budget over the segments by TAM's rule: each segment's most attended
+    token first, then its (k+1)-th at −k / (w^a · n^b), so the top B of the ranking give each segment one slot
+    and the rest by highest averages in proportion to w_i^a · n_i^b (``allocate`` rounds by largest
+    remainders instead); pivotal tokens (share above ``pivotal_factor`` × the mean) rank before all."""
+    count = int(segment.max()) + 1
+    weights = torch.zeros(count).index_add_(0, segment, share)
+    lengths = torch.bincount(segment, minlength=count).float()
+    quota = (weights / weights.sum().clamp_min(1e-12)).clamp_min(1e-12).pow(a) * lengths.pow(b)
+    order = torch.argsort(share, descending=True, stable=True)
+    order = order[torch.argsort(segment[order], stable=True)]  # by segment, then by share within it
+    starts = torch.cumsum(lengths, 0).long() - lengths.long()
+    rank = torch.empty_like(segment)
+    rank[order] = torch.arange(len(order)) - starts[segment[order]]
+    scores = -rank.float() / quota[segment]
+    pivotal = share > pivotal_factor * share.mean()
+    return torch.where(pivotal, 1e6 + share, scores)
+
+
 @register
 class TAM(CompactionMethod):
     """TAM (Liu et al., arXiv 2608.12331): Attention Matching whose key budget is spread over the span's
@@ -124,6 +144,22 @@ class TAM(CompactionMethod):
             matching = matching.config
         super().__init__(config, **({} if matching is None else {"matching": matching}), **params)
         self.matching = AttentionMatching(self.config.matching)
+
+    def position_scores(self, span: CacheSpan) -> PositionScores:
+        """TAM's budget rule as one ranking of positions (``quota_scores``) over the span's thought segments,
+        the attention of each position its mean share in the heads that hold it."""
+        cfg = self.config
+        share = consensus(span, lambda layer: layer.attention().mean(dim=1))
+        if cfg.boundaries == "blank_lines":
+            everywhere = torch.ones_like(share.positions, dtype=torch.bool)
+            segment = segment_ids_from_text(
+                share.positions, everywhere, span.text_of_token, span.token_of_position, cfg.min_segment_tokens
+            )
+        else:
+            everywhere = torch.ones_like(share.scores, dtype=torch.bool)
+            segment = segment_ids_from_attention(share.scores, everywhere, cfg.jump_factor, cfg.min_segment_tokens)
+        scores = quota_scores(share.scores, segment, cfg.weight_exponent, cfg.length_exponent, cfg.pivotal_factor)
+        return PositionScores(share.positions, scores)
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         results = []
