@@ -240,8 +240,8 @@ def test_counter_causal_score_matches_a_dense_reference():
 
 
 def test_span_positions_cover_every_head_and_layer():
-    from kvmemory.compaction.position_scores import span_positions
     from kvmemory.compaction.planner import extract_span, span_slots
+    from kvmemory.compaction.position_scores import span_positions
 
     session = Engine(tiny_model("llama")).session()
     session.append_tokens(random_tokens(60))
