@@ -30,7 +30,7 @@ import argparse
 import json
 import statistics
 
-from benchmarks.agent_memory import no_trace_logprobs, replay, summarise
+from benchmarks.agent_memory import interval, no_trace_logprobs, replay, summarise
 from benchmarks.agent_traces import TRACE_SETS, load_traces
 from benchmarks.common import RESULTS, save, table
 from kvmemory import Engine
@@ -87,7 +87,7 @@ def plot(summary: list[dict], path) -> None:
     caps = list(dict.fromkeys(r["cap"] for r in summary))
     fig, axes = plt.subplots(len(sets), len(caps), figsize=(5.5 * len(caps), 4.8 * len(sets)), squeeze=False)
     colors = {"drop-oldest": "tab:gray", "kvmemory-default": "tab:blue", "uniform-lines": "tab:cyan"}
-    seed_colors = {"cc": "tab:red", "am": "tab:green", "tam": "tab:purple", "counter": "tab:red"}
+    seed_colors = {"cc": "tab:red", "am": "tab:green", "tam": "tab:purple", "counter": "tab:red", "default": "navy"}
     for i, trace_set in enumerate(sets):
         for j, cap in enumerate(caps):
             ax = axes[i][j]
@@ -96,7 +96,11 @@ def plot(summary: list[dict], path) -> None:
                 color = colors.get(condition) or seed_colors[condition.split("-")[0]]
                 marker = "s" if condition.endswith("-fit") else "^" if condition == "counter-causal" else "o"
                 size = 30 + 400 * r["pause_median_s"]
-                ax.scatter(r["delta_nll_last_turn"], r["fact_gain_kept"], s=size, color=color, marker=marker, alpha=0.7)
+                x, y = r["delta_nll_last_turn"], r["fact_gain_kept"]
+                (x_low, x_high), (y_low, y_high) = interval(r["nll_ci"]), interval(r["gain_ci"])
+                xerr, yerr = [[max(x - x_low, 0)], [max(x_high - x, 0)]], [[max(y - y_low, 0)], [max(y_high - y, 0)]]
+                ax.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="none", color=color, alpha=0.35, linewidth=1)
+                ax.scatter(x, y, s=size, color=color, marker=marker, alpha=0.7)
                 ax.annotate(
                     condition,
                     (r["delta_nll_last_turn"], r["fact_gain_kept"]),
@@ -107,7 +111,7 @@ def plot(summary: list[dict], path) -> None:
             ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
             ax.set_xlabel("last-turn ΔNLL vs uncompacted (nats/token, lower is better)")
             ax.set_ylabel("share of the full trace's fact gain kept")
-            ax.set_title(f"{trace_set} traces, cap {cap} (marker area: median pause)", fontsize=9)
+            ax.set_title(f"{trace_set} traces, cap {cap} (bars: 95% intervals; area: median pause)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

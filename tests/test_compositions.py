@@ -99,9 +99,19 @@ def test_lines_with_a_floor_and_no_recorded_surprisal_names_the_fix():
         Lines(Given(torch.zeros(2))).compact(span, torch.full((2, 2), 1))
 
 
+class Unranked(CompactionMethod):
+    name = "unranked"
+    Config = MethodConfig
+
+    def compact(self, span, budgets):
+        raise NotImplementedError
+
+
 def test_a_method_that_cannot_rank_positions_says_so():
     with pytest.raises(InvalidArgumentError, match="does not rank positions"):
-        Lines(REAL(scores=[[1.0, 2.0], [3.0, 0.5]])).compact(text_span([["a", "b\n"]]), torch.full((2, 2), 1))
+        Lines(REAL(Unranked(), scores=[[1.0, 2.0], [3.0, 0.5]])).compact(
+            text_span([["a", "b\n"]]), torch.full((2, 2), 1)
+        )
 
 
 def test_compositions_pass_their_needs_through():

@@ -16,8 +16,8 @@ from pydantic import Field
 
 from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, MethodConfig, protected_mask
 from kvmemory.compaction.methods.attention_matching import AttentionMatching, AttentionMatchingConfig
-from kvmemory.compaction.position_scores import PositionScores
-from kvmemory.compaction.registry import get_method, register
+from kvmemory.compaction.registry import register
+from kvmemory.compaction.wrapper import Wrapper
 
 
 class FittedConfig(MethodConfig):
@@ -29,36 +29,19 @@ class FittedConfig(MethodConfig):
 
 
 @register
-class Fitted(CompactionMethod):
+class Fitted(Wrapper):
     """Attention Matching's β and value fit on another method's choice of keys: ``Fitted(Lines(...))``."""
 
     name = "fitted"
     Config = FittedConfig
 
     def __init__(self, inner: CompactionMethod | str | None = None, config: FittedConfig | None = None, **params):
-        if isinstance(inner, CompactionMethod):  # composed by instance: the config names it and its params
-            params.setdefault("inner_params", inner.config.model_dump())
-            super().__init__(config, inner=inner.name, **params)
-            self.inner = inner
-        else:
-            super().__init__(config, **({} if inner is None else {"inner": inner}), **params)
-            self.inner = get_method(self.config.inner, **self.config.inner_params)
+        super().__init__(inner, config, **params)
         self.matching = AttentionMatching(self.config.matching)
 
     @property
-    def global_scores(self) -> bool:  # the fit changes values, not which slots are kept
-        return self.inner.global_scores
-
-    @property
-    def needs_last_layer_inputs(self) -> bool:
-        return self.inner.needs_last_layer_inputs
-
-    @property
-    def needs_surprisal(self) -> bool:
-        return self.inner.needs_surprisal
-
-    def position_scores(self, span: CacheSpan) -> PositionScores:
-        return self.inner.position_scores(span)
+    def uses_queries(self) -> bool:  # the fit matches the span's attention for its reference queries
+        return True
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         chosen = self.inner.compact(span, budgets)

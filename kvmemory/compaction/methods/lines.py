@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, LayerSpan, MethodConfig
+from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan, MethodConfig
 from kvmemory.compaction.eviction import ScoreEviction
 from kvmemory.compaction.position_scores import PositionScores
-from kvmemory.compaction.registry import get_method, register
+from kvmemory.compaction.registry import register
+from kvmemory.compaction.wrapper import Wrapper
 from kvmemory.errors import InvalidArgumentError
 
 
@@ -114,30 +115,13 @@ def line_ranking(
 
 
 @register
-class Lines(ScoreEviction):
+class Lines(Wrapper, ScoreEviction):
     """Any method's position ranking by whole lines, with a surprise floor, the same in every head (see the
     module docstring): ``Lines(CounterCausal())`` or ``get_method("lines", inner="tam")``."""
 
     name = "lines"
     Config = LinesConfig
     global_scores = True  # one ranking of the span's positions: a selection may span many segments
-
-    def __init__(self, inner: CompactionMethod | str | None = None, config: LinesConfig | None = None, **params):
-        if isinstance(inner, CompactionMethod):  # composed by instance: the config names it and its params
-            params.setdefault("inner_params", inner.config.model_dump())
-            super().__init__(config, inner=inner.name, **params)
-            self.inner = inner
-        else:
-            super().__init__(config, **({} if inner is None else {"inner": inner}), **params)
-            self.inner = get_method(self.config.inner, **self.config.inner_params)
-
-    @property
-    def uses_queries(self) -> bool:
-        return self.inner.uses_queries
-
-    @property
-    def needs_last_layer_inputs(self) -> bool:
-        return self.inner.needs_last_layer_inputs
 
     @property
     def needs_surprisal(self) -> bool:

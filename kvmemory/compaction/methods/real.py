@@ -13,9 +13,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from kvmemory.compaction.base import CacheSpan, CompactionMethod, LayerResult, MethodConfig
+from kvmemory.compaction.base import CacheSpan, LayerResult, MethodConfig
 from kvmemory.compaction.head_budgets import head_scores, headkv_budgets
-from kvmemory.compaction.registry import get_method, register
+from kvmemory.compaction.registry import register
+from kvmemory.compaction.wrapper import Wrapper
 
 
 class REALConfig(MethodConfig):
@@ -29,38 +30,13 @@ class REALConfig(MethodConfig):
 
 
 @register
-class REAL(CompactionMethod):
+class REAL(Wrapper):
     """REAL (Li et al., ACL 2026): per-head budgets from offline head profiles (HeadKV allocation), then an
     inner method selects within each head's budget: ``REAL(inner=SnapKV())`` or ``get_method("real",
     inner="attention_matching")``."""
 
     name = "real"
     Config = REALConfig
-
-    def __init__(self, config: REALConfig | None = None, inner: CompactionMethod | str | None = None, **params):
-        if isinstance(inner, CompactionMethod):  # composed by instance: the config names it and its params
-            params.setdefault("inner_params", inner.config.model_dump())
-            super().__init__(config, inner=inner.name, **params)
-            self.inner = inner
-        else:
-            super().__init__(config, **({} if inner is None else {"inner": inner}), **params)
-            self.inner = get_method(self.config.inner, **self.config.inner_params)
-
-    @property
-    def uses_queries(self) -> bool:
-        return self.inner.uses_queries
-
-    @property
-    def global_scores(self) -> bool:  # REAL only moves budget between heads; the inner method's scores rank
-        return self.inner.global_scores
-
-    @property
-    def needs_last_layer_inputs(self) -> bool:
-        return self.inner.needs_last_layer_inputs
-
-    @property
-    def needs_surprisal(self) -> bool:
-        return self.inner.needs_surprisal
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
         scores = head_scores(span, self.config.scores, self.config.profile, self.config.score)
