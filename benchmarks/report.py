@@ -466,6 +466,27 @@ def seed_methods_section(d: dict) -> str:
     return "\n".join(out)
 
 
+def long_session_section(d: dict) -> str:
+    conditions = list(dict.fromkeys(r["condition"] for r in d["summary"]))
+    bins = list(dict.fromkeys(r["ages"] for r in d["summary"]))
+    cell = {(r["condition"], r["ages"]): r for r in d["summary"]}
+    medians = {b: next(r["median_age"] for r in d["summary"] if r["ages"] == b) for b in bins}
+    columns = ["condition"] + [
+        "all facts" if b == "all" else f"age {b} (median {medians[b] / 1000:.1f}k)" for b in bins
+    ]
+    body = [[c] + [f"{cell[(c, b)]['fact_gain_kept']:.2f} {cell[(c, b)]['gain_ci']}" for b in bins] for c in conditions]
+    return (
+        "**A long agent session** (`python -m benchmarks.long_session`): every frozen agent trace in turn as one "
+        f"session ({', '.join(d['traces'])}; {d['tokens']:,} tokens, {len(d['facts'])} facts each mentioned once), "
+        f"replayed step by step under a cap of 1/{d['cap']} of its tokens on the default 16-bit cache, every fact "
+        "asked at the end. Each fact's reference is its own task's messages up to the one that mentions it, then "
+        "the question (at most 6.3k tokens: the model has 8,192 positions); *fact gain kept* is the share of that "
+        "reference's gain over no trace, by quartile of the fact's age (the session's tokens after the message "
+        "that mentions it), with 95% bootstrap intervals over facts"
+        f"{on_cpu(d)}.\n\n![forgetting curve](benchmarks/results/long_session.png)\n\n" + md(body, columns)
+    )
+
+
 def agent_turns_section(d: dict) -> str:
     traces = list(d["summary"][0]["per_trace"])
     out = [
@@ -797,6 +818,7 @@ def render() -> str:
         ("agent_memory", agent_memory_section),
         ("agent_memory_turns", agent_turns_section),
         ("seed_methods", seed_methods_section),
+        ("long_session", long_session_section),
         ("agent_session", agent_section),
         ("persistence", persistence_section),
         ("serve", serve_section),

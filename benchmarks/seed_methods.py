@@ -62,6 +62,9 @@ def summary_of(rows: list[dict], none: dict, caps: list[int]) -> list[dict]:
         full = [r for r in mine if r["condition"] == "uncompacted"]
         for divisor in caps:
             capped = [r for r in mine if r["divisor"] == divisor and r["condition"] != "uncompacted"]
+            ran = {(r["trace"], r["condition"]) for r in capped}
+            traces = {t for t, _ in ran if all((t, c) in ran for _, c in ran)}  # those every condition ran on
+            capped = [r for r in capped if r["trace"] in traces]
             if not capped:
                 continue
             for s in summarise(full + capped, none, divisor):
