@@ -96,7 +96,7 @@ def curve(rows: list[dict], facts: list[dict]) -> list[dict]:
     return out
 
 
-def plot(summary: list[dict], path) -> None:
+def plot(summary: list[dict], tokens: int, cap: int, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,7 +112,7 @@ def plot(summary: list[dict], path) -> None:
     ax.axhline(0.0, color="black", linewidth=0.5)
     ax.set_xlabel("fact age: session tokens after the message that mentions it (thousands)")
     ax.set_ylabel("fact gain kept (1 = as freshly read)")
-    ax.set_title("forgetting curve: a 33k-token agent session under a 1/16 cap", fontsize=10)
+    ax.set_title(f"forgetting curve: a {tokens:,}-token agent session under a 1/{cap} cap", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -137,7 +137,7 @@ def main() -> None:
         print(f"{condition:<16} NLL {row['nll_last_turn']:.3f}  {row['seconds']:.0f} s", flush=True)
         rows.append(row)
         summary = curve(rows, facts)
-        plot(summary, RESULTS / "long_session.png")
+        plot(summary, tokens, args.cap, RESULTS / "long_session.png")
         save("long_session", {**out, "summary": summary, "rows": rows})
     print(table(summary, list(summary[0])))
 

@@ -94,7 +94,12 @@ def plot(summary: list[dict], path) -> None:
     for i, trace_set in enumerate(sets):
         for j, cap in enumerate(caps):
             ax = axes[i][j]
-            for r in (r for r in summary if r["set"] == trace_set and r["cap"] == cap):
+            cell = [r for r in summary if r["set"] == trace_set and r["cap"] == cap]
+            if not cell:
+                ax.set_axis_off()
+                ax.text(0.5, 0.5, f"{trace_set} traces, cap {cap}: not measured", ha="center", fontsize=9)
+                continue
+            for r in cell:
                 condition = r["condition"]
                 color = colors.get(condition) or seed_colors[condition.split("-")[0]]
                 marker = "s" if condition.endswith("-fit") else "^" if condition == "counter-causal" else "o"
