@@ -441,7 +441,9 @@ def seed_methods_section(d: dict) -> str:
         f"trace ({sets}; the held-out traces were written and frozen before any composition was measured and "
         "never tuned on), metrics as in *Agent memory* (*answers held*: the share of the fact gain whose answer the "
         "memory still holds at the end); *median pause*: the median over sessions of each "
-        "session's median compaction pause; *worst pause*: the longest of any session"
+        "session's median compaction pause; *worst pause*: the longest of any session; a table lists the traces "
+        "every condition ran on at its cap (at 1/16, tilecache's 275 slots cannot hold its protected prompt, the "
+        "recent window and one prefill chunk, so the memory refuses it with `MemoryCapError`)"
         f"{on_cpu(d)}.\n\n![seed methods](benchmarks/results/seed_methods.png)"
     ]
     for trace_set in dict.fromkeys(r["set"] for r in d["summary"]):
@@ -462,7 +464,8 @@ def seed_methods_section(d: dict) -> str:
                 for r in d["summary"]
                 if r["set"] == trace_set and r["cap"] == cap
             ]
-            out.append(f"\n*{trace_set} traces, cap {cap}*\n\n" + md(body, columns))
+            traces = next(r["traces"] for r in d["summary"] if r["set"] == trace_set and r["cap"] == cap)
+            out.append(f"\n*{trace_set} traces ({', '.join(traces)}), cap {cap}*\n\n" + md(body, columns))
     return "\n".join(out)
 
 

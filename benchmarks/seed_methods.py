@@ -73,7 +73,8 @@ def summary_of(rows: list[dict], none: dict, caps: list[int]) -> list[dict]:
                 cell = [r for r in capped if r["condition"] == s["condition"]]
                 keep = ("fact_gain_kept", "gain_ci", "answers_held", "delta_nll_last_turn", "nll_ci")
                 keep += ("degenerate_replies",)
-                row = {"set": trace_set, "cap": s["cap"], "condition": s["condition"], **{k: s[k] for k in keep}}
+                row = {"set": trace_set, "cap": s["cap"], "condition": s["condition"], "traces": sorted(traces)}
+                row.update({k: s[k] for k in keep})
                 out.append({**row, "pause_s_per_2048_slots": s["pause_s_per_2048_slots"], **pauses(cell)})
     return out
 
