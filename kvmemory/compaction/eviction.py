@@ -24,6 +24,10 @@ class ScoreEviction(CompactionMethod):
         return None
 
     def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
+        return self.keep_top(span, budgets, lambda layer: self.score(layer, span))
+
+    def keep_top(self, span: CacheSpan, budgets: torch.Tensor, score) -> list[LayerResult]:
+        """Per layer and head, the ``budgets`` slots with the highest ``score(layer)``, forced ones first."""
         results = []
         for layer in span.each_layer():
             budget = budgets[layer.layer]
@@ -31,6 +35,15 @@ class ScoreEviction(CompactionMethod):
             prot = protected_mask(span, layer)
             if prot is not None:
                 forced = prot if forced is None else forced | prot
-            keep = topk_per_head(self.score(layer, span), layer.valid, budget, forced)
+            keep = topk_per_head(score(layer), layer.valid, budget, forced)
             results.append(LayerResult(keep=keep))
         return results
+
+
+class PositionEviction(ScoreEviction):
+    """Keep the positions ``position_scores`` ranks highest, the same ones in every head (as many as each
+    head's budget allows)."""
+
+    def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
+        ranking = self.position_scores(span)
+        return self.keep_top(span, budgets, lambda layer: ranking.score_slots(layer.positions).to(layer.keys.device))

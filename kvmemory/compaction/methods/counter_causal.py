@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from kvmemory.compaction.base import CacheSpan, LayerSpan, MethodConfig
-from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.base import CacheSpan, MethodConfig
+from kvmemory.compaction.eviction import PositionEviction
 from kvmemory.compaction.position_scores import PositionScores, span_positions
 from kvmemory.compaction.registry import register
 
@@ -38,7 +38,7 @@ def surprise_scores(span: CacheSpan, fast: bool) -> PositionScores:
 
 
 @register
-class CounterCausal(ScoreEviction):
+class CounterCausal(PositionEviction):
     """Counter-causal surprise (Gould & van den Hengel, arXiv 2607.27600): keep the tokens the later
     context cannot predict, scored by re-reading each token with the opposite mask."""
 
@@ -52,10 +52,3 @@ class CounterCausal(ScoreEviction):
 
     def position_scores(self, span: CacheSpan) -> PositionScores:
         return surprise_scores(span, self.config.fast)
-
-    def compact(self, span: CacheSpan, budgets: torch.Tensor):
-        self._scores = self.position_scores(span)
-        return super().compact(span, budgets)
-
-    def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:
-        return self._scores.score_slots(layer.positions.cpu()).to(layer.keys.device)

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan, MethodConfig
-from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.base import CacheSpan, MethodConfig
+from kvmemory.compaction.eviction import PositionEviction
 from kvmemory.compaction.position_scores import PositionScores
 from kvmemory.compaction.registry import register
 from kvmemory.compaction.wrapper import Wrapper
@@ -115,7 +115,7 @@ def line_ranking(
 
 
 @register
-class Lines(Wrapper, ScoreEviction):
+class Lines(Wrapper, PositionEviction):
     """Any method's position ranking by whole lines, with a surprise floor, the same in every head (see the
     module docstring): ``Lines(CounterCausal())`` or ``get_method("lines", inner="tam")``."""
 
@@ -131,10 +131,3 @@ class Lines(Wrapper, ScoreEviction):
         cfg = self.config
         tokens = self.inner.position_scores(span)
         return line_ranking(span, tokens, cfg.max_unit_tokens, cfg.evict_predictable_below, f"lines({cfg.inner})")
-
-    def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
-        self._ranking = self.position_scores(span)
-        return super().compact(span, budgets)
-
-    def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:
-        return self._ranking.score_slots(layer.positions).to(layer.keys.device)

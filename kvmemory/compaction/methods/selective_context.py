@@ -17,11 +17,10 @@ the recent queries, as Attention Matching does, measured to push exactly these s
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
-from kvmemory.compaction.base import CacheSpan, LayerResult, LayerSpan, MethodConfig
-from kvmemory.compaction.eviction import ScoreEviction
+from kvmemory.compaction.base import CacheSpan, MethodConfig
+from kvmemory.compaction.eviction import PositionEviction
 from kvmemory.compaction.methods.lines import line_ranking, recorded_surprisal
 from kvmemory.compaction.position_scores import PositionScores, span_positions
 from kvmemory.compaction.registry import register
@@ -50,7 +49,7 @@ def line_surprisal(span: CacheSpan, max_unit_tokens: int, predictable_below: flo
 
 
 @register
-class SelectiveContext(ScoreEviction):
+class SelectiveContext(PositionEviction):
     """Selective context (Li et al., EMNLP 2023): keep the lines of highest mean surprisal, in every head."""
 
     name = "selective_context"
@@ -64,10 +63,3 @@ class SelectiveContext(ScoreEviction):
 
     def position_scores(self, span: CacheSpan) -> PositionScores:
         return line_surprisal(span, self.config.max_unit_tokens, self.config.evict_predictable_below)
-
-    def compact(self, span: CacheSpan, budgets: torch.Tensor) -> list[LayerResult]:
-        self._scores = self.position_scores(span)
-        return super().compact(span, budgets)
-
-    def score(self, layer: LayerSpan, span: CacheSpan) -> torch.Tensor:
-        return self._scores.score_slots(layer.positions.cpu()).to(layer.keys.device)
