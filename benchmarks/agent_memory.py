@@ -165,16 +165,32 @@ class DropOldest:
         self.count, self.budget = count_tokens, budget
 
     def fit(self, messages: list) -> list:
-        head, rest = messages[:2], list(messages[2:])
-        while rest and self.count(head + rest) > self.budget:
+        head, rest = messages[:2], messages[2:]
+        starts = self.starts(rest)
+        low, high = 0, len(starts) - 1  # the first start whose messages fit (fewer messages, fewer tokens)
+        while low < high:
+            middle = (low + high) // 2
+            if self.count(head + rest[starts[middle] :]) <= self.budget:
+                high = middle
+            else:
+                low = middle + 1
+        return head + rest[starts[low] :]
+
+    @staticmethod
+    def starts(rest: list) -> list[int]:
+        """Where the kept messages may begin, oldest dropped first: a tool call goes with its results, and no
+        tool result is left without its call; the last start keeps nothing."""
+        out, at = [0], 0
+        while at < len(rest):
             cut = 1
-            if isinstance(rest[0], AIMessage) and rest[0].tool_calls:
-                while cut < len(rest) and isinstance(rest[cut], ToolMessage):
+            if isinstance(rest[at], AIMessage) and rest[at].tool_calls:
+                while at + cut < len(rest) and isinstance(rest[at + cut], ToolMessage):
                     cut += 1
-            rest = rest[cut:]
-            while rest and isinstance(rest[0], ToolMessage):  # never leave an orphaned tool result
-                rest = rest[1:]
-        return head + rest
+            at += cut
+            while at < len(rest) and isinstance(rest[at], ToolMessage):  # never leave an orphaned tool result
+                at += 1
+            out.append(at)
+        return out
 
     def edit(self, messages: list) -> list:
         return messages

@@ -12,20 +12,29 @@ model answers with the fact freshly read. *Fact gain kept* is ``(lp - lp_none) /
 facts the reference helps (``lp_none``: the question after the system prompt alone), per bin of the fact's age
 (the session's tokens after the message that mentions it), with 95% bootstrap intervals over facts.
 
-    python -m benchmarks.long_session [--cap 16] [--conditions kvmemory-default uniform-lines cc-lines drop-oldest]
+``context-window`` is what an engine that holds the session verbatim remembers (llama.cpp, or an agent that trims
+its history to fit): the newest messages that fit the model's 8,192 positions, less room for a question and its
+answer. It needs no cap and no replay: that view depends on the history alone, so it is built once at the end.
+
+    python -m benchmarks.long_session [--caps 16] [--conditions kvmemory-default uniform-lines context-window ...]
+    python -m benchmarks.long_session --update --caps 32 --conditions kvmemory-default   # add to the saved runs
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import time
 
-from benchmarks.agent_memory import FullHistory, ask, bootstrap, gain_share, no_trace_logprobs, replay
+from benchmarks.agent_memory import FullHistory, ask, bootstrap, gain_share, no_trace_logprobs, replay, setup
 from benchmarks.agent_traces import TRACE_SETS, load_traces, trace_text
 from benchmarks.common import RESULTS, save, table
 from kvmemory import Engine
 
 CONDITIONS = ["kvmemory-default", "uniform-lines", "cc-lines", "am-lines", "tam-lines", "drop-oldest"]
+CONTEXT_WINDOW = "context-window"
+ANSWER_ROOM = 256  # of the model's positions, what the context window leaves for a question and its answer
 AGE_BINS = 4  # quartiles of the facts' ages
 
 
@@ -72,8 +81,37 @@ def ages(engine, session: dict, facts: list[dict]) -> list[int]:
     return [total - len(render(session["messages"][: f["message"] + 1])) for f in facts]
 
 
+def context_window(engine, session: dict) -> dict:
+    """The ``context-window`` condition's row: the newest messages that fit the model's positions (less
+    ``ANSWER_ROOM``), each fact asked after them."""
+    started = time.perf_counter()
+    _, view, _, budget = setup(engine, "drop-oldest", engine.max_context - ANSWER_ROOM)
+    shown = view.show(session["messages"])
+    probe = engine.session()
+    probe.set_messages(shown)
+    facts = ask(probe, FullHistory(), shown, session["facts"], engine.tokenizer)
+    row = {
+        "trace": session["name"],
+        "condition": CONTEXT_WINDOW,
+        "cap": None,
+        "cap_tokens": budget,
+        "nll_last_turn": None,
+        "peak_kv_bytes": probe.stats().kv_bytes,
+        "messages_kept": len(shown),
+        "facts": facts,
+        "seconds": time.perf_counter() - started,
+    }
+    probe.close()
+    return row
+
+
+def label(row: dict) -> str:
+    """A row's condition, with its cap when it has one (``kvmemory-default 1/16``)."""
+    return row["condition"] if row["cap"] is None else f"{row['condition']} 1/{row['cap']}"
+
+
 def curve(rows: list[dict], facts: list[dict]) -> list[dict]:
-    """Per condition and age bin (quartiles of the ages), the fact gain kept with its interval."""
+    """Per condition and cap, and per age bin (quartiles of the ages), the fact gain kept with its interval."""
     ordered = sorted(facts, key=lambda f: f["age"])
     size = len(ordered) / AGE_BINS
     bins = [ordered[round(i * size) : round((i + 1) * size)] for i in range(AGE_BINS)]
@@ -86,6 +124,8 @@ def curve(rows: list[dict], facts: list[dict]) -> list[dict]:
             out.append(
                 {
                     "condition": row["condition"],
+                    "cap": row["cap"],
+                    "label": label(row),
                     "ages": "all" if members is ordered else f"{members[0]['age']}-{members[-1]['age']}",
                     "median_age": statistics.median(f["age"] for f in members),
                     "facts": len(members),
@@ -96,48 +136,63 @@ def curve(rows: list[dict], facts: list[dict]) -> list[dict]:
     return out
 
 
-def plot(summary: list[dict], tokens: int, cap: int, path) -> None:
+def plot(summary: list[dict], tokens: int, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for condition in dict.fromkeys(r["condition"] for r in summary):
-        mine = [r for r in summary if r["condition"] == condition and r["ages"] != "all"]
-        ax.plot(
-            [r["median_age"] / 1000 for r in mine], [r["fact_gain_kept"] for r in mine], marker="o", label=condition
-        )
+    for name in dict.fromkeys(r["label"] for r in summary):
+        mine = [r for r in summary if r["label"] == name and r["ages"] != "all"]
+        style = "--" if mine[0]["cap"] is None else "-"
+        ages, kept = [r["median_age"] / 1000 for r in mine], [r["fact_gain_kept"] for r in mine]
+        ax.plot(ages, kept, style, marker="o", label=name)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.axhline(0.0, color="black", linewidth=0.5)
     ax.set_xlabel("fact age: session tokens after the message that mentions it (thousands)")
     ax.set_ylabel("fact gain kept (1 = as freshly read)")
-    ax.set_title(f"forgetting curve: a {tokens:,}-token agent session under a 1/{cap} cap", fontsize=10)
+    ax.set_title(f"forgetting curve: a {tokens:,}-token agent session under a cap of 1/N of its tokens", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--cap", type=int, default=16, help="cap = session tokens / N")
-    parser.add_argument("--conditions", nargs="+", default=CONDITIONS, choices=CONDITIONS)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--caps", type=int, nargs="+", default=[16], help="caps as session tokens / N")
+    parser.add_argument("--conditions", nargs="+", default=[*CONDITIONS, CONTEXT_WINDOW])
+    parser.add_argument("--update", action="store_true", help="add to the saved rows, replacing the same runs")
     args = parser.parse_args()
+    unknown = set(args.conditions) - {*CONDITIONS, CONTEXT_WINDOW}
+    if unknown:
+        parser.error(f"unknown conditions {sorted(unknown)}: choose from {[*CONDITIONS, CONTEXT_WINDOW]}")
     engine = Engine.from_pretrained("default")  # the default 16-bit cache: equal slots are equal bytes
     traces = [t for name in TRACE_SETS for t in load_traces(trace_set=name)]
     session, facts = long_session(traces)
-    none = {(t["name"], q): lp for t in traces for (q, _), lp in zip(t["facts"], no_trace_logprobs(engine, t))}
-    for f, reference, age in zip(facts, reference_logprobs(engine, session, facts), ages(engine, session, facts)):
-        f.update(none=none[(f["trace"], f["question"])], reference=reference, age=age)
     tokens = len(engine.session().renderer.render(session["messages"]))
-    print(f"{len(session['messages'])} messages, {tokens:,} tokens, {len(facts)} facts, cap {tokens // args.cap}")
-    rows, out = [], {"cap": args.cap, "tokens": tokens, "traces": [t["name"] for t in traces], "facts": facts}
-    for condition in args.conditions:  # saved after each: a stopped run keeps the conditions it finished
-        row = replay(engine, session, condition, tokens // args.cap, replies=0)
-        print(f"{condition:<16} NLL {row['nll_last_turn']:.3f}  {row['seconds']:.0f} s", flush=True)
-        rows.append(row)
+    saved = json.loads((RESULTS / "long_session.json").read_text()) if args.update else None
+    if saved:
+        facts, rows = saved["facts"], saved["rows"]
+    else:
+        none = {(t["name"], q): lp for t in traces for (q, _), lp in zip(t["facts"], no_trace_logprobs(engine, t))}
+        for f, reference, age in zip(facts, reference_logprobs(engine, session, facts), ages(engine, session, facts)):
+            f.update(none=none[(f["trace"], f["question"])], reference=reference, age=age)
+        rows = []
+    print(f"{len(session['messages'])} messages, {tokens:,} tokens, {len(facts)} facts, caps {args.caps}")
+    out = {"tokens": tokens, "traces": [t["name"] for t in traces], "facts": facts}
+    runs = [(c, None) for c in args.conditions if c == CONTEXT_WINDOW]
+    runs += [(c, cap) for cap in args.caps for c in args.conditions if c != CONTEXT_WINDOW]
+    for condition, cap in runs:  # saved after each: a stopped run keeps the conditions it finished
+        if cap is None:
+            row = context_window(engine, session)
+        else:
+            row = {**replay(engine, session, condition, tokens // cap, replies=0), "cap": cap}
+        nll = "–" if row["nll_last_turn"] is None else f"{row['nll_last_turn']:.3f}"
+        print(f"{label(row):<24} NLL {nll}  {row['seconds']:.0f} s", flush=True)
+        rows = [r for r in rows if (r["condition"], r["cap"]) != (condition, cap)] + [row]
         summary = curve(rows, facts)
-        plot(summary, tokens, args.cap, RESULTS / "long_session.png")
+        plot(summary, tokens, RESULTS / "long_session.png")
         save("long_session", {**out, "summary": summary, "rows": rows})
     print(table(summary, list(summary[0])))
 

@@ -295,7 +295,11 @@ def test_cap_is_never_exceeded_in_random_sessions(ops, cap):
         elif len(session.segments) > 1:
             session.recall(session.segments[1].id)
         assert session.cache.slots_per_head <= cap
+        # nor is storage reserved past it: appends reserve no headroom beyond the room the cap leaves
+        assert session.stats().allocated_bytes <= cap * session.cache.bytes_per_token()
     assert manager.peak_slots <= cap
+    fork = session.fork(with_memory=True)
+    assert fork.stats().allocated_bytes <= cap * fork.cache.bytes_per_token()
 
 
 _ENGINE = Engine(tiny_model("llama", max_position_embeddings=4096))

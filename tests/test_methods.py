@@ -582,8 +582,8 @@ def test_retrieval_lines_refuses_head_scores_of_another_shape_before_changing_an
 
 def test_queries_stored_per_pass_are_the_window_the_capture_and_the_context():
     """The batcher hands a recorder each pass's queries of all layers at once (``store``): the window holds
-    the last R tokens' queries, grouped by KV head, token-major; a capture every query; and the context the
-    same whether a segment's tokens come in one pass or several."""
+    the last R tokens' queries, grouped by KV head, token-major (held in bf16); a capture every query; and the
+    context the same whether a segment's tokens come in one pass or several."""
     from kvmemory.runtime.recorders import QueryRecorder, group_queries
 
     layers, kv_heads, groups, dim, window = 3, 2, 2, 4, 5
@@ -599,7 +599,9 @@ def test_queries_stored_per_pass_are_the_window_the_capture_and_the_context():
     at_once.store(everything)
     for layer in range(layers):
         expected = everything[layer, :, -window:].view(kv_heads, groups, window, dim).transpose(1, 2)
-        assert torch.equal(stepwise.window_queries(layer), expected.reshape(kv_heads, window * groups, dim))
+        held = expected.reshape(kv_heads, window * groups, dim).to(torch.bfloat16)  # held in half precision
+        assert stepwise.window_queries(layer).dtype == torch.float32  # handed out in full
+        assert torch.equal(stepwise.window_queries(layer), held.float())
     for a, b in zip(stepwise.context_queries([0]), at_once.context_queries([0])):
         assert torch.equal(a, b)
     for layer, captured in enumerate(stepwise.stop_capture()):

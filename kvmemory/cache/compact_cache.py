@@ -48,6 +48,7 @@ class CacheSnapshot:
     rope_length: int
     compactions: int
     default_segment: int
+    growth_room: int | None
 
 
 class CompactCache(Cache):
@@ -67,6 +68,9 @@ class CompactCache(Cache):
         self.compactions = 0
         self._pending: AppendRows | None = None  # see begin_append
         self.default_segment = 0
+        # rows every head takes after the next append before it is compacted (a memory manager sets it from its
+        # cap; None: no bound): appends reserve no storage past it, so a capped session's bytes stay its cap's
+        self.growth_room: int | None = None
 
     def begin_append(self, start: int, count: int, segment_id: int, device=None) -> int:
         """Make the next forward's ``count`` tokens sit at transcript positions ``start``, ``start + 1``, … of
@@ -84,7 +88,7 @@ class CompactCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         meta = self._pending_meta(key_states.shape[2], key_states.device)
-        keys, values = self.layers[layer_idx].update(key_states, value_states, meta)
+        keys, values = self.layers[layer_idx].update(key_states, value_states, meta, self.growth_room)
         self._layer_done(layer_idx)
         return keys, values
 
@@ -94,7 +98,7 @@ class CompactCache(Cache):
         already. One call per decode step instead of one per layer: a packed pass claims for every session."""
         meta = self._pending_meta(q, self.layers[0].device)
         for layer in self.layers:
-            layer.claim(q)
+            layer.claim(q, self.growth_room)
         self._layer_done(len(self.layers) - 1)
         return meta
 
@@ -144,6 +148,7 @@ class CompactCache(Cache):
             self.rope_length,
             self.compactions,
             self.default_segment,
+            self.growth_room,
         )
 
     def restore(self, snapshot: CacheSnapshot) -> None:
@@ -151,13 +156,15 @@ class CompactCache(Cache):
             layer.restore(state)
         self.logical_length, self.rope_length = snapshot.logical_length, snapshot.rope_length
         self.compactions, self.default_segment = snapshot.compactions, snapshot.default_segment
+        self.growth_room = snapshot.growth_room
         self._pending = None
 
     def clone(self) -> CompactCache:
         """An independent copy (for forks): live slots copied, nothing shared."""
         twin = CompactCache(len(self.layers))
-        twin.layers = [layer.clone() for layer in self.layers]  # each keeps its storage dtype
+        twin.layers = [layer.clone(self.growth_room) for layer in self.layers]  # each keeps its storage dtype
         twin.logical_length, twin.rope_length = self.logical_length, self.rope_length
+        twin.growth_room = self.growth_room
         twin.compactions, twin.default_segment = self.compactions, self.default_segment
         return twin
 

@@ -34,9 +34,11 @@ NEG_INF = float("-inf")
 META_BYTES = 4 + 4 + 4 + 4  # β, position, RoPE position and segment id of one slot of one head
 
 
-def _headroom(slots: int) -> int:
-    """Spare slots allocated beyond what is needed: bounded, so allocated bytes track used bytes."""
-    return max(64, min(512, slots // 8))
+def _headroom(slots: int, room: int | None = None) -> int:
+    """Spare slots allocated beyond what is needed: bounded, so allocated bytes track used bytes, and never past
+    ``room``, the rows a head will still take before it is compacted (``CompactCache.growth_room``)."""
+    spare = max(64, min(512, slots // 8))
+    return spare if room is None else max(0, min(spare, room))
 
 
 def rotation_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,14 +231,15 @@ class CompactLayer(CacheLayerMixin):
         self._set(LayerState(slots, (0,) * heads, (0,) * heads, (0,) * heads, (0,) * heads, False))
         self.is_initialized = True
 
-    def update(self, key_states, value_states, meta: torch.Tensor):
+    def update(self, key_states, value_states, meta: torch.Tensor, room: int | None = None):
         """Append ``q`` new tokens to every head: keys and values (1, H, q, D), ``meta`` their (q, 4) rows
-        (``CompactCache.append_rows``). Returns the keys and values attention reads: (1, H, S, D) views when
-        the heads are even, else one (1, 1, S_h, D) view per head."""
+        (``CompactCache.append_rows``); ``room``: rows each head takes after these before it is compacted
+        (None: unknown), which bounds the storage reserved past them. Returns the keys and values attention
+        reads: (1, H, S, D) views when the heads are even, else one (1, 1, S_h, D) view per head."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
-        self._make_room(q)
+        self._make_room(q, room)
         if self.quantized:  # encoded once; attention reads the cache decoded (fp32) below
             key_states, value_states = int8_rows.encode(key_states), int8_rows.encode(value_states)
         if self.uniform:
@@ -262,16 +265,17 @@ class CompactLayer(CacheLayerMixin):
         """Stored rows as attention reads them: views as stored (16- or 32-bit), decoded 8-bit rows."""
         return int8_rows.decode(rows) if self.quantized else rows
 
-    def claim(self, q: int) -> None:
+    def claim(self, q: int, room: int | None = None) -> None:
         """Count ``q`` more rows per head as live without writing them: the caller writes each head's new rows
         (the CPU decode kernel writes a decoded token's key, value and metadata as it attends)."""
-        self._make_room(q)
+        self._make_room(q, room)
         even = self.uniform  # every layer of every decoded token: no loop over the heads
         self._set_lengths((self.length + q,) * len(self.lengths) if even else tuple(n + q for n in self.lengths))
 
-    def _make_room(self, q: int) -> None:
+    def _make_room(self, q: int, room: int | None) -> None:
         if not self._room_for(q):
-            self._relayout(tuple(max(c, n + q + _headroom(n + q)) for c, n in zip(self.capacities, self.lengths)))
+            spare = _headroom(max(self.lengths) + q, room)
+            self._relayout(tuple(max(c, n + q + spare) for c, n in zip(self.capacities, self.lengths)))
 
     def _room_for(self, q: int) -> bool:
         """Whether every head can take ``q`` more rows in place: within its capacity, and past every row a
@@ -327,12 +331,13 @@ class CompactLayer(CacheLayerMixin):
         if self.is_initialized:
             self.dtype, self.device = state.slots.keys.dtype, state.slots.keys.device
 
-    def clone(self) -> CompactLayer:
-        """An independent copy holding only the live slots (plus headroom)."""
+    def clone(self, room: int | None = None) -> CompactLayer:
+        """An independent copy holding only the live slots (plus headroom, at most ``room``: see ``update``)."""
         twin = CompactLayer(self.storage_dtype)
         if self.is_initialized:
             twin.restore(self._state())
-            twin._relayout(tuple(n + _headroom(n) for n in self.lengths))
+            spare = _headroom(max(self.lengths), room)
+            twin._relayout(tuple(n + spare for n in self.lengths))
         return twin
 
     def validate(self, plan: LayerPlan, layer_idx: int) -> list[torch.Tensor]:

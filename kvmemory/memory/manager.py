@@ -165,6 +165,8 @@ class MemoryManager:
                     f"compaction left {self.session.cache.slots_per_head} slots; {n_new} more would exceed "
                     f"the cap of {cap}"
                 )
+            held = self.session.cache.slots_per_head
+        self.session.cache.growth_room = cap - held - n_new  # what the cache may reserve: up to the cap, no more
 
     def after_append(self) -> None:
         interval = self.policy.budget.interval

@@ -230,6 +230,7 @@ def load_session(engine, path, session_id: str | None = None):
                 saved_cache["rope_length"],
                 saved_cache["compactions"],
                 saved_cache["default_segment"],
+                growth_room=None,  # a memory manager sets it again before the next append
             ),
             transcript=state["tokens"],
             token_count=len(state["tokens"]),

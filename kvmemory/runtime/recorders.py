@@ -41,10 +41,12 @@ class QueryRecorder:
         window: int = 64,
         context: int = 0,
         dtype=torch.float32,
-        context_dtype=torch.bfloat16,
+        stored_dtype=torch.bfloat16,
     ):
         self.num_layers, self.num_kv_heads, self.window, self.dtype = num_layers, num_kv_heads, window, dtype
-        self.context_dtype = context_dtype  # context queries only rank and fit slots: half precision is plenty
+        # the window and context queries are held for as long as the session lives, and only rank slots and
+        # fit β and values: half precision halves what every session carries; they are handed out as ``dtype``
+        self.stored_dtype = stored_dtype
         # the window as pieces (L, H, rows, D) for every layer at once, oldest first, joined only once they
         # hold 2R tokens: a decoded token costs one small copy, not a copy of the whole window. Never written
         # in place, so a tuple of them is a snapshot.
@@ -72,12 +74,12 @@ class QueryRecorder:
             for layer, layer_queries in enumerate(grouped.to(self.dtype).unbind()):
                 self.captured[layer].append(layer_queries)
         if keep_context:
-            for layer, layer_queries in enumerate(grouped.to(self.context_dtype).unbind()):
+            for layer, layer_queries in enumerate(grouped.to(self.stored_dtype).unbind()):
                 self._keep_context(layer, layer_queries, groups)
         if window <= 0:
             return
         keep_rows = window * groups
-        piece = grouped[:, :, -keep_rows:].to(self.dtype, copy=True)  # never a view of the pass's queries
+        piece = grouped[:, :, -keep_rows:].to(self.stored_dtype, copy=True)  # never a view of the pass's queries
         if piece.shape[2] == keep_rows:  # a whole window on its own (a prefill chunk)
             self.recent, self._rows = (piece,), keep_rows
         elif self._rows + piece.shape[2] >= 2 * keep_rows:
@@ -125,10 +127,10 @@ class QueryRecorder:
         self.context.clear()
 
     def window_queries(self, layer: int) -> torch.Tensor | None:
-        """(H, ≤R·G, D): the queries of the last ``window`` tokens (fewer before that many have run)."""
+        """(H, ≤R·G, D) as ``dtype``: the queries of the last ``window`` tokens (fewer before that many have run)."""
         if not self.recent or self.groups is None or self.window <= 0:  # window 0: recording switched off
             return None
-        return self.joined_window()[layer, :, -self.window * self.groups :]
+        return self.joined_window()[layer, :, -self.window * self.groups :].to(self.dtype)
 
     def joined_window(self) -> torch.Tensor:
         """The window's pieces as one (L, H, rows, D) tensor (joined once: the pieces become that one)."""
