@@ -12,27 +12,29 @@ sequence has its own prompt and cells). kvmemory: S sessions on agent-trace cont
 (``benchmarks/concurrency.py``), uncompacted and each under a 1/8 cap (256 slots per head), their decode
 phases taking turns, ``--rounds`` rounds (medians).
 
-**Capacity under a KV budget.** For each budget (1 GiB and 4 GiB of KV), how many sessions that have read
-``--long-tokens`` (32k) tokens of agent work fit, and what they decode together:
+**Capacity under a KV budget.** For each budget (1 GiB and 4 GiB of KV), how many 32k-token agent sessions fit,
+what they decode together, and what each remembers. The session is the long-session benchmark's
+(``benchmarks/long_session.py``): the six agent tasks in turn, 31,886 tokens of file reads, test runs and logs.
 
 * llama.cpp holds a session's context in its cache, and the default model's context is 8,192 positions: past
-  that it must truncate, so each session costs 8,192 cells at least (fp16 keys and values, llama.cpp's
+  that it must drop what is oldest, so each session costs 8,192 cells (fp16 keys and values, llama.cpp's
   default). Sessions held = budget / that; their aggregate decode is measured with that many sequences of
-  8,192 − T prompt tokens;
-* kvmemory holds each session under the default policy capped at 1/16 of what it read (``--cap`` slots per
-  head). One session replays the agent traces one after another until it has read ``--long-tokens`` tokens
-  (compacting as it goes); its bytes (KV allocated plus the reference queries it records) set how many fit
-  the budget, and that many copies of it (``Session.fork``, each with its own cache) are held at once and
-  decode together. Then each appends a tool output (the next trace's first) and starts a reply, all at once:
-  time to first token, median and worst.
+  8,192 − T prompt tokens. What such a session remembers is the long-session benchmark's ``context-window``
+  condition: the newest messages that fit the context, on the same weights.
+* kvmemory holds each session under the default policy capped at 1/N of its tokens (``--caps``, 1/16 and
+  1/32). The session is replayed step by step under that cap, as the long-session benchmark replays it; its
+  bytes (KV storage as allocated, plus the queries it records for compaction) set how many fit the budget,
+  and that many copies of it (``Session.fork``, each with its own cache) are held at once and decode
+  together. Then each appends a tool output (its first task's, asked again) and starts a reply, all at once:
+  time to first token, median and worst, and the turn's prefill tokens/s.
 
-``fact_gain_kept`` is the default policy's share of the full trace's fact gain on the agent benchmark
-(``benchmarks/results/agent_memory.json``, its 1/8 cap with the 16-bit cache; those traces are 5k tokens,
-so this is the memory quality at that compression, not a measurement on the 32k sessions).
+``fact_gain_kept`` is read from ``benchmarks/results/long_session.json`` (run that benchmark first, at the same
+caps): the share of the fact gain that each fact's freshly read task gives, over all 69 facts of the session,
+kept by that cap (kvmemory) or by the context window (llama.cpp).
 
 Writes ``capacity.json`` and ``capacity.png``.
 
-    python -m benchmarks.capacity [--sessions 1 4 8 16] [--tokens 32] [--budgets-gib 1 4] [--long-tokens 32768]
+    python -m benchmarks.capacity [--sessions 1 4 8 16] [--tokens 32] [--budgets-gib 1 4] [--caps 16 32]
 """
 
 from __future__ import annotations
@@ -51,10 +53,13 @@ from pathlib import Path
 import torch
 
 from benchmarks import concurrency
-from benchmarks.agent_traces import load_traces
+from benchmarks.agent_memory import setup, step_through
+from benchmarks.agent_traces import TRACE_SETS, load_traces
 from benchmarks.common import RESULTS, save, table
+from benchmarks.long_session import CONTEXT_WINDOW
+from benchmarks.long_session import long_session as long_session_of
 from kvmemory import Engine, run_on_compute
-from kvmemory.memory import MemoryBudget, MemoryManager, MemoryPolicy, default_policy
+from kvmemory.memory import MemoryBudget, MemoryManager, MemoryPolicy
 from kvmemory.runtime.loading import default_model_file
 
 # a llama.cpp tree with build/bin/llama-batched-bench (KVMEMORY_LLAMA_CPP), else one built here once
@@ -168,23 +173,34 @@ def kvmemory_parallel(
     return {n: statistics.median(v) for n, v in speeds.items()}
 
 
-def long_session(engine: Engine, cap: int, tokens: int):
-    """A session that has read ``tokens`` tokens of agent work: the traces one after another (each after the
-    first without its system prompt), under the default policy capped at ``cap`` slots per head. Returns it
-    and the next tool output (for the time-to-first-token turn)."""
-    session = engine.session(memory=MemoryManager(default_policy(max_slots=cap)))
-    traces = load_traces()
-    i = 0
-    while len(session.tokens) < tokens:
-        messages = traces[i % len(traces)]["messages"]
-        session.append_messages(messages if i == 0 else [m for m in messages if m["role"] != "system"])
-        i += 1
-    upcoming = [m for m in traces[i % len(traces)]["messages"] if m["role"] != "system"]
-    first_tool = next(k for k, m in enumerate(upcoming) if m["role"] == "tool")
-    return session, upcoming[: first_tool + 1]
+def held_session(engine: Engine, messages: list[dict], cap: int):
+    """The long agent session (``benchmarks/long_session.py``) replayed step by step under the default policy,
+    capped at ``cap`` tokens' bytes: exactly the session that benchmark asks its facts of at that cap."""
+    _, view, memory, _ = setup(engine, "kvmemory-default", cap)
+    session = engine.session(memory=memory)
+    step_through(session, view, messages, scored=0)
+    session.set_messages(view.show(messages))
+    return session
+
+
+def next_turn(messages: list[dict]) -> list[dict]:
+    """A turn after the session: its first task asked again, through to the first tool output (tool-call ids
+    made new), for the time to first token after a tool output."""
+    task = messages[1:]
+    first_tool = next(k for k, m in enumerate(task) if m["role"] == "tool")
+    turn = []
+    for m in task[: first_tool + 1]:
+        m = dict(m)
+        if "tool_call_id" in m:
+            m["tool_call_id"] = f"again_{m['tool_call_id']}"
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "id": f"again_{c['id']}"} for c in m["tool_calls"]]
+        turn.append(m)
+    return turn
 
 
 def session_bytes(session) -> int:
+    """What one session holds: its KV storage as allocated, and the queries it records for compaction."""
     stats = session.stats()
     return stats.allocated_bytes + stats.query_bytes
 
@@ -211,14 +227,13 @@ def kvmemory_capacity(engine: Engine, session, turn: list[dict], budget: int, to
     }
 
 
-def fact_gain_kept() -> float | None:
-    path = RESULTS / "agent_memory.json"
-    if not path.is_file():
-        return None
-    rows = json.loads(path.read_text())["summary"]
-    return next(
-        (r["fact_gain_kept"] for r in rows if r["condition"] == "kvmemory-default-kv16" and r["cap"] == "1/8"), None
-    )
+def fact_gain_kept(label: str) -> tuple[float | None, str | None]:
+    """The share of the fact gain the long-session benchmark measured for ``label`` (``kvmemory-default 1/16``,
+    ``context-window``) over all its facts, with its 95% interval; None where it has not run."""
+    path = RESULTS / "long_session.json"
+    rows = json.loads(path.read_text())["summary"] if path.is_file() else []
+    row = next((r for r in rows if r.get("label") == label and r["ages"] == "all"), None)
+    return (row["fact_gain_kept"], row["gain_ci"]) if row else (None, None)
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
@@ -229,8 +244,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per session in each phase")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--budgets-gib", type=float, nargs="+", default=[1, 4])
-    parser.add_argument("--long-tokens", type=int, default=32768)
-    parser.add_argument("--cap", type=int, default=None, help="slots per head of a long session (1/16 of it)")
+    parser.add_argument(
+        "--caps", type=int, nargs="+", default=[16, 32], help="each long session's cap: 1/N of its tokens"
+    )
     args = parser.parse_args()
     engine = Engine.from_pretrained("default")
     threads = run_on_compute(torch.get_num_threads)  # what kvmemory's passes run on; llama.cpp gets the same
@@ -265,17 +281,13 @@ def main() -> None:
     print(table([r for r in rows if r["part"] == "parallel"], list(rows[0])), flush=True)
     print(f"parallel part: {time.perf_counter() - started:.0f} s", flush=True)
 
-    cap = args.cap or args.long_tokens // 16
     trained = llama_context(default_model_file())
     cell_bytes = engine.num_layers * engine.num_kv_heads * engine.head_dim * 2 * FP16  # llama.cpp's f16 K and V
-    started = time.perf_counter()
-    session, turn = long_session(engine, cap, args.long_tokens)
-    replay = {"tokens": len(session.tokens), "seconds": time.perf_counter() - started}
-    print(
-        f"kvmemory replayed {replay['tokens']} tokens under a {cap}-slot cap in {replay['seconds']:.0f} s", flush=True
-    )
-    one = session_bytes(session)
-    gain = fact_gain_kept()
+    traces = [t for name in TRACE_SETS for t in load_traces(trace_set=name)]
+    messages = long_session_of(traces)[0]["messages"]
+    tokens = len(engine.session().renderer.render(messages))  # as the long-session benchmark counts them
+    turn = next_turn(messages)
+    window_gain, window_ci = fact_gain_kept(CONTEXT_WINDOW)
     for gib in args.budgets_gib:
         budget = int(gib * 2**30)
         count = budget // (trained * cell_bytes)
@@ -291,27 +303,49 @@ def main() -> None:
                 "sessions_held": count,
                 "aggregate_decode_tps": theirs.get("decode", 0.0),
                 "prefill_tps": theirs.get("prefill", 0.0),
-                "fact_gain_kept": None,
+                "fact_gain_kept": window_gain,
+                "fact_gain_ci": window_ci,
             }
         )
-        ours = kvmemory_capacity(engine, session, turn, budget, args.tokens)
-        rows.append(
-            {
-                "part": "budget",
-                "engine": "kvmemory",
-                "kv_budget_bytes": budget,
-                "context_tokens": len(session.tokens),
-                "cap_slots": cap,
-                "session_bytes": one,
-                "sessions": ours["sessions_held"],
-                **ours,
-                "fact_gain_kept": gain,
-            }
+    replays = []
+    for divisor in args.caps:
+        cap = tokens // divisor
+        started = time.perf_counter()
+        session = held_session(engine, messages, cap)
+        replays.append({"cap": f"1/{divisor}", "tokens": len(session.tokens), "seconds": time.perf_counter() - started})
+        stats = session.stats()
+        one = session_bytes(session)
+        print(
+            f"kvmemory replayed {len(session.tokens)} tokens under a {cap}-slot cap in {replays[-1]['seconds']:.0f} s:"
+            f" {one / 2**20:.1f} MiB a session (KV {stats.kv_bytes / 2**20:.1f}, allocated"
+            f" {stats.allocated_bytes / 2**20:.1f}, recorded queries {stats.query_bytes / 2**20:.1f})",
+            flush=True,
         )
-        print(table([r for r in rows if r["part"] == "budget"], list(rows[-1])), flush=True)
-    session.close()
+        gain, ci = fact_gain_kept(f"kvmemory-default 1/{divisor}")
+        for gib in args.budgets_gib:
+            budget = int(gib * 2**30)
+            ours = kvmemory_capacity(engine, session, turn, budget, args.tokens)
+            rows.append(
+                {
+                    "part": "budget",
+                    "engine": "kvmemory",
+                    "kv_budget_bytes": budget,
+                    "context_tokens": len(session.tokens),
+                    "cap": f"1/{divisor}",
+                    "cap_slots": cap,
+                    "session_bytes": one,
+                    "session_kv_bytes": stats.kv_bytes,
+                    "session_query_bytes": stats.query_bytes,
+                    "sessions": ours["sessions_held"],
+                    **ours,
+                    "fact_gain_kept": gain,
+                    "fact_gain_ci": ci,
+                }
+            )
+            print(table([r for r in rows if r["part"] == "budget"], list(rows[-1])), flush=True)
+        session.close()
     settings = {**vars(args), "threads": threads, "llama_cpp": "llama-cpp-python sdist's vendored llama.cpp"}
-    save("capacity", {"settings": settings, "prompt_check": prompt_check, "replay": replay, "rows": rows})
+    save("capacity", {"settings": settings, "prompt_check": prompt_check, "replays": replays, "rows": rows})
     plot(rows, RESULTS / "capacity.png")
     print(f"saved {RESULTS / 'capacity.json'}")
 
@@ -332,16 +366,18 @@ def plot(rows: list[dict], path: Path) -> None:
     left.set_ylabel("aggregate decode tokens/s")
     left.legend(fontsize=8)
     budget = [r for r in rows if r["part"] == "budget"]
-    for engine_name, marker in (("llama.cpp", "s"), ("kvmemory", "o")):
-        mine = [r for r in budget if r["engine"] == engine_name]
-        right.scatter([r["sessions_held"] for r in mine], [r["aggregate_decode_tps"] for r in mine], marker=marker)
+    for key in dict.fromkeys((r["engine"], r.get("cap")) for r in budget):
+        mine = [r for r in budget if (r["engine"], r.get("cap")) == key]
+        name = "llama.cpp, 8k context" if key[1] is None else f"kvmemory, cap {key[1]}"
+        gain = mine[0]["fact_gain_kept"]
+        name += "" if gain is None else f" (fact gain kept {gain:.2f})"
+        marker = "s" if key[1] is None else "o"
+        right.plot([r["sessions_held"] for r in mine], [r["aggregate_decode_tps"] for r in mine], marker, label=name)
         for r in mine:
-            right.annotate(
-                f"{engine_name} {r['kv_budget_bytes'] / 2**30:g} GiB",
-                (r["sessions_held"], r["aggregate_decode_tps"]),
-                fontsize=8,
-            )
-    right.set_xlabel("32k-token agent sessions held under the KV budget")
+            right.annotate(f"{r['kv_budget_bytes'] / 2**30:g} GiB", (r["sessions_held"], r["aggregate_decode_tps"]))
+    right.set_xscale("log")
+    right.legend(fontsize=8)
+    right.set_xlabel("32k-token agent sessions held under the KV budget (log scale)")
     right.set_ylabel("their aggregate decode tokens/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmemory import ContextLengthError, Engine, MemoryCapError, PolicyError
+from kvmemory import ContextLengthError, Engine, InvalidArgumentError, MemoryCapError, PolicyError
 from kvmemory.compaction.registry import get_method
 from kvmemory.memory import (
     MemoryBudget,
@@ -26,6 +26,7 @@ from kvmemory.memory.manager import _joined
 from kvmemory.memory.policy import CompactionRule
 from kvmemory.runtime.chat import ChatRenderer
 from tests.conftest import random_tokens, tiny_model
+from tests.test_contract import assert_same_state, state_of
 
 
 def seg(kind, role=None, tool=None, tags=(), text="", start=0):
@@ -657,3 +658,34 @@ def test_the_example_policy_file_loads_over_the_default():
 
     policy = MemoryPolicy.from_file(Path(__file__).parents[1] / "examples" / "custom_policy.yaml")
     assert [r.name for r in policy.rules][:2] == ["system", "task"] and policy.budget.max_slots
+
+
+def test_a_session_records_window_queries_only_where_its_policy_reads_them(tiny_engine):
+    """The selector-window queries cost every session memory for as long as it lives. The default policy never
+    reads them (one ranking by surprisal, one selection), so its sessions hold none; a method ranking by queries
+    reads them, and so does sharing room between two rules by their attention. A manual compaction by a
+    query method on a session without them says how to record them, and changes nothing."""
+
+    def policy(*methods):
+        rules = [{"name": f"r{i}", "match": {"role": "tool"}, "method": m} for i, m in enumerate(methods[1:])]
+        return MemoryPolicy.from_dict({"rules": rules, "default": {"method": methods[0]}})
+
+    held = {}
+    for name, chosen in {
+        "default": default_policy(max_slots=4096),
+        "snapkv": policy("snapkv"),
+        "two rules": policy("selective_context", "selective_context"),
+    }.items():
+        session = tiny_engine.session(memory=MemoryManager(chosen))
+        session.append_tokens(random_tokens(80), kind="tool_output", tool_name="run_tests", role="tool")
+        held[name] = session.stats().query_bytes
+        if name == "default":
+            before = state_of(session)
+            with pytest.raises(InvalidArgumentError, match=r"record_queries\(64\)"):
+                session.compact(method="snapkv", ratio=2, keep_last=8)
+            assert_same_state(state_of(session), before)
+            session.record_queries(64)
+            session.append_tokens(random_tokens(20, seed=3), kind="user", role="user")
+            record = session.compact(method="snapkv", ratio=2, keep_last=8)
+            assert record.slots_after < record.slots_before
+    assert held["default"] == 0 and held["snapkv"] > 0 and held["two rules"] > 0

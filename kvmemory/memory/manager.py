@@ -92,11 +92,22 @@ class MemoryManager:
     def _enable_recorders(self) -> None:
         rules = [r for r in self.policy.rules + [self.policy.default] if not r.protected]
         sources = {s for r in rules for s in _as_list(r.query_source)}
-        self.session.record_queries(self.policy.budget.window, context=256 if "context" in sources else 0)
+        window = self.policy.budget.window if self._reads_window(rules) else 0
+        self.session.record_queries(window, context=256 if "context" in sources else 0)
         if any(self._method(r).needs_last_layer_inputs for r in rules):
             self.session.record_last_layer_inputs()
         if any(self._method(r).needs_surprisal for r in rules):
             self.session.record_surprisal()
+
+    def _reads_window(self, rules: list[CompactionRule]) -> bool:
+        """Whether this policy's compactions read the selector-window queries: a method that ranks or fits by
+        queries, the error measure, or room shared between spans by their attention (``_importance``), which
+        needs two spans: one unprotected rule whose method scores on one scale always makes one. Where none
+        does (the default policy), the session records none: 2–4 MB a session on the default model."""
+        methods = [self._method(r) for r in rules]
+        if self.policy.budget.measure_error or any(m.uses_queries for m in methods):
+            return True
+        return not (len(rules) == 1 and methods[0].global_scores)
 
     def slot_cap(self) -> int:
         """Physical slots the cache may hold: the policy's cap, and never more than the model's context (a

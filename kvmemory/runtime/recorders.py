@@ -25,6 +25,8 @@ import torch
 
 from kvmemory.runtime.logits import logsumexp_rows
 
+QUERY_WINDOW = 64  # R: the selector-window queries a session records from its start
+
 
 def group_queries(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """(L, Hq, T, D) → (L, H, T·G, D) with the G query heads of each KV head stacked per token."""
@@ -58,6 +60,17 @@ class QueryRecorder:
         self.context: dict[int, list[torch.Tensor | None]] = {}
         self.current_segment = -1
         self.groups: int | None = None  # G: query heads per KV head, known from the first recorded query
+
+    @property
+    def records(self) -> bool:
+        """Whether forward passes should hand over their queries: for the window, a capture or the context."""
+        return self.window > 0 or self.captured is not None or self.context_tokens > 0
+
+    def set_window(self, window: int) -> None:
+        """Keep the last ``window`` tokens' queries from now on (0: none, and the ones held go)."""
+        self.window = window
+        if window <= 0:
+            self.recent, self._rows = (), 0
 
     def store(self, queries: torch.Tensor) -> None:
         """Keep the post-RoPE queries (L, Hq, T, D) of every layer for the tokens one forward ran: into the

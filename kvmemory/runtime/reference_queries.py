@@ -15,7 +15,7 @@ from kvmemory.compaction.queries import (
     SELF_STUDY_INSTRUCTION,
     evenly_spaced,
 )
-from kvmemory.errors import KVMemoryError
+from kvmemory.errors import InvalidArgumentError
 
 
 def reference_queries(
@@ -54,7 +54,10 @@ def reference_queries(
 def _window(session) -> list[torch.Tensor]:
     recorder = session.query_recorder
     if recorder is None or not recorder.has_window:
-        raise KVMemoryError("no selector-window queries: call session.record_queries(R) before appending")
+        raise InvalidArgumentError(
+            "no selector-window queries were recorded for this session: call session.record_queries(64) before "
+            "appending (every session records them from its start, unless its memory policy reads none)"
+        )
     return [recorder.window_queries(layer) for layer in range(session.engine.num_layers)]
 
 

@@ -38,7 +38,7 @@ from kvmemory.runtime import compute
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.memory_hooks import SessionMemory
 from kvmemory.runtime.persistence import save_session
-from kvmemory.runtime.recorders import HiddenRecorder, QueryRecorder, SurprisalRecorder
+from kvmemory.runtime.recorders import QUERY_WINDOW, HiddenRecorder, QueryRecorder, SurprisalRecorder
 from kvmemory.runtime.segments import Segment
 from kvmemory.runtime.session_chat import SessionChat
 from kvmemory.runtime.session_compaction import SessionCompaction
@@ -47,8 +47,6 @@ from kvmemory.runtime.session_forward import SessionForward
 from kvmemory.runtime.session_generation import SessionGeneration
 from kvmemory.runtime.session_inspection import SessionInspection, SessionStats
 from kvmemory.runtime.session_state import SessionState, exclusive
-
-QUERY_WINDOW = 64  # selector-window queries every session records (R)
 
 __all__ = ["Session", "SessionStats"]
 
@@ -102,7 +100,9 @@ class Session(SessionChat, SessionGeneration, SessionForward, SessionCompaction,
         self._turn_prefilled = 0  # of those, since the last reply (what a reply's prompt did not find cached)
         self._lock = threading.RLock()
         self._stream: tuple[weakref.ref, object] | None = None  # the open generation and its progress
-        self.record_queries(QUERY_WINDOW)  # what query-based compaction needs, recorded from the first token
+        # what query-based compaction needs, recorded from the first token (a memory manager whose policy never
+        # reads them switches this off)
+        self.record_queries(QUERY_WINDOW)
         if memory is not None:
             memory.attach(self)
         engine.sessions.add(self)
@@ -197,13 +197,15 @@ class Session(SessionChat, SessionGeneration, SessionForward, SessionCompaction,
 
     def record_queries(self, window: int = 64, context: int = 0) -> QueryRecorder:
         """Keep post-RoPE queries: of the last ``window`` tokens (the selector window for compaction; every
-        session records the last 64 from its start, and a memory manager sets its policy's window) and,
-        with ``context`` > 0, about that many tokens' queries of each segment as it is prefilled."""
+        session records the last 64 from its start, and a memory manager sets its policy's window, 0 where
+        the policy never reads them) and, with ``context`` > 0, about that many tokens' queries of each
+        segment as it is prefilled."""
         rec = self.query_recorder
         if rec is None:
             self.query_recorder = QueryRecorder(self.engine.num_layers, self.engine.num_kv_heads, window, context)
         else:
-            rec.window, rec.context_tokens = window, max(rec.context_tokens, context)
+            rec.set_window(window)
+            rec.context_tokens = max(rec.context_tokens, context)
         return self.query_recorder
 
     def record_last_layer_inputs(self) -> HiddenRecorder:

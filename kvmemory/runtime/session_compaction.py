@@ -26,6 +26,7 @@ from kvmemory.compaction.registry import get_method
 from kvmemory.compaction.solvers import attention_output_error
 from kvmemory.errors import InvalidArgumentError
 from kvmemory.runtime.model_view import SessionModelView
+from kvmemory.runtime.recorders import QUERY_WINDOW
 from kvmemory.runtime.reference_queries import reference_queries
 from kvmemory.runtime.session_state import exclusive
 
@@ -130,6 +131,8 @@ class SessionCompaction:
 
     def _enable_recorders_for(self, method: CompactionMethod) -> None:
         """Switch on what ``method`` reads from now on (positions already appended are scored without it)."""
+        if method.uses_queries and not (self.query_recorder and self.query_recorder.window > 0):
+            self.record_queries(QUERY_WINDOW)
         if method.needs_last_layer_inputs:
             self.record_last_layer_inputs()
         if method.needs_surprisal:

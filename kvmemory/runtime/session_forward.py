@@ -120,6 +120,7 @@ class SessionForward:
         ):  # only when there are gaps to close
             self._rebase()
         recording, before = self._records_surprisal(segment_id), self._last_logits
+        queries = self.query_recorder if self.query_recorder is not None and self.query_recorder.records else None
 
         def after(logits: torch.Tensor) -> tuple[list[float] | None, int | None]:
             surprisal = surprisal_of(ids, before, logits).tolist() if recording else None
@@ -131,7 +132,7 @@ class SessionForward:
             positions_from,
             segment_id,
             all_logits or recording,
-            self.query_recorder,
+            queries,
             self.hidden_recorder,
             after if recording or pick is not None else None,
             finish_by=engine.batcher.due(len(ids)) if finish_by is None else finish_by,
