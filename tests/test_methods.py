@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmemory import Engine, InvalidArgumentError
 from kvmemory.cache import CompactionPlan, LayerPlan
 from kvmemory.compaction.base import LayerSpan
-from kvmemory.compaction.head_budgets import headkv_budgets, uniform_budgets
+from kvmemory.compaction.head_budgets import fill_to_total, headkv_budgets, uniform_budgets
 from kvmemory.compaction.methods import TAM, AttentionMatching
 from kvmemory.compaction.methods.attention_matching import proportional_split
 from kvmemory.compaction.methods.tam import allocate
@@ -140,6 +142,38 @@ def test_budgets_sum_exactly():
     for a, b in ((0.5, 1.0), (0.5, 0.5)):
         t = allocate(40, torch.tensor([0.5, 0.3, 0.1, 0.1]), torch.tensor([30, 20, 10, 40]), a, b)
         assert int(t.sum()) == 40 and bool((t >= 1).all()) and bool((t <= torch.tensor([30, 20, 10, 40])).all())
+
+
+def one_slot_a_round(share: torch.Tensor, total: int, capacity: torch.Tensor) -> torch.Tensor:
+    """The rounding ``fill_to_total`` specifies, one slot a head a round: floor the shares into [1, capacity],
+    then give a slot to the heads furthest below their share (or take one from those furthest above)."""
+    total = int(min(total, int(capacity.sum())))
+    out = torch.minimum(share.floor().long().clamp_min(1), capacity).flatten()
+    share, capacity = share.flatten(), capacity.flatten()
+    while int(out.sum()) != total:
+        left = total - int(out.sum())
+        if left > 0:
+            gap = (share - out.float()).masked_fill(capacity - out <= 0, float("-inf"))
+            out[torch.topk(gap, min(left, int((capacity - out > 0).sum()))).indices] += 1
+        else:
+            gap = (out.float() - share).masked_fill(out <= 1, float("-inf"))
+            out[torch.topk(gap, min(-left, int((out > 1).sum()))).indices] -= 1
+    return out.view(-1, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    capacity=st.lists(st.tuples(*[st.integers(1, 600)] * 3), min_size=2, max_size=20),
+    shares=st.lists(st.floats(0, 400), min_size=60, max_size=60),
+    fraction=st.floats(0, 1.2),
+)
+def test_budgets_round_as_one_slot_a_round_at_once(capacity, shares, fraction):
+    """Heads far below their share (the uneven capacities REAL's budgets leave) take many rounds of one slot
+    each; ``fill_to_total`` takes them at once, to the same budgets."""
+    capacity = torch.tensor(capacity)
+    share = torch.tensor(shares[: capacity.numel()]).view(-1, 3)
+    total = max(capacity.numel(), int(fraction * int(capacity.sum())))
+    assert torch.equal(fill_to_total(share, total, capacity), one_slot_a_round(share, total, capacity))
 
 
 def test_headkv_budgets_follow_head_scores():

@@ -279,3 +279,22 @@ def test_random_head_budgets_keep_the_session_contract(budgets, ops, seed):
         assert torch.allclose(session.logprobs(cont), padded_twin(session).logprobs(cont), atol=1e-5)
     else:
         assert torch.isfinite(session.logprobs(cont)).all()
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_gathering_slots_from_ragged_storage_reads_what_the_padded_views_show(kv_dtype):
+    """``CompactLayer.gather`` reads each head's slots straight from its rows (what a compaction's span is
+    cut from): the same numbers as the padded whole-layer views."""
+    engine = Engine(tiny_model("llama", num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    if kv_dtype:
+        engine = Engine(engine.model, kv_dtype=kv_dtype)
+    session = engine.session()
+    session.append_tokens(random_tokens(60, seed=4))
+    session.apply_plan(CompactionPlan([LayerPlan(keep=[torch.arange(0, 60, 2), torch.arange(0, 60, 7)])]))
+    layer = session.cache.layers[0]
+    index = torch.tensor([[0, 5, 29, 3], [0, 8, 2, 1]])
+    for name in ("keys", "values", "bias", "positions"):
+        whole = getattr(layer, name)
+        whole = whole[0] if name in ("keys", "values", "bias") else whole
+        expected = torch.stack([whole[h, index[h]] for h in range(2)])
+        assert torch.equal(layer.gather(name, index), expected)

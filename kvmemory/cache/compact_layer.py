@@ -191,6 +191,12 @@ class CompactLayer(CacheLayerMixin):
         """Whether keys and values are stored as 8-bit rows (``kvmemory.cache.int8_rows``)."""
         return self.slots is not None and int8_rows.is_int8(self.slots.keys.dtype)
 
+    def gather(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """(H, n, ...) of one field at each head's own slot indices ``index`` (H, n), read straight from the
+        ragged storage (no padded whole-layer copy); 8-bit keys and values are decoded (fp32)."""
+        out = getattr(self.slots, name)[torch.tensor(self.starts, device=index.device)[:, None] + index]
+        return int8_rows.decode(out) if self.quantized and name in ("keys", "values") else out
+
     def flat(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The whole flat storage of ``keys`` or ``values`` as ``dtype`` numbers (rows past a head's length
         included, as the one-call attention paths read it)."""

@@ -28,14 +28,30 @@ def fill_to_total(share: torch.Tensor, total: int, capacity: torch.Tensor) -> to
         left = total - int(flat_out.sum())
         if left > 0:
             room = flat_cap - flat_out
-            frac = (flat_share - flat_out.float()).masked_fill(room <= 0, float("-inf"))
-            k = min(left, int((room > 0).sum()))
-            flat_out[torch.topk(frac, k).indices] += 1
+            movable = room > 0
+            if _shift_all(flat_out, movable, room, left, 1):
+                continue
+            frac = (flat_share - flat_out.float()).masked_fill(~movable, float("-inf"))
+            flat_out[torch.topk(frac, left).indices] += 1
         else:
-            over = (flat_out.float() - flat_share).masked_fill(flat_out <= 1, float("-inf"))
-            k = min(-left, int((flat_out > 1).sum()))
-            flat_out[torch.topk(over, k).indices] -= 1
+            movable = flat_out > 1
+            if _shift_all(flat_out, movable, flat_out - 1, -left, -1):
+                continue
+            over = (flat_out.float() - flat_share).masked_fill(~movable, float("-inf"))
+            flat_out[torch.topk(over, -left).indices] -= 1
     return flat_out.view(capacity.shape)
+
+
+def _shift_all(out: torch.Tensor, movable: torch.Tensor, slack: torch.Tensor, left: int, sign: int) -> bool:
+    """While ``left`` covers every movable head, each round of rounding moves all of them by one: take as many
+    of those rounds at once as leave every head within its ``slack`` (the loop's result, in one step; a head
+    holding far less than its share, as uneven capacities make, otherwise costs a round per slot)."""
+    count = int(movable.sum())
+    if left < count:
+        return False
+    step = min(left // count, int(slack[movable].min()))
+    out[movable] += sign * step
+    return True
 
 
 def headkv_budgets(

@@ -56,15 +56,12 @@ def extract_span(
                 )
             )
             continue
-        index = torch.zeros(heads, n, dtype=torch.long, device=layer.device)
-        valid = torch.zeros(heads, n, dtype=torch.bool, device=layer.device)
-        for h, s in enumerate(per_head):
-            index[h, : s.numel()] = s
-            valid[h, : s.numel()] = True
-        k = torch.gather(layer.keys[0], 1, index[..., None].expand(-1, -1, layer.keys.shape[-1]))
-        v = torch.gather(layer.values[0], 1, index[..., None].expand(-1, -1, layer.values.shape[-1]))
-        b = torch.gather(layer.bias[0], 1, index).masked_fill(~valid, float("-inf"))
-        p = torch.gather(layer.positions, 1, index).masked_fill(~valid, -1)
+        index, valid = pad_selection(per_head, layer.device)  # padding reads each head's first slot, masked
+        if index.shape[1] < n:  # no head holds any of the span: one masked column
+            index, valid = index.new_zeros(heads, n), valid.new_zeros(heads, n)
+        k, v = layer.gather("keys", index), layer.gather("values", index)
+        b = layer.gather("bias", index).masked_fill(~valid, float("-inf"))
+        p = layer.gather("positions", index).masked_fill(~valid, -1)
         layers.append(LayerSpan(li, k, v, b, p.long(), valid, scale, queries[li] if queries else None))
     return CacheSpan(layers=layers)
 
