@@ -142,6 +142,31 @@ def test_a_long_job_runs_the_work_queued_meanwhile_when_it_pauses(monkeypatch):
     compute.pause()  # off the compute thread: nothing
 
 
+def test_jobs_a_pause_runs_do_not_pause_in_turn(monkeypatch):
+    """Many sessions compacting at once each queue a long job: were a job run from a pause to pause too, the
+    pauses would nest one job per session deep (and overflow the stack at a few dozen sessions). It runs whole."""
+    monkeypatch.setattr(compute, "SLICE_SECONDS", 0.0)
+    order, threads = [], []
+
+    def long_job(name: str, queue_next: bool):
+        order.append(f"{name} starts")
+        if queue_next:
+            threads.append(threading.Thread(target=compute.run, args=(long_job, "second", False)))
+            threads[-1].start()
+            wait_until(lambda: compute._waiting.qsize() == 1)
+        else:  # run from the first job's pause: queue a third and pause
+            threads.append(threading.Thread(target=compute.run, args=(lambda: order.append("third"),)))
+            threads[-1].start()
+            wait_until(lambda: compute._waiting.qsize() == 1)
+        compute.pause()
+        order.append(f"{name} ends")
+
+    compute.run(long_job, "first", True)
+    for thread in threads:
+        thread.join()
+    assert order == ["first starts", "second starts", "second ends", "first ends", "third"]
+
+
 def test_a_pause_within_its_time_slice_runs_nothing(monkeypatch):
     monkeypatch.setattr(compute, "SLICE_SECONDS", 60.0)
     ran, workers = [], []

@@ -43,6 +43,7 @@ _lock = threading.Lock()
 _waiting: queue.SimpleQueue = queue.SimpleQueue()
 SLICE_SECONDS = 0.025  # the least a long job runs between two pauses that run others' work
 _slice_started = 0.0  # when the running job started or last paused
+_pausing = False  # a pause is running others' jobs: theirs do not pause in turn (no nesting, however many wait)
 
 
 def run(fn: Callable[..., T], *args, **kwargs) -> T:
@@ -68,12 +69,17 @@ def pause() -> None:
     """On the compute thread, once the running job has had its time slice, run the jobs other threads
     queued before this call, then return; elsewhere nothing. A long job calls it between its pieces (see
     the module docstring): the thread it runs for is waiting on it, so only other threads' work runs here,
-    each job whole, as it would have run after."""
-    global _slice_started
-    if threading.current_thread() is not _thread or time.perf_counter() - _slice_started < SLICE_SECONDS:
+    each job whole, as it would have run after (a long one among them does not pause in turn: with many
+    sessions compacting at once, pauses within pauses would nest one compaction per session deep)."""
+    global _slice_started, _pausing
+    if _pausing or threading.current_thread() is not _thread or time.perf_counter() - _slice_started < SLICE_SECONDS:
         return
-    for _ in range(_waiting.qsize()):  # not what they queue meanwhile: a stream of passes never starves the job
-        _run_next()
+    _pausing = True
+    try:
+        for _ in range(_waiting.qsize()):  # not what they queue meanwhile: a stream of passes never starves the job
+            _run_next()
+    finally:
+        _pausing = False
     _slice_started = time.perf_counter()
 
 
