@@ -56,7 +56,7 @@ from benchmarks import concurrency
 from benchmarks.agent_memory import setup, step_through
 from benchmarks.agent_traces import TRACE_SETS, load_traces
 from benchmarks.common import RESULTS, save, table
-from benchmarks.long_session import CONTEXT_WINDOW
+from benchmarks.long_session import CONTEXT_WINDOW, with_call_ids
 from benchmarks.long_session import long_session as long_session_of
 from kvmemory import Engine, run_on_compute
 from kvmemory.memory import MemoryBudget, MemoryManager, MemoryPolicy
@@ -188,15 +188,7 @@ def next_turn(messages: list[dict]) -> list[dict]:
     made new), for the time to first token after a tool output."""
     task = messages[1:]
     first_tool = next(k for k, m in enumerate(task) if m["role"] == "tool")
-    turn = []
-    for m in task[: first_tool + 1]:
-        m = dict(m)
-        if "tool_call_id" in m:
-            m["tool_call_id"] = f"again_{m['tool_call_id']}"
-        if m.get("tool_calls"):
-            m["tool_calls"] = [{**c, "id": f"again_{c['id']}"} for c in m["tool_calls"]]
-        turn.append(m)
-    return turn
+    return [with_call_ids(m, "again_") for m in task[: first_tool + 1]]
 
 
 def session_bytes(session) -> int:

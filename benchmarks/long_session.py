@@ -44,19 +44,23 @@ def long_session(traces: list[dict]) -> tuple[dict, list[dict]]:
     messages, facts = [traces[0]["messages"][0]], []
     for trace in traces:
         start = len(messages)
-        for m in trace["messages"][1:]:
-            m = dict(m)
-            if "tool_call_id" in m:
-                m["tool_call_id"] = f"{trace['name']}_{m['tool_call_id']}"
-            if m.get("tool_calls"):
-                m["tool_calls"] = [{**c, "id": f"{trace['name']}_{c['id']}"} for c in m["tool_calls"]]
-            messages.append(m)
+        messages += [with_call_ids(m, f"{trace['name']}_") for m in trace["messages"][1:]]
         for q, answer in trace["facts"]:
             at = next(i for i in range(start, len(messages)) if answer in trace_text([messages[i]]))
             facts.append({"trace": trace["name"], "question": q, "answer": answer, "task_start": start, "message": at})
     text = trace_text(messages)
     facts = [f for f in facts if text.count(f["answer"]) == 1]
     return {"name": "long", "messages": messages, "facts": [[f["question"], f["answer"]] for f in facts]}, facts
+
+
+def with_call_ids(message: dict, prefix: str) -> dict:
+    """A copy of ``message`` whose tool-call ids carry ``prefix`` (ids stay unique when tasks are joined)."""
+    message = dict(message)
+    if "tool_call_id" in message:
+        message["tool_call_id"] = prefix + message["tool_call_id"]
+    if message.get("tool_calls"):
+        message["tool_calls"] = [{**c, "id": prefix + c["id"]} for c in message["tool_calls"]]
+    return message
 
 
 def reference_logprobs(engine, session: dict, facts: list[dict]) -> list[float]:
