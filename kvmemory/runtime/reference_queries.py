@@ -16,6 +16,7 @@ from kvmemory.compaction.queries import (
     evenly_spaced,
 )
 from kvmemory.errors import InvalidArgumentError
+from kvmemory.runtime.recorders import QUERY_WINDOW
 
 
 def reference_queries(
@@ -52,12 +53,13 @@ def reference_queries(
 
 
 def _window(session) -> list[torch.Tensor]:
+    """The selector-window queries; a session that records none (its memory policy reads none) reads its
+    last R tokens again in a scratch pass and uses their queries instead."""
     recorder = session.query_recorder
     if recorder is None or not recorder.has_window:
-        raise InvalidArgumentError(
-            "no selector-window queries were recorded for this session: call session.record_queries(64) before "
-            "appending (every session records them from its start, unless its memory policy reads none)"
-        )
+        if not session.tokens:
+            raise InvalidArgumentError("no selector-window queries: the session holds no tokens yet")
+        return _capture(session, [session.tokens[-QUERY_WINDOW:]])
     return [recorder.window_queries(layer) for layer in range(session.engine.num_layers)]
 
 
