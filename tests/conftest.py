@@ -5,9 +5,10 @@ Also what makes a run reproducible and honest about what it could not run:
 * hypothesis runs derandomised under CI (``CI`` set), so a failure there reproduces with the same command;
   elsewhere it draws afresh and prints the blob that reproduces a failure. Neither has a deadline: a loaded
   machine is slow, not wrong.
-* tests that need the default model (the ``default_engine`` fixture or ``@pytest.mark.default_model``) or the
-  command sandbox (``@pytest.mark.sandbox``) are skipped, with the reason, where that is not installed; under
-  CI they fail instead, since the README's test command installs both.
+* tests that need the small model (SmolLM2-135M: the ``small_engine`` fixture or ``@pytest.mark.small_model``),
+  the default coder model (``@pytest.mark.coder_model``: end-to-end smoke tests) or the command sandbox
+  (``@pytest.mark.sandbox``) are skipped, with the reason, where that is not installed; under CI they fail
+  instead, since the README's test command installs all three.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from transformers import (
 from kvmemory import Engine
 from kvmemory.errors import ModelLoadError
 from kvmemory.kernels import cpu_ops
-from kvmemory.runtime.loading import default_model_file
+from kvmemory.runtime.named_models import DEFAULT_NAMED_MODEL, SMALL_MODEL, model_file
 
 IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
 settings.register_profile(
@@ -53,16 +54,19 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "default_engine" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.default_model)
+        if "small_engine" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.small_model)
+
+
+MODELS = {"small_model": SMALL_MODEL, "coder_model": DEFAULT_NAMED_MODEL}
 
 
 @functools.cache
 def missing(requirement: str) -> str | None:
-    """Why ``requirement`` ("default_model" or "sandbox") cannot be met here, or None."""
-    if requirement == "default_model":
+    """Why ``requirement`` ("small_model", "coder_model" or "sandbox") cannot be met here, or None."""
+    if requirement in MODELS:
         try:
-            default_model_file()
+            model_file(MODELS[requirement], pull_if_missing=False)
         except ModelLoadError as error:
             return str(error)
         return None
@@ -72,7 +76,7 @@ def missing(requirement: str) -> str | None:
 
 
 def pytest_runtest_setup(item):
-    for requirement in ("default_model", "sandbox"):
+    for requirement in ("small_model", "coder_model", "sandbox"):
         if item.get_closest_marker(requirement) and (reason := missing(requirement)):
             if IN_CI:
                 pytest.fail(f"{reason} (the README's test command installs it)", pytrace=False)
@@ -153,16 +157,16 @@ def tiny_engine():
 
 
 @functools.cache
-def load_default_engine() -> Engine:
-    """The default model, loaded once per test run (fixtures and state machines share it), with fp32
+def load_small_engine() -> Engine:
+    """The small model (SmolLM2-135M), loaded once per test run (fixtures and state machines share it), with fp32
     weights: the reference the exactness tests hold to (16-bit weights round each layer's output, so a
     cached forward and a fresh one may differ in the last place; tests/test_weights.py covers them)."""
-    return Engine.from_pretrained("default", weights="fp32")
+    return Engine.from_pretrained(SMALL_MODEL, weights="fp32")
 
 
 @pytest.fixture(scope="session")
-def default_engine():
-    return load_default_engine()
+def small_engine():
+    return load_small_engine()
 
 
 def wait_until(condition, timeout: float = 60.0, what: str = "the condition") -> None:

@@ -209,8 +209,8 @@ def test_scripted_session_runs_real_tools(workspace):
 
 
 @pytest.mark.sandbox
-def test_recall_tool_and_agent_graph(default_engine, workspace):
-    chat = ChatKVMemory(engine=default_engine, max_new_tokens=8, policy=default_policy(max_slots=4096))
+def test_recall_tool_and_agent_graph(small_engine, workspace):
+    chat = ChatKVMemory(engine=small_engine, max_new_tokens=8, policy=default_policy(max_slots=4096))
     session = chat.session_for("recall")
     session.set_messages(
         [
@@ -243,7 +243,7 @@ def test_recall_tool_and_agent_graph(default_engine, workspace):
 
 
 @pytest.mark.parametrize("sandbox", ["bubblewrap", "missing"])
-def test_demo_runs_end_to_end(default_engine, tmp_path, capsys, monkeypatch, sandbox):
+def test_demo_runs_end_to_end(small_engine, tmp_path, capsys, monkeypatch, sandbox):
     from examples.demo import main
 
     if sandbox == "missing":  # no bwrap on PATH: the demo says so and replays recorded outputs
@@ -252,7 +252,7 @@ def test_demo_runs_end_to_end(default_engine, tmp_path, capsys, monkeypatch, san
         pytest.skip(missing("sandbox"))
     main(
         ["--steps", "3", "--cap", "512", "--reply-tokens", "4", "--map", str(tmp_path / "map.png")],
-        engine=default_engine,
+        engine=small_engine,
     )
     printed = capsys.readouterr().out
     assert (

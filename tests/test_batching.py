@@ -384,18 +384,18 @@ def test_compactions_of_two_sessions_at_once_each_end_as_alone(monkeypatch):
         assert_same_state(state_of(s), expected)
 
 
-@pytest.mark.default_model
-def test_concurrent_chats_on_the_default_model_match_their_lone_replies(default_engine):
+@pytest.mark.small_model
+def test_concurrent_chats_on_the_default_model_match_their_lone_replies(small_engine):
     prompts = ["Name three primary colours.", "What is 12 times 12?", "Write a haiku about rain."]
 
     def chat(prompt, memory=None):
-        session = default_engine.session(memory=memory)
+        session = small_engine.session(memory=memory)
         session.append_messages([{"role": "user", "content": prompt}])
         return session
 
     alone = [chat(p).generate(max_new_tokens=16).token_ids for p in prompts]
     sessions = [chat(p) for p in prompts]
-    largest = default_engine.batcher.stats.largest
+    largest = small_engine.batcher.stats.largest
     together = run_together(sessions, greedy(16))
     assert together == alone
-    assert default_engine.batcher.stats.largest >= max(largest, 2)
+    assert small_engine.batcher.stats.largest >= max(largest, 2)

@@ -32,7 +32,7 @@ from kvmemory import (
     SessionClosedError,
 )
 from kvmemory.memory import MemoryManager, MemoryPolicy
-from tests.conftest import load_default_engine, random_tokens, tiny_model, until
+from tests.conftest import load_small_engine, random_tokens, tiny_model, until
 
 
 def state_of(session) -> dict:
@@ -206,9 +206,9 @@ def test_a_fork_shares_no_buffers_with_its_parent(tiny_engine):
 # ---- chat: nothing lost ------------------------------------------------------------------------------
 
 
-@pytest.mark.default_model
-def test_a_generated_reply_and_raw_text_survive_the_next_messages(default_engine):
-    s = default_engine.session()
+@pytest.mark.small_model
+def test_a_generated_reply_and_raw_text_survive_the_next_messages(small_engine):
+    s = small_engine.session()
     s.append_messages([{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True)
     reply = s.generate(max_new_tokens=8)
     s.append_messages([{"role": "user", "content": "And their sum?"}], add_generation_prompt=True)
@@ -217,20 +217,20 @@ def test_a_generated_reply_and_raw_text_survive_the_next_messages(default_engine
     s.append_messages([])  # closes the reply
     s.append_text("NOTE: the database port is 5433.")
     s.append_messages([{"role": "user", "content": "Which port?"}], add_generation_prompt=True)
-    text = default_engine.tokenizer.decode(s.tokens)
+    text = small_engine.tokenizer.decode(s.tokens)
     assert text.count(reply.text) == 1 and "NOTE: the database port is 5433." in text
     assert text.index(reply.text) < text.index("And their sum?") < text.index("5433") < text.index("Which port?")
     assert s.search("database port")[0].text == "NOTE: the database port is 5433."
-    fresh = default_engine.session()  # what is cached is what a fresh prefill of the transcript gives
+    fresh = small_engine.session()  # what is cached is what a fresh prefill of the transcript gives
     fresh.append_tokens(s.tokens)
     assert torch.allclose(fresh._last_logits, s._last_logits, atol=1e-4)
 
 
-@pytest.mark.default_model
-def test_a_snapshot_keeps_its_transcript_when_the_session_later_cuts_below_it(default_engine):
+@pytest.mark.small_model
+def test_a_snapshot_keeps_its_transcript_when_the_session_later_cuts_below_it(small_engine):
     """Snapshots share the transcript list instead of copying it on every decoded token: a cut below a
     snapshot's length (a rewritten history) must cut a copy, or restoring would bring back the new tokens."""
-    s = default_engine.session()
+    s = small_engine.session()
     s.append_messages([{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True)
     s.generate(max_new_tokens=4)
     before, snapshot = state_of(s), s.snapshot()
@@ -243,9 +243,9 @@ def test_a_snapshot_keeps_its_transcript_when_the_session_later_cuts_below_it(de
     assert s.tokens[: len(before["tokens"])] == before["tokens"]
 
 
-@pytest.mark.default_model
-def test_every_append_path_checks_length_and_cap_first(default_engine):
-    s = default_engine.session()
+@pytest.mark.small_model
+def test_every_append_path_checks_length_and_cap_first(small_engine):
+    s = small_engine.session()
     s.append_text("A short note.")
     before = state_of(s)
     with pytest.raises(ContextLengthError):
@@ -256,7 +256,7 @@ def test_every_append_path_checks_length_and_cap_first(default_engine):
         "rules": [{"match": {"role": "user"}, "protected": True}],
         "budget": {"max_slots": 64, "recent_tokens": 8},
     }
-    s = default_engine.session(memory=MemoryManager(policy))
+    s = small_engine.session(memory=MemoryManager(policy))
     s.append_messages([{"role": "user", "content": "Hi."}], add_generation_prompt=True)
     s.generate(max_new_tokens=4)
     before = state_of(s)
@@ -265,18 +265,18 @@ def test_every_append_path_checks_length_and_cap_first(default_engine):
     assert_same_state(before, state_of(s))
 
 
-@pytest.mark.default_model
-def test_stop_strings_keep_only_the_text_returned(default_engine):
-    s = default_engine.session()
+@pytest.mark.small_model
+def test_stop_strings_keep_only_the_text_returned(small_engine):
+    s = small_engine.session()
     s.append_text("The cat sat on the mat. The dog sat on the log. The")
     start = len(s.tokens)
     result = s.generate(max_new_tokens=24, stop="sat")
     assert "sat" not in result.text and result.finish_reason == "stop"
-    assert default_engine.tokenizer.decode(s.tokens[start:]) == result.text
+    assert small_engine.tokenizer.decode(s.tokens[start:]) == result.text
     s.generate(max_new_tokens=2)  # the session goes on from the kept text
 
 
-@pytest.mark.default_model
+@pytest.mark.small_model
 @pytest.mark.parametrize(
     "bad, error",
     [
@@ -288,8 +288,8 @@ def test_stop_strings_keep_only_the_text_returned(default_engine):
         (dict(max_new_tokens=1.5), "max_new_tokens"),
     ],
 )
-def test_bad_sampling_parameters_are_named(default_engine, bad, error):
-    s = default_engine.session()
+def test_bad_sampling_parameters_are_named(small_engine, bad, error):
+    s = small_engine.session()
     s.append_text("Hello")
     before = state_of(s)
     with pytest.raises(InvalidArgumentError, match=error):
@@ -297,7 +297,7 @@ def test_bad_sampling_parameters_are_named(default_engine, bad, error):
     assert_same_state(before, state_of(s))
 
 
-@pytest.mark.default_model
+@pytest.mark.small_model
 @pytest.mark.parametrize(
     "message, error",
     [
@@ -307,8 +307,8 @@ def test_bad_sampling_parameters_are_named(default_engine, bad, error):
         ("hello", "not a dict"),
     ],
 )
-def test_bad_messages_are_named(default_engine, message, error):
-    s = default_engine.session()
+def test_bad_messages_are_named(small_engine, message, error):
+    s = small_engine.session()
     with pytest.raises(InvalidMessageError, match=error):
         s.append_messages([message])
     assert s.tokens == [] and s.messages == []
@@ -320,8 +320,8 @@ def test_bad_token_ids_are_named(tiny_engine, tokens):
         tiny_engine.session().append_tokens(tokens)
 
 
-def test_a_tool_message_takes_its_name_from_the_tool_call(default_engine):
-    s = default_engine.session()
+def test_a_tool_message_takes_its_name_from_the_tool_call(small_engine):
+    s = small_engine.session()
     call = {"id": "c1", "function": {"name": "run_tests", "arguments": {}}}
     s.append_messages(
         [
@@ -336,9 +336,9 @@ def test_a_tool_message_takes_its_name_from_the_tool_call(default_engine):
 # ---- cancellation and threads ------------------------------------------------------------------------
 
 
-@pytest.mark.default_model
-async def test_a_cancelled_task_keeps_exactly_the_text_received(default_engine):
-    session = default_engine.async_session()
+@pytest.mark.small_model
+async def test_a_cancelled_task_keeps_exactly_the_text_received(small_engine):
+    session = small_engine.async_session()
     await session.append_text("Once upon a time, in a small village by the sea,")
     start = len(session.sync.tokens)
     received: list[str] = []
@@ -354,7 +354,7 @@ async def test_a_cancelled_task_keeps_exactly_the_text_received(default_engine):
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.sleep(0)
-    assert default_engine.tokenizer.decode(session.sync.tokens[start:]) == "".join(received)
+    assert small_engine.tokenizer.decode(session.sync.tokens[start:]) == "".join(received)
     assert session.sync._stream is None
     start = len(session.sync.tokens)
     pieces = []
@@ -364,15 +364,15 @@ async def test_a_cancelled_task_keeps_exactly_the_text_received(default_engine):
         if len(pieces) == 2:
             break
     await stream.aclose()
-    assert default_engine.tokenizer.decode(session.sync.tokens[start:]) == "".join(pieces)
+    assert small_engine.tokenizer.decode(session.sync.tokens[start:]) == "".join(pieces)
     result = await session.generate(max_new_tokens=3)  # the session goes on
     assert len(result.token_ids) == 3
     await session.close()
 
 
-@pytest.mark.default_model
-def test_usage_counts_prompt_and_cached_tokens(default_engine):
-    s = default_engine.session()
+@pytest.mark.small_model
+def test_usage_counts_prompt_and_cached_tokens(small_engine):
+    s = small_engine.session()
     s.append_messages([{"role": "user", "content": "Hi there."}], add_generation_prompt=True)
     first = s.generate(max_new_tokens=3)
     assert first.prompt_tokens == len(s.tokens) - len(first.token_ids) - (1 if first.finish_reason == "stop" else 0) > 0
@@ -409,9 +409,9 @@ def test_threads_are_serialised_and_an_open_stream_refuses_other_calls(tiny_engi
     session.append_tokens([1, 2])
 
 
-@pytest.mark.default_model
-def test_a_dropped_stream_is_settled_at_the_next_call(default_engine):
-    s = default_engine.session()
+@pytest.mark.small_model
+def test_a_dropped_stream_is_settled_at_the_next_call(small_engine):
+    s = small_engine.session()
     s.append_text("Once upon a time")
     start = len(s.tokens)
     s.stream(max_new_tokens=5)  # never iterated
@@ -419,7 +419,7 @@ def test_a_dropped_stream_is_settled_at_the_next_call(default_engine):
     received = "".join(piece for piece, _ in (generation.step() for _ in range(6)))
     del generation  # dropped open, possibly holding back text
     s.append_text(" The end.")
-    assert default_engine.tokenizer.decode(s.tokens[start:]) == received + " The end."
+    assert small_engine.tokenizer.decode(s.tokens[start:]) == received + " The end."
 
 
 def test_a_closed_session_refuses_calls(tiny_engine):
@@ -449,7 +449,7 @@ TOOLS = ["run_tests", "read_file", "grep"]
 def tiny_chat_engine() -> Engine:
     """A tiny random model (3 layers) with the default model's tokenizer and chat template: the chat paths at
     a thousandth of the cost, so hundreds of call sequences run in CI."""
-    tokenizer = load_default_engine().tokenizer
+    tokenizer = load_small_engine().tokenizer
     model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=3, max_position_embeddings=2048)
     return Engine(model, tokenizer)
 
@@ -759,7 +759,7 @@ class SessionContractKV8UnderCap(SessionContract):
 
 class DefaultModelContractUnderCap(SessionContract):
     with_memory = True
-    make_engine = staticmethod(load_default_engine)
+    make_engine = staticmethod(load_small_engine)
 
 
 def _settings(examples: str, steps: str = "12"):
@@ -771,13 +771,13 @@ def _settings(examples: str, steps: str = "12"):
     )
 
 
-TestSessionContract = pytest.mark.default_model(SessionContract.TestCase)
+TestSessionContract = pytest.mark.small_model(SessionContract.TestCase)
 TestSessionContract.settings = _settings("300")
-TestSessionContractUnderCap = pytest.mark.default_model(SessionContractUnderCap.TestCase)
+TestSessionContractUnderCap = pytest.mark.small_model(SessionContractUnderCap.TestCase)
 TestSessionContractUnderCap.settings = _settings("300")
-TestSessionContractKV16UnderCap = pytest.mark.default_model(SessionContractKV16UnderCap.TestCase)
+TestSessionContractKV16UnderCap = pytest.mark.small_model(SessionContractKV16UnderCap.TestCase)
 TestSessionContractKV16UnderCap.settings = _settings("100")
-TestSessionContractKV8UnderCap = pytest.mark.default_model(SessionContractKV8UnderCap.TestCase)
+TestSessionContractKV8UnderCap = pytest.mark.small_model(SessionContractKV8UnderCap.TestCase)
 TestSessionContractKV8UnderCap.settings = _settings("60")
-TestDefaultModelContractUnderCap = pytest.mark.default_model(DefaultModelContractUnderCap.TestCase)
+TestDefaultModelContractUnderCap = pytest.mark.small_model(DefaultModelContractUnderCap.TestCase)
 TestDefaultModelContractUnderCap.settings = _settings("20")

@@ -3,6 +3,7 @@ settings), so the README's commands and snippets cannot rot."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -12,20 +13,23 @@ from pathlib import Path
 
 import pytest
 
+from kvmemory.runtime.named_models import SMALL_MODEL
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).parents[1]
-pytestmark = pytest.mark.default_model
+SMALL = {**os.environ, "KVMEMORY_DEFAULT_MODEL": SMALL_MODEL}  # "default" names the small model: quick runs
 
 
-def run(*argv: str, timeout: float = 600) -> str:
-    """Run a command from the repository root; its output (stdout and stderr), failing on a non-zero exit."""
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run(*argv: str, timeout: float = 600, env: dict | None = SMALL) -> str:
+    """Run a command from the repository root (on the small model unless ``env`` says otherwise); its output
+    (stdout and stderr), failing on a non-zero exit."""
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     return output
 
 
+@pytest.mark.small_model
 @pytest.mark.parametrize(
     "example, argv, expected",
     [
@@ -41,6 +45,7 @@ def test_an_example_runs_to_the_end(example, argv, expected, tmp_path):
     assert re.search(expected, output), output[-3000:]
 
 
+@pytest.mark.small_model
 @pytest.mark.sandbox
 def test_the_agent_command_line_and_its_example_run_on_the_sample_project():
     short = ["--max-steps", "1", "--max-new-tokens", "8"]
@@ -48,8 +53,11 @@ def test_the_agent_command_line_and_its_example_run_on_the_sample_project():
     assert "workspace:" in run(sys.executable, "-m", "examples.coding_agent_under_cap", *short)
 
 
+@pytest.mark.small_model
 def test_the_server_command_line_serves_the_openai_client_example():
-    server = subprocess.Popen(["kvmemory", "serve", "--port", "0"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        ["kvmemory", "serve", "--port", "0"], cwd=ROOT, stderr=subprocess.PIPE, text=True, env=SMALL
+    )
     try:
         url = read_server_url(server)
         wait_until(lambda: answers(f"{url}/v1/models"), timeout=300, what="the server to load its model")

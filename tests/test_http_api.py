@@ -24,7 +24,7 @@ from kvmemory import Engine, SessionStore
 from tests.conftest import wait_until
 from tests.test_contract import tiny_chat_engine
 
-pytestmark = pytest.mark.default_model  # the tiny model speaks through the default tokenizer
+pytestmark = pytest.mark.small_model  # the tiny model speaks through the default tokenizer
 
 KEY, OTHER_KEY = "key-a", "key-b"
 SETTINGS = {"api_keys": (KEY, OTHER_KEY), "max_sessions": 40, "busy_timeout": 2.0, "max_request_mb": 1.0}

@@ -34,8 +34,8 @@ def run_tests() -> str:
 
 
 @pytest.fixture
-def chat(default_engine):
-    return ChatKVMemory(engine=default_engine, max_new_tokens=6, policy=default_policy(max_slots=4096))
+def chat(small_engine):
+    return ChatKVMemory(engine=small_engine, max_new_tokens=6, policy=default_policy(max_slots=4096))
 
 
 def config(thread):
@@ -110,8 +110,8 @@ def test_tool_call_parsing_and_malformed_output(chat):
     assert "not valid JSON" in bad.invalid_tool_calls[0]["error"]
 
 
-def test_context_overflow_is_a_langchain_error(default_engine):
-    chat = ChatKVMemory(engine=default_engine, max_new_tokens=2)
+def test_context_overflow_is_a_langchain_error(small_engine):
+    chat = ChatKVMemory(engine=small_engine, max_new_tokens=2)
     with pytest.raises(ContextOverflowError, match="cap of 2048|positions"):
         chat.invoke([HumanMessage("word " * 9000)], config=config("big"))
     assert chat.get_num_tokens_from_messages([HumanMessage("hello there")]) > 2
@@ -180,9 +180,9 @@ def test_middleware_gives_its_threads_the_tools_rules_and_leaves_the_model_polic
     assert chat.policy.model_dump() == shared and tool_rules(chat.session_for("elsewhere")) == {}
 
 
-async def test_middleware_async_compacts_every_call(default_engine):
+async def test_middleware_async_compacts_every_call(small_engine):
     rules = MemoryPolicy(default=CompactionRule(ratio=4.0), budget=MemoryBudget(max_slots=4096, recent_tokens=16))
-    chat = ChatKVMemory(engine=default_engine, max_new_tokens=4, policy=rules)  # rules with something to compact
+    chat = ChatKVMemory(engine=small_engine, max_new_tokens=4, policy=rules)  # rules with something to compact
     agent = create_agent(chat, tools=[lookup_port], middleware=[KVMemoryMiddleware(compact_every=1)])
     history = [HumanMessage("Hi"), AIMessage("Here is what I found so far. " * 30), HumanMessage("Go on.")]
     out = await agent.ainvoke({"messages": history}, config=config("amw"))
@@ -194,8 +194,8 @@ async def test_middleware_async_compacts_every_call(default_engine):
     assert session.cache.slots_per_head < len(session.tokens)
 
 
-async def test_a_cancelled_astream_leaves_the_thread_usable(default_engine):
-    chat = ChatKVMemory(engine=default_engine, max_new_tokens=40)
+async def test_a_cancelled_astream_leaves_the_thread_usable(small_engine):
+    chat = ChatKVMemory(engine=small_engine, max_new_tokens=40)
     chunks = []
 
     async def consume():

@@ -495,14 +495,14 @@ def test_uneven_head_budgets_never_grow_a_head_past_the_models_context(cap):
     assert torch.isfinite(session.logprobs(random_tokens(8, seed=99))).all()
 
 
-def test_the_default_policy_keeps_the_chat_frames_of_the_last_messages(default_engine):
+def test_the_default_policy_keeps_the_chat_frames_of_the_last_messages(small_engine):
     """The role header and end of turn of each of the last ``recent_frames`` messages survive compaction, while
     their content is compacted around them: the model still reads whose turn is next."""
-    renderer = default_engine.renderer
+    renderer = small_engine.renderer
     assert renderer.frame("assistant") == (4, 2) and renderer.frame("tool") == (3, 2)  # ChatML, SmolLM2's tokens
     policy = default_policy(max_slots=192, recent_tokens=16)
     assert policy.budget.recent_frames == 4
-    session = default_engine.session(memory=MemoryManager(policy))
+    session = small_engine.session(memory=MemoryManager(policy))
     messages = [{"role": "system", "content": "You maintain the billing service."}]
     for i in range(8):
         lines = [f"line {j} of file {i}: value {(i * 37 + j * 11) % 97} at port {8000 + i * 13 + j}" for j in range(5)]
@@ -518,21 +518,21 @@ def test_the_default_policy_keeps_the_chat_frames_of_the_last_messages(default_e
         head, tail = renderer.frame(segment.role)
         frame = list(range(segment.start, segment.start + head)) + list(range(segment.end - tail, segment.end))
         assert all(set(frame) <= held for held in heads)  # in every head, however few slots it keeps
-        text = default_engine.tokenizer.decode(session.tokens[segment.start : segment.start + head])
+        text = small_engine.tokenizer.decode(session.tokens[segment.start : segment.start + head])
         assert text == f"<|im_start|>{segment.role}\n"
     content = set().union(*(range(s.start, s.end) for s in last))
     assert all(not content <= held for held in heads)  # their content was compacted around them
 
 
-def test_a_template_that_will_not_render_a_role_after_a_user_gives_it_no_frame(default_engine):
-    tokenizer = copy.copy(default_engine.tokenizer)
+def test_a_template_that_will_not_render_a_role_after_a_user_gives_it_no_frame(small_engine):
+    tokenizer = copy.copy(small_engine.tokenizer)
     tokenizer.chat_template = (
         "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('roles must alternate') }}{% endif %}"
         "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     )
     renderer = ChatRenderer(tokenizer)
     assert renderer.frame("tool") == (0, 0) and renderer.frame("assistant") == (4, 2)
-    assert renderer.turn_end() == default_engine.renderer.turn_end()
+    assert renderer.turn_end() == small_engine.renderer.turn_end()
 
 
 @pytest.mark.parametrize("measure", [False, True])

@@ -182,15 +182,15 @@ def test_headkv_budgets_follow_head_scores():
     assert budgets[0, 0] > budgets[0, 1] and int(budgets.sum()) == 400
 
 
-def test_the_default_model_reads_its_shipped_head_profile(default_engine, tmp_path, monkeypatch):
+def test_the_default_model_reads_its_shipped_head_profile(small_engine, tmp_path, monkeypatch):
     """The default policy's REAL budgets come from the profile shipped for the default model, found by the
     engine's model name (an engine once named itself after a constructor argument, so every model missed its
     shipped profile and was profiled again at its first compaction)."""
     monkeypatch.setattr(head_profiling, "PROFILE_DIR", tmp_path)  # no cached profile to fall back on
     monkeypatch.setattr(head_profiling, "profile_heads", None)  # profiling would fail loudly
-    assert default_engine.name == "SmolLM2-135M-Instruct"
-    profile = head_profiling.profile_for(default_engine)
-    assert profile.model == default_engine.name and profile.cases > 0
+    assert small_engine.name == "SmolLM2-135M-Instruct"
+    profile = head_profiling.profile_for(small_engine)
+    assert profile.model == small_engine.name and profile.cases > 0
     assert Engine(tiny_model("llama")).name == "llama" and Engine(tiny_model("llama"), name="mine").name == "mine"
 
 
@@ -394,17 +394,17 @@ def test_a_source_gives_at_most_a_bounded_number_of_tokens_queries(tiny_engine):
     assert torch.equal(first, tokens[:, 0]) and torch.equal(last, tokens[:, -1])  # whole GQA groups, both ends
 
 
-def test_scratch_query_sources_leave_the_session_unchanged(default_engine):
+def test_scratch_query_sources_leave_the_session_unchanged(small_engine):
     from kvmemory.runtime.reference_queries import reference_queries
 
-    session = default_engine.session()
+    session = small_engine.session()
     session.record_queries(8)
     session.append_text("The build failed: ImportError: cannot import name 'parse' from 'configlib'.\n" * 3)
     before = (
         list(session.tokens),
         session.cache.slots_per_head,
         session._last_logits.clone(),
-        [session.query_recorder.window_queries(i).clone() for i in range(default_engine.num_layers)],
+        [session.query_recorder.window_queries(i).clone() for i in range(small_engine.num_layers)],
     )
     positions = torch.arange(0, len(session.tokens))
     repeat = reference_queries(session, "repeat", positions)
@@ -412,7 +412,7 @@ def test_scratch_query_sources_leave_the_session_unchanged(default_engine):
     assert repeat[0].shape[1] >= len(session.tokens) * 3 and study[0].shape[1] > 0
     assert (list(session.tokens), session.cache.slots_per_head) == before[:2]
     assert torch.equal(session._last_logits, before[2])
-    windows = [session.query_recorder.window_queries(i) for i in range(default_engine.num_layers)]
+    windows = [session.query_recorder.window_queries(i) for i in range(small_engine.num_layers)]
     assert all(torch.equal(a, b) for a, b in zip(windows, before[3]))
 
 

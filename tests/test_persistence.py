@@ -98,11 +98,11 @@ def test_a_narrow_cache_round_trips_bit_identical_and_converts_to_and_from_anoth
     assert torch.allclose(back.logprobs(probe), session.logprobs(probe), atol=0.02)
 
 
-def test_a_chat_session_keeps_its_conversation(tmp_path, default_engine):
-    session = default_engine.session()
+def test_a_chat_session_keeps_its_conversation(tmp_path, small_engine):
+    session = small_engine.session()
     session.set_messages([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True)
     session.generate(max_new_tokens=6)
-    loaded = default_engine.load_session(session.save(tmp_path / "chat.kvm"), session_id="restored")
+    loaded = small_engine.load_session(session.save(tmp_path / "chat.kvm"), session_id="restored")
     assert loaded.id == "restored" and loaded.messages == session.messages
     follow = [{"role": "user", "content": "And another?"}]
     loaded.append_messages(follow, add_generation_prompt=True)
@@ -314,16 +314,14 @@ def test_a_byte_budget_needs_a_directory(tiny_engine):
         SessionStore(tiny_engine, max_resident_bytes=10)
 
 
-def test_a_chat_thread_resumes_after_a_restart_from_its_saved_cache(tmp_path, default_engine):
-    first = ChatKVMemory(engine=default_engine, store=SessionStore(default_engine, tmp_path / "a"), max_new_tokens=6)
+def test_a_chat_thread_resumes_after_a_restart_from_its_saved_cache(tmp_path, small_engine):
+    first = ChatKVMemory(engine=small_engine, store=SessionStore(small_engine, tmp_path / "a"), max_new_tokens=6)
     config = {"configurable": {"thread_id": "t"}}
     history = [HumanMessage("Name one colour.")]
     history.append(first.invoke(history, config=config))
     history.append(HumanMessage("And another?"))
     shutil.copytree(tmp_path / "a", tmp_path / "b")  # the saved files, as a restarted process finds them
-    restarted = ChatKVMemory(
-        engine=default_engine, store=SessionStore(default_engine, tmp_path / "b"), max_new_tokens=6
-    )
+    restarted = ChatKVMemory(engine=small_engine, store=SessionStore(small_engine, tmp_path / "b"), max_new_tokens=6)
     reply = restarted.invoke(history, config=config)
     assert restarted.store.loads == 1
     assert reply.usage_metadata["input_token_details"]["cache_read"] > 30  # the held turns came from the file

@@ -26,6 +26,7 @@ from kvmemory import (
 from kvmemory.attention import folded_sdpa, mask_sdpa
 from kvmemory.cache import int8_rows
 from kvmemory.cache.compact_layer import rotation_tables
+from kvmemory.runtime.named_models import SMALL_MODEL, model_file
 from kvmemory.runtime.recorders import SurprisalRecorder
 from kvmemory.runtime.sampling import ReplyText
 from tests.conftest import random_tokens, reference_copy, tiny_model
@@ -413,24 +414,24 @@ def test_unknown_model_path_is_named(tmp_path):
 # ---- the default model -----------------------------------------------------------------------------
 
 
-def test_default_model_greedy_matches_transformers(default_engine):
-    ids = default_engine.tokenizer.apply_chat_template(
+def test_default_model_greedy_matches_transformers(small_engine):
+    ids = small_engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
     )
     ids = list(ids["input_ids"] if not isinstance(ids, list) else ids)
-    session = default_engine.session()
+    session = small_engine.session()
     session.append_tokens(ids)
     ours = session.generate(max_new_tokens=10).token_ids
-    ref = reference_copy(default_engine.model)
+    ref = reference_copy(small_engine.model)
     theirs = ref.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0)[
         0, len(ids) :
     ].tolist()
-    eos = default_engine.eos_token_ids
+    eos = small_engine.eos_token_ids
     assert ours == [t for t in theirs if t not in eos][: len(ours)]
 
 
-def test_messages_prefill_only_what_is_new(default_engine):
-    session = default_engine.session()
+def test_messages_prefill_only_what_is_new(small_engine):
+    session = small_engine.session()
     convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
     session.set_messages(convo, add_generation_prompt=True)
     reply = session.generate(max_new_tokens=6)
@@ -442,29 +443,29 @@ def test_messages_prefill_only_what_is_new(default_engine):
     assert session.prefilled_tokens - before < 20  # only the new turn (and the sampled tail), not the history
 
 
-def test_rerendered_earlier_turn_equals_a_fresh_session(default_engine):
+def test_rerendered_earlier_turn_equals_a_fresh_session(small_engine):
     convo = [
         {"role": "user", "content": "First question?"},
         {"role": "assistant", "content": "First answer."},
         {"role": "user", "content": "Second question?"},
     ]
-    session = default_engine.session()
+    session = small_engine.session()
     session.set_messages(convo, add_generation_prompt=True)
     edited = [dict(m) for m in convo]
     edited[1]["content"] = "An edited first answer."  # a template that rewrites an earlier turn looks like this
     session.set_messages(edited, add_generation_prompt=True)
-    fresh = default_engine.session()
+    fresh = small_engine.session()
     fresh.set_messages(edited, add_generation_prompt=True)
     assert session.tokens == fresh.tokens
     assert [s.message_index for s in session.segments[:3]] == [0, 1, 2]
     assert torch.allclose(session._last_logits, fresh._last_logits, atol=1e-4)
 
 
-def test_a_cut_that_would_empty_a_head_rebuilds_the_prefix_as_a_fresh_session_holds_it(default_engine):
+def test_a_cut_that_would_empty_a_head_rebuilds_the_prefix_as_a_fresh_session_holds_it(small_engine):
     """A re-rendered turn cuts every head back to its start; a head that kept only slots past the cut would be
     left empty, so the prefix is prefilled again from the transcript (as one prefill, shortest-first order)."""
     convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "First question?"}]
-    session = default_engine.session(prefill_chunk_size=4)  # the rebuild runs in several chunks
+    session = small_engine.session(prefill_chunk_size=4)  # the rebuild runs in several chunks
     session.set_messages(convo, add_generation_prompt=True)
     n = session.cache.layers[0].length
     plan = CompactionPlan.keep_all(session.cache)
@@ -472,15 +473,15 @@ def test_a_cut_that_would_empty_a_head_rebuilds_the_prefix_as_a_fresh_session_ho
     session.apply_plan(plan)
     edited = [convo[0], {"role": "user", "content": "Another question?"}]
     session.set_messages(edited, add_generation_prompt=True)
-    fresh = default_engine.session(prefill_chunk_size=4)
+    fresh = small_engine.session(prefill_chunk_size=4)
     fresh.set_messages(edited, add_generation_prompt=True)
     assert session.tokens == fresh.tokens
     assert session.cache.layers[0].lengths == fresh.cache.layers[0].lengths  # nothing compacted is left
     assert torch.allclose(session._last_logits, fresh._last_logits, atol=1e-4)
 
 
-async def test_cancelled_stream_leaves_the_session_consistent(default_engine):
-    session = default_engine.async_session()
+async def test_cancelled_stream_leaves_the_session_consistent(small_engine):
+    session = small_engine.async_session()
     prompt = await session.append_text("Once upon a time, in a small village by the sea,")
     pieces = 0
     async for _ in session.stream(max_new_tokens=50):
@@ -646,11 +647,11 @@ def reply_edits(draw, pool: list[int]):
     return edits
 
 
-@pytest.mark.default_model
-def test_a_replys_text_decoded_a_few_tokens_at_a_time_is_the_whole_decoded(default_engine):
-    decode = default_engine.detokenize
+@pytest.mark.small_model
+def test_a_replys_text_decoded_a_few_tokens_at_a_time_is_the_whole_decoded(small_engine):
+    decode = small_engine.detokenize
     text = "naïve café — 東京タワー 🙂🚀 x = {'a': 1}\n\tdef f():  return \"ü\"  . , ! ?   end"
-    pool = default_engine.tokenizer.encode(text, add_special_tokens=False)
+    pool = small_engine.tokenizer.encode(text, add_special_tokens=False)
 
     class SettlingOften(ReplyText):  # a seam after every few tokens: more seams inside characters
         SETTLE_EVERY = 2
@@ -669,22 +670,29 @@ def test_a_replys_text_decoded_a_few_tokens_at_a_time_is_the_whole_decoded(defau
     check()
 
 
-@pytest.mark.default_model
+@pytest.mark.small_model
 def test_a_gguf_file_converts_once_into_the_same_model(tmp_path, monkeypatch):
-    """The cached checkpoint of a GGUF file holds its weights bit for bit and its tokenizer, chat template
-    included; a second load reads the cache."""
+    """The cached checkpoint of a GGUF file holds its linear weights rounded to fp16 (as the engine runs them),
+    every other weight bit for bit, and its tokenizer, chat template included; a second load reads the cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvmemory.runtime import loading
 
     monkeypatch.setattr(loading, "CACHE_DIR", tmp_path)
-    gguf = loading.default_model_file()
+    gguf = model_file(SMALL_MODEL)
     converted = loading.converted_gguf(gguf)
     assert converted.parent == tmp_path / "models" and loading.converted_gguf(gguf) == converted
     direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     cached = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32)
     expected, got = direct.state_dict(), cached.state_dict()
-    assert set(expected) == set(got) and all(torch.equal(expected[k], got[k]) for k in expected)
+    linear = {f"{name}.weight" for name, m in direct.named_modules() if isinstance(m, torch.nn.Linear)}
+    linear -= {"lm_head.weight"}  # tied: the embedding, kept as it is
+    assert set(expected) == set(got) and linear
+    for key in expected:
+        want = expected[key].half().float() if key in linear else expected[key]
+        assert torch.equal(want, got[key]), key
+    fp32_bytes = sum(t.numel() * 4 for t in expected.values())
+    assert (converted / "model.safetensors").stat().st_size < 0.7 * fp32_bytes  # linear weights in 16 bits
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit, café."}]
     tokenizers = [AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)]
     tokenizers.append(AutoTokenizer.from_pretrained(str(converted)))

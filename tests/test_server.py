@@ -18,7 +18,7 @@ from integrations.server import create_app, loading_app, serve_in_thread
 from integrations.serving import Reply
 from kvmemory import SessionStore
 
-pytestmark = pytest.mark.default_model
+pytestmark = pytest.mark.small_model
 
 
 @contextmanager
@@ -38,8 +38,8 @@ def ask(chat: openai.OpenAI, messages: list[dict], **kwargs):
     return chat.chat.completions.create(model="default", messages=messages, max_tokens=8, **kwargs)
 
 
-def test_a_session_prefills_only_new_messages_across_requests(default_engine):
-    with live_server(default_engine) as (base, _):
+def test_a_session_prefills_only_new_messages_across_requests(small_engine):
+    with live_server(small_engine) as (base, _):
         chat = client(base, "agent-1")
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."}]
         first = ask(chat, messages)
@@ -53,11 +53,11 @@ def test_a_session_prefills_only_new_messages_across_requests(default_engine):
         assert stateless.usage.prompt_tokens_details.cached_tokens == 0
         assert stateless.choices[0].message.content == second.choices[0].message.content
         models = chat.models.list()
-        assert [m.id for m in models.data] == [default_engine.name]
+        assert [m.id for m in models.data] == [small_engine.name]
 
 
-def test_streaming_ends_with_a_usage_chunk_and_matches_the_plain_reply(default_engine):
-    with live_server(default_engine) as (base, _):
+def test_streaming_ends_with_a_usage_chunk_and_matches_the_plain_reply(small_engine):
+    with live_server(small_engine) as (base, _):
         messages = [{"role": "user", "content": "Count to five."}]
         plain = ask(client(base), messages)
         chunks = list(ask(client(base), messages, stream=True, stream_options={"include_usage": True}))
@@ -67,7 +67,7 @@ def test_streaming_ends_with_a_usage_chunk_and_matches_the_plain_reply(default_e
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
 
-def test_tool_messages_round_trip_and_tool_calls_come_back_in_the_openai_shape(default_engine):
+def test_tool_messages_round_trip_and_tool_calls_come_back_in_the_openai_shape(small_engine):
     tools = [
         {
             "type": "function",
@@ -89,7 +89,7 @@ def test_tool_messages_round_trip_and_tool_calls_come_back_in_the_openai_shape(d
         },
         {"role": "tool", "tool_call_id": "c1", "content": "PORT = 5433"},
     ]
-    with live_server(default_engine) as (base, _):
+    with live_server(small_engine) as (base, _):
         reply = ask(client(base, "tools"), messages, tools=tools)
         assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
     parsed = {"name": "read_file", "args": {"path": "b.py"}, "id": "call_1"}
@@ -100,9 +100,9 @@ def test_tool_messages_round_trip_and_tool_calls_come_back_in_the_openai_shape(d
 LOG = "\n".join(f"tests/test_mod{i}.py::test_case_{i} PASSED [{i}%]" for i in range(60))
 
 
-def test_a_responses_chain_prefills_only_each_turns_new_input(default_engine):
+def test_a_responses_chain_prefills_only_each_turns_new_input(small_engine):
     """Five turns chained by previous_response_id: turns 2 to 5 take all but their new input from the cache."""
-    with live_server(default_engine) as (base, _):
+    with live_server(small_engine) as (base, _):
         chat, previous, shares = client(base), None, []
         for turn in range(5):
             given = f"Here is the test log:\n{LOG}\nHow many tests passed?" if turn == 0 else f"And test {turn}?"
@@ -119,11 +119,11 @@ def test_a_responses_chain_prefills_only_each_turns_new_input(default_engine):
         assert shares[0] == 0 and min(shares[1:]) >= 0.9, shares
 
 
-def test_an_anthropic_client_resending_its_conversation_reads_it_from_the_cache(default_engine):
+def test_an_anthropic_client_resending_its_conversation_reads_it_from_the_cache(small_engine):
     """Five turns of a tool-using conversation, resent whole each turn as Claude Code sends it: turns 2 to 5
     read all but their new blocks from the session's cache."""
     tools = [{"name": "run_tests", "description": "Run the tests", "input_schema": {"type": "object"}}]
-    with live_server(default_engine) as (base, _):
+    with live_server(small_engine) as (base, _):
         claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": f"Here is the last test log:\n{LOG}\nRun the tests again."}]
         shares = []
@@ -147,9 +147,9 @@ def test_an_anthropic_client_resending_its_conversation_reads_it_from_the_cache(
         assert shares[0] == 0 and min(shares[1:]) >= 0.9, shares
 
 
-def test_a_saved_session_survives_a_server_restart(tmp_path, default_engine):
+def test_a_saved_session_survives_a_server_restart(tmp_path, small_engine):
     messages = [{"role": "user", "content": "Tell me about the sea."}]
-    with live_server(default_engine, tmp_path) as (base, _):
+    with live_server(small_engine, tmp_path) as (base, _):
         first = ask(client(base, "keep"), messages)
         assert httpx.post(f"{base}/v1/sessions/keep/save").json()["saved"]
         stats = httpx.get(f"{base}/v1/sessions/keep").json()
@@ -157,7 +157,7 @@ def test_a_saved_session_survives_a_server_restart(tmp_path, default_engine):
         assert png.headers["content-type"] == "image/png" and png.content[:4] == b"\x89PNG"
     follow = messages + [{"role": "assistant", "content": first.choices[0].message.content}]
     follow += [{"role": "user", "content": "And the mountains?"}]
-    with live_server(default_engine, tmp_path) as (base, _):
+    with live_server(small_engine, tmp_path) as (base, _):
         restored = httpx.post(f"{base}/v1/sessions/keep/restore").json()
         assert restored["logical_tokens"] == stats["logical_tokens"]
         again = ask(client(base, "keep"), follow)
@@ -168,7 +168,7 @@ def test_a_saved_session_survives_a_server_restart(tmp_path, default_engine):
         assert httpx.get(f"{base}/v1/sessions/keep").status_code == 404
 
 
-def test_langchain_openai_drives_a_langgraph_agent_through_the_server(default_engine):
+def test_langchain_openai_drives_a_langgraph_agent_through_the_server(small_engine):
     from langchain.agents import create_agent
     from langchain_openai import ChatOpenAI
 
@@ -176,7 +176,7 @@ def test_langchain_openai_drives_a_langgraph_agent_through_the_server(default_en
         """Look up the port a service listens on."""
         return "5433"
 
-    with live_server(default_engine) as (base, app):
+    with live_server(small_engine) as (base, app):
         thread = {"x-session-id": "lg"}  # the agent thread's session on the server
         model = ChatOpenAI(base_url=f"{base}/v1", api_key="-", model="default", max_tokens=12, default_headers=thread)
         agent = create_agent(model, tools=[lookup_port], system_prompt="You are a helpful assistant.")

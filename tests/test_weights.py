@@ -13,6 +13,7 @@ from kvmemory.hardware import cpu_has_fbgemm
 from kvmemory.kernels import cpu_ops
 from kvmemory.runtime import weights
 from kvmemory.runtime.forward import DirectForward, SideBySide, TransformersForward
+from kvmemory.runtime.named_models import SMALL_MODEL
 from kvmemory.runtime.session_compaction import compact_span
 from kvmemory.runtime.weights import (
     DIRECT_ROWS,
@@ -123,19 +124,21 @@ def test_default_weights_per_device(monkeypatch):
     assert default_weights(torch.device("cpu"), torch.float64) is None  # left as loaded
 
 
-def test_the_default_model_on_its_default_weights_scores_text_as_fp32_does(default_engine):
+def test_the_small_model_on_its_default_weights_scores_text_as_fp32_does(small_engine):
     """The quality bar of the default (int4 or fp16) weights: teacher-forced NLL within 0.01 nats of fp32."""
     from benchmarks.texts import source_text
 
-    fast = Engine.from_pretrained("default")
+    fast = Engine.from_pretrained(SMALL_MODEL)
     ids = fast.tokenizer.encode(source_text(4000), add_special_tokens=False)[:384]
     nll = {}
-    for name, engine in (("default", fast), ("fp32", default_engine)):
+    for name, engine in (("default", fast), ("fp32", small_engine)):
         session = engine.session()
         session.append_tokens(ids[:256])
         nll[name] = float(-session.logprobs(ids[256:]).mean())
     assert abs(nll["default"] - nll["fp32"]) < 0.01
     assert fast.weights == ("int4" if weights.cpu_has_native_bf16() else "fp16")  # the file is Q4_1: int4 is exact
+    layers = [m for m in small_engine.model.model.layers.modules() if type(m) is nn.Linear]
+    assert layers and all(quantize_int4(m.weight.detach())[2] for m in layers[:8])  # 4-bit, up to fp16 rounding
 
 
 @pytest.fixture(params=["panels", "fbgemm"])

@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 from langchain.agents import create_agent
+from langchain.agents.middleware import AgentMiddleware
+from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import StructuredTool
 
-from agents.coding_agent.scripted_session import SYSTEM_PROMPT
 from agents.coding_agent.workspace import Workspace
 from integrations import ChatKVMemory, KVMemoryMiddleware
+
+AGENT_PROMPT = (
+    "You are a coding agent working in a Python repository. You act only by calling tools, one call per reply.\n"
+    "How to fix a failing test:\n"
+    "1. run_command with pytest to see which test fails and the assertion that fails;\n"
+    "2. read_file the test file, then grep for the function under test and read_file the module that defines it;\n"
+    "3. patch_file that module: old is the exact buggy line, new is the fixed line;\n"
+    "4. run_command with pytest again. When every test passes, answer with one line saying what you fixed.\n"
+    "Never repeat a call you already made: its output is above. Remember what you read (settings, names, "
+    "failing tests).\n"
+    "A reply that calls a tool looks like this:\n{example}"
+)
+
+
+def agent_prompt(chat: ChatKVMemory) -> str:
+    """The agent's system prompt, its example call written in the model's own tool-call format."""
+    example = chat.engine.renderer.tool_call_text("run_command", {"command": "pytest -q"})
+    return AGENT_PROMPT.format(example=example)
 
 
 def recall_tool(chat: ChatKVMemory) -> StructuredTool:
@@ -31,12 +50,41 @@ def recall_tool(chat: ChatKVMemory) -> StructuredTool:
     return StructuredTool.from_function(recall, name="recall", description=recall.__doc__)
 
 
+class RepeatedCallGuard(AgentMiddleware):
+    """Answers a tool call that repeats an earlier one exactly, with nothing written since, without running it:
+    its output would be the same, and small models under greedy decoding loop on such calls. The answer says
+    so, which is what breaks the loop (SWE-agent tells its model the same about a repeated command)."""
+
+    WRITES = ("write_file", "patch_file")
+
+    def wrap_tool_call(self, request, handler):
+        call = request.tool_call
+        if call["name"] not in self.WRITES and self._seen_since_last_write(request.state["messages"][:-1], call):
+            return ToolMessage(
+                f"You already called {call['name']} with these arguments and nothing has changed since: its output "
+                "is above. Do not repeat it; take the next step (read the file the failure points to, patch it, "
+                "or run the tests after a patch).",
+                tool_call_id=call["id"],
+                name=call["name"],
+            )
+        return handler(request)
+
+    def _seen_since_last_write(self, messages, call) -> bool:
+        for message in reversed(messages):
+            for earlier in getattr(message, "tool_calls", None) or [] if isinstance(message, AIMessage) else []:
+                if earlier["name"] in self.WRITES:
+                    return False
+                if (earlier["name"], earlier["args"]) == (call["name"], call["args"]):
+                    return True
+        return False
+
+
 def build_coding_agent(chat: ChatKVMemory, workspace: Workspace, checkpointer=None, compact_every: int | None = None):
     tools = workspace.tools() + [recall_tool(chat)]
     return create_agent(
         chat,
         tools=tools,
-        system_prompt=SYSTEM_PROMPT,
-        middleware=[KVMemoryMiddleware(compact_every=compact_every)],
+        system_prompt=agent_prompt(chat),
+        middleware=[RepeatedCallGuard(), KVMemoryMiddleware(compact_every=compact_every)],
         checkpointer=checkpointer,
     )

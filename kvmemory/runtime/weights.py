@@ -309,10 +309,17 @@ def int4_groups(weight: torch.Tensor):
     return levels, step, low
 
 
+FOUR_BIT_TOLERANCE = 2.0**-9  # of a group's largest |weight|: a few fp16 roundings, far below half a 4-bit step
+
+
 def int4_is_exact(weight: torch.Tensor, levels, step, low) -> bool:
-    """Whether ``int4_groups``' levels give ``weight`` back to fp32 rounding (it was 4-bit already)."""
-    rebuilt = (levels * step[..., None] + low[..., None]).reshape(weight.shape)
-    return bool((rebuilt - weight.float()).abs().max() <= 1e-6 * weight.abs().max())
+    """Whether ``int4_groups``' levels give ``weight`` back up to 16-bit rounding: it was 4-bit already (say
+    dequantised from a Q4_1 or Q4_K GGUF block, then stored in fp16 by ``converted_gguf``), so int4 loses
+    no more than fp16 would. Any other weight misses by up to half a step, a fifteenth of its group's range."""
+    w = weight.float().reshape(levels.shape)
+    rebuilt = levels * step[..., None] + low[..., None]
+    bound = FOUR_BIT_TOLERANCE * w.abs().amax(-1, keepdim=True) + torch.finfo(torch.float32).tiny
+    return bool(((rebuilt - w).abs() <= bound).all())
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
