@@ -13,6 +13,7 @@ peak KV bytes vs an uncompacted session and the final stats are printed.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from functools import partial
@@ -25,8 +26,9 @@ from agents.coding_agent.sample_project import create_sample_project
 from agents.coding_agent.scripted_session import RECORDED, STEPS, fact_questions, recorded_tools, replay, run_tool
 from agents.coding_agent.workspace import SandboxUnavailableError, Workspace
 from integrations import ChatKVMemory
-from kvmemory import Engine
+from kvmemory import Engine, ToolCallParseError
 from kvmemory.memory import default_policy, plot_memory_map
+from kvmemory.runtime.chat import parse_tool_calls
 
 THREAD = {"configurable": {"thread_id": "demo"}}
 
@@ -34,6 +36,17 @@ THREAD = {"configurable": {"thread_id": "demo"}}
 def one_line(text: str, n: int = 90) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def shown_reply(reply: str) -> str:
+    """The model's reply in a line; a tool call it wrote (the script, not the model, picks the calls) as a call."""
+    try:
+        _, calls = parse_tool_calls(reply, [{"name": name} for name, _ in STEPS])
+    except ToolCallParseError:
+        calls = []
+    if calls:
+        return f"(would call) {calls[0]['name']}({one_line(str(calls[0]['args']), 60)})"
+    return one_line(reply) or "(empty)"
 
 
 def sandboxed_tools(directory: str):
@@ -48,14 +61,16 @@ def sandboxed_tools(directory: str):
 def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help=f"tool calls to replay (up to {len(STEPS)})")
-    parser.add_argument("--cap", type=int, default=2048, help="KV memory cap in physical slots")
+    parser.add_argument("--cap", type=int, default=4096, help="KV memory cap in physical slots")
     parser.add_argument("--reply-tokens", type=int, default=24)
     parser.add_argument("--map", default="kvmemory_demo_memory_map.png", help="where to write the memory-map PNG")
+    parser.add_argument("--results", default=None, help="also write what the demo measured to this JSON file")
     args = parser.parse_args(argv)
 
     if engine is None:
-        print("loading the default model (SmolLM2-135M-Instruct, offline) ...", flush=True)
+        print("loading the default model ...", flush=True)
         engine = Engine.from_pretrained("default")
+        print(f"model: {engine.name}, {engine.weights} weights", flush=True)
     chat = ChatKVMemory(
         engine=engine, max_new_tokens=args.reply_tokens, policy=default_policy(max_slots=args.cap, recent_tokens=192)
     )
@@ -70,7 +85,7 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
         def on_step(i, name, args_, output, reply):
             s = session.stats()
             print(f"[{i + 1:2d}] {name}({one_line(str(args_), 50)})  → {len(output):5d} chars of output")
-            print(f"     model: {one_line(reply) or '(empty)'}")
+            print(f"     model: {shown_reply(reply)}")
             print(
                 f"     memory: {s.logical_tokens:6d} tokens in {s.slots_per_head:5d} slots a head "
                 f"({s.kv_bytes / 2**20:5.1f} MiB; uncompacted {s.uncompacted_kv_bytes / 2**20:5.1f} MiB), "
@@ -80,6 +95,7 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
 
         messages = replay(tools, respond, STEPS[: args.steps], on_step)
         recall = recall_tool(chat)
+        answers = {False: [], True: []}
         for with_recall in (False, True):
             print(
                 "\nquestions about facts read earlier, "
@@ -98,7 +114,9 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
                     )
                 # same thread: only the new turns are prefilled; the next question replaces them (prefix diff)
                 answer = chat.invoke(asked, config=THREAD).content
-                mark = "✓" if expected.lower() in answer.lower() else "✗"
+                answers[with_recall].append({"question": question, "expected": expected, "answer": answer})
+                answers[with_recall][-1]["correct"] = correct = expected.lower() in answer.lower()
+                mark = "✓" if correct else "✗"
                 print(f"  {mark} {question}  model: {one_line(answer, 60)!r}  (expected {expected})")
 
     stats, manager = session.stats(), session.memory
@@ -118,10 +136,29 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
         f"for an uncompacted session of the same {stats.logical_tokens} tokens "
         f"({peak / stats.uncompacted_kv_bytes:.0%})"
     )
+    seconds = time.perf_counter() - started
     print(
         f"final: {stats.logical_tokens} tokens, {stats.slots_per_head} slots a head, {stats.compactions} compactions, "
-        f"{stats.allocated_bytes / 2**20:.1f} MiB allocated, {time.perf_counter() - started:.0f} s"
+        f"{stats.allocated_bytes / 2**20:.1f} MiB allocated, {seconds:.0f} s"
     )
+    if args.results:
+        measured = {
+            "model": engine.name,
+            "weights": engine.weights,
+            "steps": args.steps,
+            "cap_slots": args.cap,
+            "tokens": stats.logical_tokens,
+            "compactions": stats.compactions,
+            "peak_kv_bytes": peak,
+            "uncompacted_kv_bytes": stats.uncompacted_kv_bytes,
+            "session_seconds": round(seconds, 1),
+            "answered_from_cache": sum(a["correct"] for a in answers[False]),
+            "answered_after_recall": sum(a["correct"] for a in answers[True]),
+            "questions": len(answers[False]),
+            "answers": answers[False],
+            "answers_after_recall": answers[True],
+        }
+        Path(args.results).write_text(json.dumps(measured, indent=1))
 
 
 if __name__ == "__main__":

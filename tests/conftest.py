@@ -92,11 +92,15 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=1024,
 )
+QWEN_CODER = {"num_key_value_heads": 2, "tie_word_embeddings": True}
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
+    # Qwen2.5-Coder's layout: q/k/v biases, a tied output head, 7 (0.5B) or 6 (1.5B) query heads per KV head
+    "qwen2-7to1": (Qwen2Config, Qwen2ForCausalLM, {"hidden_size": 224, "num_attention_heads": 14, **QWEN_CODER}),
+    "qwen2-6to1": (Qwen2Config, Qwen2ForCausalLM, {"hidden_size": 192, "num_attention_heads": 12, **QWEN_CODER}),
 }
 
 

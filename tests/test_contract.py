@@ -455,6 +455,20 @@ def tiny_chat_engine() -> Engine:
 
 
 @functools.cache
+def tiny_qwen_chat_engine() -> Engine:
+    """Qwen2.5-Coder-0.5B's layout at tiny size (7 query heads per KV head, q/k/v biases, a tied head) with its
+    tokenizer and chat template, which renders tools and tool calls natively."""
+    from transformers import AutoTokenizer
+
+    from kvmemory.runtime.loading import converted_gguf
+    from kvmemory.runtime.named_models import DEFAULT_NAMED_MODEL, model_file
+
+    tokenizer = AutoTokenizer.from_pretrained(str(converted_gguf(model_file(DEFAULT_NAMED_MODEL))))
+    model = tiny_model("qwen2-7to1", vocab_size=len(tokenizer), num_hidden_layers=3, max_position_embeddings=2048)
+    return Engine(model, tokenizer)
+
+
+@functools.cache
 def tiny_chat_engine_storing(kv_dtype: str) -> Engine:
     """The tiny chat engine's model with its cache stored in ``kv_dtype`` (``Engine(kv_dtype=...)``)."""
     base = tiny_chat_engine()
@@ -757,6 +771,11 @@ class SessionContractKV8UnderCap(SessionContract):
     make_engine = staticmethod(functools.partial(tiny_chat_engine_storing, "int8"))
 
 
+class QwenLayoutContractUnderCap(SessionContract):
+    with_memory = True
+    make_engine = staticmethod(tiny_qwen_chat_engine)
+
+
 class DefaultModelContractUnderCap(SessionContract):
     with_memory = True
     make_engine = staticmethod(load_small_engine)
@@ -779,5 +798,7 @@ TestSessionContractKV16UnderCap = pytest.mark.small_model(SessionContractKV16Und
 TestSessionContractKV16UnderCap.settings = _settings("100")
 TestSessionContractKV8UnderCap = pytest.mark.small_model(SessionContractKV8UnderCap.TestCase)
 TestSessionContractKV8UnderCap.settings = _settings("60")
+TestQwenLayoutContractUnderCap = pytest.mark.coder_model(QwenLayoutContractUnderCap.TestCase)
+TestQwenLayoutContractUnderCap.settings = _settings("60")
 TestDefaultModelContractUnderCap = pytest.mark.small_model(DefaultModelContractUnderCap.TestCase)
 TestDefaultModelContractUnderCap.settings = _settings("20")

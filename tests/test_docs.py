@@ -40,7 +40,7 @@ def test_ci_runs_the_readmes_test_command():
     assert extracted == shown and "pytest" in shown
 
 
-@pytest.mark.small_model
+@pytest.mark.coder_model  # the snippets load "default": the coder model
 @pytest.mark.parametrize("index", range(len(re.findall(r"```python\n", README))))
 def test_a_python_snippet_of_the_readme_runs(index):
     code = re.findall(r"```python\n(.*?)```", README, flags=re.S)[index]

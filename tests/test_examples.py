@@ -45,6 +45,15 @@ def test_an_example_runs_to_the_end(example, argv, expected, tmp_path):
     assert re.search(expected, output), output[-3000:]
 
 
+@pytest.mark.coder_model
+def test_the_demo_runs_on_the_default_coder_model(tmp_path):
+    """The README's demo command on the model it names (a short session: the full one takes minutes)."""
+    argv = ["--steps", "3", "--cap", "1024", "--reply-tokens", "8", "--map", f"{tmp_path}/map.png"]
+    output = run(sys.executable, "-m", "examples.demo", *argv, "--results", f"{tmp_path}/demo.json", env=None)
+    assert "model: Qwen2.5-Coder-0.5B-Instruct" in output and "peak KV bytes" in output, output[-3000:]
+    assert '"questions": 5' in (tmp_path / "demo.json").read_text()
+
+
 @pytest.mark.small_model
 @pytest.mark.sandbox
 def test_the_agent_command_line_and_its_example_run_on_the_sample_project():

