@@ -54,6 +54,13 @@ def test_the_demo_runs_on_the_default_coder_model(tmp_path):
     assert '"questions": 5' in (tmp_path / "demo.json").read_text()
 
 
+@pytest.mark.coder_model
+@pytest.mark.sandbox
+def test_the_agent_calls_a_workspace_tool_in_the_coder_models_own_format():
+    output = run("kvmemory-agent", "--sample", "--max-steps", "1", "--max-new-tokens", "64", env=None)
+    assert re.search(r"→ (list_files|read_file|grep|run_command)\(", output), output[-3000:]
+
+
 @pytest.mark.small_model
 @pytest.mark.sandbox
 def test_the_agent_command_line_and_its_example_run_on_the_sample_project():
