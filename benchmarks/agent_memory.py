@@ -51,7 +51,7 @@ from langchain.agents.middleware import ClearToolUsesEdit, SummarizationMiddlewa
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
 from benchmarks.agent_traces import load_traces, trace_text
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from integrations.chat_model import ChatKVMemory, to_chat_dicts
 from kvmemory import Engine, MemoryManager, MemoryPolicy, default_policy
 
@@ -559,7 +559,7 @@ def update_saved(conditions: list[str], caps: list[int], replies: int) -> None:
     """Remeasure some conditions of the saved run on its traces and summarise everything again."""
     saved = json.loads((RESULTS / "agent_memory.json").read_text())
     weights = saved.get("weights", "fp32")  # runs before weight formats existed measured fp32
-    engine = Engine.from_pretrained("default", weights=weights, kv_dtype="float32")  # as the saved run measured
+    engine = Engine.from_pretrained(BENCH_MODEL, weights=weights, kv_dtype="float32")  # as the saved run measured
     traces = load_traces(saved["traces"])
     redo = {(c, d) for c in conditions for d in caps if c != "uncompacted"}
     fresh = {}
@@ -579,7 +579,7 @@ def last_turns(conditions: list[str], caps: list[int], scored: int, names: list[
     session had just before it, against the uncompacted run (no facts, no replies). The last turn alone gives one
     value a trace, and a test name kept or lost moves it by tenths of a nat; K groups a trace resolve finer.
     With ``update``, only ``conditions`` at ``caps`` run again; the saved run's other rows stay."""
-    engine = Engine.from_pretrained("default", kv_dtype="float32")
+    engine = Engine.from_pretrained(BENCH_MODEL, kv_dtype="float32")
     rows, redo = [], {(c, d) for c in conditions for d in caps}
     if update:
         saved = json.loads((RESULTS / "agent_memory_turns.json").read_text())
@@ -677,7 +677,7 @@ def main() -> None:
         none = {(t, q): lp for t, q, lp in saved["no_trace"]}
         finish(saved["rows"], none, saved["caps"], saved["replies"], saved.get("weights", "fp32"))
         return
-    engine = Engine.from_pretrained("default", kv_dtype="float32")  # the references; -kv16 / -kv8 rows: same bytes
+    engine = Engine.from_pretrained(BENCH_MODEL, kv_dtype="float32")  # the references; -kv16 / -kv8 rows: same bytes
     traces = load_traces(args.traces)
     none = {(t["name"], q): lp for t in traces for (q, _), lp in zip(t["facts"], no_trace_logprobs(engine, t))}
     lengths = {t["name"]: len(engine.session().renderer.render(t["messages"])) for t in traces}

@@ -31,7 +31,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from agents.coding_agent.scripted_session import STEPS, SYSTEM_PROMPT, fact_questions, recorded_tools, replay
 from benchmarks.agent_memory import DropOldest, degenerate, no_trace_logprobs
 from benchmarks.agent_traces import trace_text
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from integrations.chat_model import to_chat_dicts
 from kvmemory import Engine
 from kvmemory.memory import MemoryManager, default_policy, plot_memory_map
@@ -222,7 +222,7 @@ def main() -> None:
         ],
     )
     args = parser.parse_args()
-    base = Engine.from_pretrained("default", kv_dtype="float32")  # the cap's bytes; kvmemory-default-kv16: fp16
+    base = Engine.from_pretrained(BENCH_MODEL, kv_dtype="float32")  # the cap's bytes; kvmemory-default-kv16: fp16
     unbounded = Engine(base.model, base.tokenizer, name=base.name, max_context=4 * base.config.max_position_embeddings)
     kv16 = Engine(base.model, base.tokenizer, name=base.name, kv_dtype="float16")
     kv16_cap = args.cap * base.kv_bytes_per_token // kv16.kv_bytes_per_token  # the slots the same bytes hold

@@ -55,12 +55,12 @@ import torch
 from benchmarks import concurrency
 from benchmarks.agent_memory import setup, step_through
 from benchmarks.agent_traces import TRACE_SETS, load_traces
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from benchmarks.long_session import CONTEXT_WINDOW, with_call_ids
 from benchmarks.long_session import long_session as long_session_of
 from kvmemory import Engine, run_on_compute
 from kvmemory.memory import MemoryBudget, MemoryManager, MemoryPolicy
-from kvmemory.runtime.loading import default_model_file
+from kvmemory.runtime.named_models import model_file
 
 # a llama.cpp tree with build/bin/llama-batched-bench (KVMEMORY_LLAMA_CPP), else one built here once
 CACHE = Path(os.environ.get("KVMEMORY_CACHE", Path.home() / ".cache" / "kvmemory"))
@@ -128,7 +128,7 @@ def llama_batched(tool: Path, prompt: int, tokens: int, counts: list[int], threa
     run does not spend minutes prefilling the same tokens again."""
     context = max(counts) * (prompt + tokens)
     command = [
-        str(tool), "-m", str(default_model_file()), "-c", str(context), "-b", "2048", "-ub", "512", "-no-kvu",
+        str(tool), "-m", str(model_file(BENCH_MODEL)), "-c", str(context), "-b", "2048", "-ub", "512", "-no-kvu",
         "-npp", str(prompt), "-ntg", str(tokens), "-npl", ",".join(map(str, counts)),
         "-t", str(threads), "--output-format", "jsonl", *(["-pps"] if shared else []),
     ]  # fmt: skip
@@ -240,7 +240,7 @@ def main() -> None:
         "--caps", type=int, nargs="+", default=[16, 32], help="each long session's cap: 1/N of its tokens"
     )
     args = parser.parse_args()
-    engine = Engine.from_pretrained("default")
+    engine = Engine.from_pretrained(BENCH_MODEL)
     threads = run_on_compute(torch.get_num_threads)  # what kvmemory's passes run on; llama.cpp gets the same
     tool = build_llama_cpp()
     rows = []
@@ -273,7 +273,7 @@ def main() -> None:
     print(table([r for r in rows if r["part"] == "parallel"], list(rows[0])), flush=True)
     print(f"parallel part: {time.perf_counter() - started:.0f} s", flush=True)
 
-    trained = llama_context(default_model_file())
+    trained = llama_context(model_file(BENCH_MODEL))
     cell_bytes = engine.num_layers * engine.num_kv_heads * engine.head_dim * 2 * FP16  # llama.cpp's f16 K and V
     traces = [t for name in TRACE_SETS for t in load_traces(trace_set=name)]
     messages = long_session_of(traces)[0]["messages"]

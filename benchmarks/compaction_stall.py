@@ -28,7 +28,7 @@ import statistics
 import threading
 import time
 
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from benchmarks.concurrency import contexts, open_sessions
 from kvmemory import Engine, SamplingParams
 from kvmemory.runtime import compute
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    engine = Engine.from_pretrained("default")
+    engine = Engine.from_pretrained(BENCH_MODEL)
     sessions = open_sessions(engine, contexts(engine, 1 + max(args.decoders), args.context), cap=2 * args.context)
     compacted = sessions[0]
     alone = {m: statistics.median(compact(compacted, m, args.ratio) for _ in range(args.repeats)) for m in METHODS}

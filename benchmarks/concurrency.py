@@ -50,7 +50,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.agent_traces import load_traces
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from kvmemory import Engine, SamplingParams, run_on_compute
 from kvmemory.memory import MemoryManager, default_policy
 from kvmemory.runtime.weights import WEIGHT_FORMATS
@@ -269,7 +269,7 @@ def main() -> None:
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, help="default: the engine's default")
     parser.add_argument("--pairs", type=int, default=7, help="back-to-back pairs per count for the paired speedup")
     args = parser.parse_args()
-    engine = Engine.from_pretrained("default", weights=args.weights)
+    engine = Engine.from_pretrained(BENCH_MODEL, weights=args.weights)
     same = dict(model=engine.model, tokenizer=engine.tokenizer, name=engine.name)
     engines = {
         "kvmemory": engine,

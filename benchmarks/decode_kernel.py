@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, default_model_config, save, table
+from benchmarks.common import RESULTS, bench_model_config, save, table
 from kvmemory import run_on_compute
 from kvmemory.attention.decode_kernel import decode_op
 from kvmemory.cache import int8_rows
@@ -34,7 +34,7 @@ FORMATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def model_shapes() -> tuple[int, int, int, int]:
     """(layers, query heads, KV heads, head dim) of the default model."""
-    config = default_model_config()
+    config = bench_model_config()
     dim = config.hidden_size // config.num_attention_heads
     return config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, dim
 

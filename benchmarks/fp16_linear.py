@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, default_model_config, save, table
+from benchmarks.common import RESULTS, bench_model_config, save, table
 from kvmemory import run_on_compute
 from kvmemory.kernels import cpu_ops
 from kvmemory.runtime.weights import PackedFp16Linear, fuse_linears
@@ -34,7 +34,7 @@ from kvmemory.runtime.weights import PackedFp16Linear, fuse_linears
 
 def model_shapes():
     """The default model's linear layers: per layer (out, in) of q, k, v, o, gate, up, down, then the head."""
-    config = default_model_config()
+    config = bench_model_config()
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     kv = config.num_key_value_heads * (hidden // config.num_attention_heads)
     per_layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden)]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks.common import RESULTS, decode_seconds, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, decode_seconds, save, table
 from benchmarks.quality import CONTINUATION, compact_context, prepared_session
 from benchmarks.texts import TEXT_KINDS
 from kvmemory import Engine
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    engine = Engine.from_pretrained("default", kv_dtype="float32")  # bytes as the saved run counted them
+    engine = Engine.from_pretrained(BENCH_MODEL, kv_dtype="float32")  # bytes as the saved run counted them
     rows = quality(engine, args.windows, args.context, args.ratio)
     speed = decode_speed(engine, args.context, args.ratio, args.decode_tokens, args.repeats)
     columns = ["method", "slots_per_head", "fewest", "most", "kv_mb", "padded_mb", "padding_saved", "delta_nll"]

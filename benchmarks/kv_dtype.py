@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from benchmarks.quality import beside_the_first, scored_nll
 from benchmarks.speed import alternate, session_runner
 from benchmarks.texts import source_text
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=32)
     args = parser.parse_args()
-    base = Engine.from_pretrained("default")
+    base = Engine.from_pretrained(BENCH_MODEL)
     engines = {kv: Engine(base.model, base.tokenizer, name=base.name, kv_dtype=kv) for kv in FORMATS}
     ids = base.tokenizer.encode(source_text(40_000), add_special_tokens=False)[:CONTEXT]
     timed = alternate({kv: session_runner(e) for kv, e in engines.items()}, ids, args.decode_tokens, args.repeats)

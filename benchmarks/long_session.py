@@ -29,7 +29,7 @@ import time
 
 from benchmarks.agent_memory import FullHistory, ask, bootstrap, gain_share, no_trace_logprobs, replay, setup
 from benchmarks.agent_traces import TRACE_SETS, load_traces, trace_text
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from kvmemory import Engine
 
 CONDITIONS = ["kvmemory-default", "uniform-lines", "cc-lines", "am-lines", "tam-lines", "drop-oldest"]
@@ -171,7 +171,7 @@ def main() -> None:
     unknown = set(args.conditions) - {*CONDITIONS, CONTEXT_WINDOW}
     if unknown:
         parser.error(f"unknown conditions {sorted(unknown)}: choose from {[*CONDITIONS, CONTEXT_WINDOW]}")
-    engine = Engine.from_pretrained("default")  # the default 16-bit cache: equal slots are equal bytes
+    engine = Engine.from_pretrained(BENCH_MODEL)  # the default 16-bit cache: equal slots are equal bytes
     traces = [t for name in TRACE_SETS for t in load_traces(trace_set=name)]
     session, facts = long_session(traces)
     tokens = len(engine.session().renderer.render(session["messages"]))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import median_time, save, table
+from benchmarks.common import BENCH_MODEL, median_time, save, table
 from benchmarks.texts import source_text
 from kvmemory import Engine, MemoryManager, default_policy
 
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--cap", type=int, default=2048)
     args = parser.parse_args()
-    engine = Engine.from_pretrained("default")
+    engine = Engine.from_pretrained(BENCH_MODEL)
     text = engine.tokenizer.encode(source_text(200_000), add_special_tokens=False)
     ids = (text * (max(args.lengths) // len(text) + 1))[: max(args.lengths)]
     with tempfile.TemporaryDirectory() as tmp:

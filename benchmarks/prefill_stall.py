@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from benchmarks.concurrency import contexts, open_sessions
 from benchmarks.texts import TEXT_KINDS
 from kvmemory import Engine, SamplingParams
@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    base = Engine.from_pretrained("default")
+    base = Engine.from_pretrained(BENCH_MODEL)
     same = dict(model=base.model, tokenizer=base.tokenizer, name=base.name)
     ids = base.tokenizer.encode(TEXT_KINDS["logs"](12 * (args.context + args.prefill)), add_special_tokens=False)
     start, appended = ids[: args.context], ids[args.context : args.context + args.prefill]

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from benchmarks.texts import TEXT_KINDS, log_text, plant_facts
 from kvmemory import Engine, get_method
 from kvmemory.memory import default_policy
@@ -333,7 +333,7 @@ def main() -> None:
     if args.replot:  # redraw the PNG from the saved JSON, measuring nothing
         plot(json.loads((RESULTS / "quality.json").read_text())["quality"], RESULTS / "quality.png")
         return
-    engine = Engine.from_pretrained("default", kv_dtype="float32")  # methods compared at full precision
+    engine = Engine.from_pretrained(BENCH_MODEL, kv_dtype="float32")  # methods compared at full precision
     torch.manual_seed(0)
     out = {
         "context": args.context,

@@ -32,7 +32,7 @@ import statistics
 
 from benchmarks.agent_memory import interval, no_trace_logprobs, replay, summarise
 from benchmarks.agent_traces import TRACE_SETS, load_traces
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from kvmemory import Engine
 
 SEEDS = ["cc", "am", "tam"]
@@ -157,7 +157,7 @@ def main() -> None:
         redo = {(s, c, d) for s in args.sets for c in args.conditions for d in args.caps}
         rows = [r for r in saved["rows"] if (r["set"], r["condition"], r["divisor"]) not in redo]
         caps = list(dict.fromkeys(saved["caps"] + args.caps))
-    engine = Engine.from_pretrained("default")  # the default 16-bit cache: equal slots are equal bytes
+    engine = Engine.from_pretrained(BENCH_MODEL)  # the default 16-bit cache: equal slots are equal bytes
     for divisor in args.caps:  # cap by cap: a stopped run still compares every condition at the caps it did
         for trace_set in args.sets:
             for trace in load_traces(trace_set=trace_set):

@@ -22,7 +22,7 @@ import httpx
 import openai
 
 from benchmarks.agent_traces import load_traces
-from benchmarks.common import save, table
+from benchmarks.common import BENCH_MODEL, save, table
 from integrations.server import create_app, serve_in_thread
 from kvmemory import Engine, SessionStore
 
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--trace", default="billing")
     parser.add_argument("--reply-tokens", type=int, default=8)
     args = parser.parse_args()
-    engine = Engine.from_pretrained("default")
+    engine = Engine.from_pretrained(BENCH_MODEL)
     turns = turn_messages(load_traces([args.trace])[0]["messages"])
     with tempfile.TemporaryDirectory() as folder:
         app = create_app(engine, SessionStore(engine, folder))

@@ -21,7 +21,7 @@ import time
 from agents.coding_agent.sample_project import create_sample_project
 from agents.coding_agent.workspace import Workspace
 from benchmarks.agent_session import policy_with
-from benchmarks.common import RESULTS, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from kvmemory import AsyncSession, Engine, KVMemoryError
 from kvmemory.memory import MemoryManager
 
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
 
-    engine = Engine.from_pretrained("default")
+    engine = Engine.from_pretrained(BENCH_MODEL)
     workspace = Workspace(create_sample_project(tempfile.mkdtemp(prefix="kvmemory-soak-")))
     soak = Soak(engine, args.cap, args.seed, workspace, args.method)
     soak.session.append_messages(

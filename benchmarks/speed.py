@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from benchmarks.common import RESULTS, decode_once, decode_seconds, median_time, save, table
+from benchmarks.common import BENCH_MODEL, RESULTS, decode_once, decode_seconds, median_time, save, table
 from benchmarks.quality import beside_the_first, scored_nll
 from benchmarks.texts import source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams, run_on_compute
 from kvmemory.kernels import cpu_ops
-from kvmemory.runtime.loading import default_model_file
+from kvmemory.runtime.named_models import model_file
 from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, PackedFp16Linear, PackedInt4Linear, quantize_int4
 
 WEIGHT_FORMATS = ["fp32", "bf16", "fp16", "int4"]
@@ -91,7 +91,7 @@ def llama_cpp_runner(n_ctx: int):
         return None
     threads = run_on_compute(torch.get_num_threads)
     llm = Llama(
-        model_path=str(default_model_file()), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+        model_path=str(model_file(BENCH_MODEL)), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
     )
 
     def run(ids, n):  # on the compute thread too, as every runner here
@@ -122,7 +122,7 @@ def alternate(runners: dict, ids: list[int], n: int, repeats: int) -> dict:
 
 # ---- sections ----------------------------------------------------------------------------------------------
 def weights_section(text_ids, n_dec, repeats):
-    engines = {w: Engine.from_pretrained("default", weights=w) for w in WEIGHT_FORMATS}
+    engines = {w: Engine.from_pretrained(BENCH_MODEL, weights=w) for w in WEIGHT_FORMATS}
     sessions = {}
     for name, engine in engines.items():
         sessions[name] = engine.session()
@@ -396,7 +396,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    engine = Engine.from_pretrained("default")
+    engine = Engine.from_pretrained(BENCH_MODEL)
     text_ids = engine.tokenizer.encode(source_text(200_000), add_special_tokens=False)
     n_dec = args.decode_tokens
     run = [name for name in (args.only or SECTIONS) if name not in args.skip]

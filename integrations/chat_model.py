@@ -178,8 +178,19 @@ class ChatKVMemory(BaseChatModel):
         self.store.drop(thread_id)
 
     # ---- tools -------------------------------------------------------------------------------
-    def bind_tools(self, tools: Sequence, *, tool_choice: str | None = None, **kwargs) -> Runnable:
+    def bind_tools(self, tools: Sequence, *, tool_choice: str | dict | bool | None = None, **kwargs) -> Runnable:
+        """``tool_choice``: "auto" (None), "required" / "any" / True (the reply calls one of the tools, in the
+        model's own format: ``RequiredToolCall``), or a tool's name (or ``{"function": {"name": ...}}``)."""
         formatted = [convert_to_openai_tool(t) for t in tools]
+        if isinstance(tool_choice, dict):
+            tool_choice = tool_choice.get("function", tool_choice).get("name")
+        if tool_choice is True:
+            tool_choice = "required"
+        names = {t["function"]["name"] for t in formatted}
+        if tool_choice not in (None, False, "auto", "none", "required", "any") and tool_choice not in names:
+            raise ValueError(f"tool_choice {tool_choice!r} names none of the tools ({', '.join(sorted(names))})")
+        if tool_choice not in (None, False, "auto"):
+            kwargs["tool_choice"] = tool_choice
         return self.bind(tools=formatted, **kwargs)
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
@@ -202,6 +213,7 @@ class ChatKVMemory(BaseChatModel):
                 "seed": kwargs.get("seed", self.seed),
             },
             self.current_thread_id(kwargs),
+            tool_choice=kwargs.get("tool_choice"),
         )
         try:
             yield from self._core.turn(turn)

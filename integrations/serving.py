@@ -44,7 +44,7 @@ from kvmemory import (
     StoreFullError,
     ToolCallParseError,
 )
-from kvmemory.runtime.chat import parse_tool_calls, visible_content
+from kvmemory.runtime.chat import RequiredToolCall, parse_tool_calls, visible_content
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_@:+=-][A-Za-z0-9_.@:+=-]{0,127}")  # what a URL path segment carries as is
 
@@ -149,6 +149,14 @@ class Turn:
     sampling: dict = field(default_factory=dict)
     session: str | None = None
     policy: dict | None = None
+    tool_choice: str | None = None  # None or "auto"; "required": some tool must be called; else that tool's name
+
+    def required_tools(self) -> list[str]:
+        """The tools the reply must call one of (empty: the model may answer in text)."""
+        if self.tool_choice in (None, "auto", "none") or not self.tools:
+            return []
+        names = [tool.get("function", tool).get("name") for tool in self.tools]
+        return names if self.tool_choice in ("required", "any") else [n for n in names if n == self.tool_choice]
 
 
 @dataclass
@@ -332,6 +340,8 @@ class ServingCore:
         try:
             prompt, cached = prefill(session, turn, cancel)
             sampling = dict(turn.sampling)
+            if required := turn.required_tools():
+                sampling["allowed"] = RequiredToolCall(session.renderer, required, session.engine.eos_token_ids)
             if self.max_new_tokens is not None:
                 sampling["max_new_tokens"] = min(sampling.get("max_new_tokens", 256), self.max_new_tokens)
             generation = session.start_generation(**sampling)

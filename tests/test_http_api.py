@@ -234,6 +234,30 @@ def test_a_client_resending_its_conversation_is_served_from_its_prompt_cache_key
 # ---- Anthropic Messages ----------------------------------------------------------------------------
 
 
+def test_a_required_tool_choice_makes_the_reply_call_that_tool_in_every_dialect(live):
+    """The reply opens with the model's tool-call format and names the tool (``RequiredToolCall``); the tiny
+    random model's arguments are noise, so a short reply may stop inside them: the call is then text."""
+    said = []
+    chat = live.openai().chat.completions.create(
+        model=live.model,
+        messages=[{"role": "user", "content": "Read the settings."}],
+        tools=[{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")],
+        tool_choice={"type": "function", "function": {"name": "b"}},
+        max_tokens=12,
+    ).choices[0]
+    said.append(chat.message.tool_calls[0].function.name if chat.message.tool_calls else chat.message.content)
+    message = live.anthropic().messages.create(
+        model=live.model,
+        max_tokens=12,
+        messages=[{"role": "user", "content": "Read the settings."}],
+        tools=[{"name": n, "input_schema": {"type": "object"}} for n in ("a", "b")],
+        tool_choice={"type": "tool", "name": "b"},
+    )
+    said.append(" ".join(block.name if block.type == "tool_use" else block.text for block in message.content))
+    for text in said:
+        assert text == "b" or text.startswith('<tool_call>{"name": "b", "arguments":'), said
+
+
 def test_messages_find_their_session_by_the_conversation_and_report_cache_reads(live):
     client = live.anthropic()
     tools = [{"name": "read_file", "description": "Read a file", "input_schema": {"type": "object"}}]
@@ -300,6 +324,16 @@ def test_messages_find_their_session_by_the_conversation_and_report_cache_reads(
             },
             "tools[0].function.name",
             "invalid tool name",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice", "no tools"),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "read_file"}}],
+                "tool_choice": {"type": "function", "function": {"name": "write_file"}},
+            },
+            "tool_choice",
+            "name one of the request's tools (read_file)",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "model", "not served here"),
         ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, "frobnicate", "unrecognized"),

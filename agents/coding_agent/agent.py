@@ -16,7 +16,7 @@ AGENT_PROMPT = (
     "1. run_command with pytest to see which test fails and the assertion that fails;\n"
     "2. read_file the test file, then grep for the function under test and read_file the module that defines it;\n"
     "3. patch_file that module: old is the exact buggy line, new is the fixed line;\n"
-    "4. run_command with pytest again. When every test passes, answer with one line saying what you fixed.\n"
+    "4. run_command with pytest again. When every test passes, call finish with what you fixed.\n"
     "Never repeat a call you already made: its output is above. Remember what you read (settings, names, "
     "failing tests).\n"
     "A reply that calls a tool looks like this:\n{example}"
@@ -50,6 +50,25 @@ def recall_tool(chat: ChatKVMemory) -> StructuredTool:
     return StructuredTool.from_function(recall, name="recall", description=recall.__doc__)
 
 
+def finish_tool() -> StructuredTool:
+    """The tool that ends the agent's run: every reply calls a tool (``ToolCallsOnly``), so finishing is one."""
+
+    def finish(summary: str) -> str:
+        """Call when the task is done (every test passes): summary says what you changed and why."""
+        return summary
+
+    return StructuredTool.from_function(finish, name="finish", description=finish.__doc__, return_direct=True)
+
+
+class ToolCallsOnly(AgentMiddleware):
+    """Every model call must call a tool (``tool_choice="required"``: ``ChatKVMemory`` then makes the reply open
+    with the model's own tool-call format and name one of the tools). A small model left free drifts into
+    prose plans or invented tool names and stops; the run ends through the ``finish`` tool instead."""
+
+    def wrap_model_call(self, request, handler):
+        return handler(request.override(tool_choice="required"))
+
+
 class RepeatedCallGuard(AgentMiddleware):
     """Answers a tool call that repeats an earlier one exactly, with nothing written since, without running it:
     its output would be the same, and small models under greedy decoding loop on such calls. The answer says
@@ -79,12 +98,16 @@ class RepeatedCallGuard(AgentMiddleware):
         return False
 
 
+def agent_tools(chat: ChatKVMemory, workspace: Workspace) -> list:
+    """The workspace's tools, recall and finish: what the agent may call."""
+    return workspace.tools() + [recall_tool(chat), finish_tool()]
+
+
 def build_coding_agent(chat: ChatKVMemory, workspace: Workspace, checkpointer=None, compact_every: int | None = None):
-    tools = workspace.tools() + [recall_tool(chat)]
     return create_agent(
         chat,
-        tools=tools,
+        tools=agent_tools(chat, workspace),
         system_prompt=agent_prompt(chat),
-        middleware=[RepeatedCallGuard(), KVMemoryMiddleware(compact_every=compact_every)],
+        middleware=[ToolCallsOnly(), RepeatedCallGuard(), KVMemoryMiddleware(compact_every=compact_every)],
         checkpointer=checkpointer,
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langgraph.checkpoint.memory import InMemorySaver
 
-from agents.coding_agent.agent import agent_prompt, build_coding_agent, recall_tool
+from agents.coding_agent.agent import agent_prompt, agent_tools, build_coding_agent
 from agents.coding_agent.sample_project import create_sample_project
 from agents.coding_agent.scripted_session import TASK
 from agents.coding_agent.workspace import SandboxError, Workspace
@@ -31,7 +31,7 @@ def protected_prompt_tokens(chat: ChatKVMemory, workspace: Workspace, task: str)
     """Tokens of what the default policy never compacts: system prompt with the tool schemas, and the task."""
     from langchain_core.messages import SystemMessage
 
-    tools = workspace.tools() + [recall_tool(chat)]
+    tools = agent_tools(chat, workspace)
     return chat.get_num_tokens_from_messages([SystemMessage(agent_prompt(chat)), HumanMessage(task)], tools=tools)
 
 

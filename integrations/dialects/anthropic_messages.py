@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from integrations.dialects.common import check_schema, check_tool_name, new_id, parse, sse, unsupported
+from integrations.dialects.common import check_schema, check_tool_name, new_id, parse, sse, tool_choice, unsupported
 from integrations.dialects.openai_chat import sampling
 from integrations.serving import APIError, BadRequest, Reply, Turn
 
@@ -85,8 +85,7 @@ def request(body, model: type[BaseModel] = Request):
     req = parse(model, body)
     if getattr(req, "top_k", None):
         raise unsupported("top_k")
-    if (req.tool_choice or {}).get("type", "auto") not in ("auto", "none"):
-        raise unsupported("tool_choice", "only 'auto' and 'none' (the model cannot be forced to call a tool)")
+    tool_choice(req.tool_choice, [tool.name for tool in req.tools or []])
     for i, tool in enumerate(req.tools or []):
         if tool.type not in (None, "custom"):
             raise unsupported(f"tools[{i}]", f"server tools like {tool.type!r}; only client tools")
@@ -161,7 +160,8 @@ def tools(req) -> list[dict] | None:
 
 def turn(req: Request, session: str | None) -> Turn:
     params = sampling(req.max_tokens, req.temperature, req.top_p, req.stop_sequences, None)
-    return Turn(chat_messages(req), tools(req), params, session, (req.kvmemory or {}).get("policy"))
+    policy, choice = (req.kvmemory or {}).get("policy"), tool_choice(req.tool_choice, [t.name for t in req.tools or []])
+    return Turn(chat_messages(req), tools(req), params, session, policy, choice)
 
 
 def content(reply: Reply) -> list[dict]:

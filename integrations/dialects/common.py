@@ -52,6 +52,30 @@ def check_schema(schema, param: str) -> None:
         raise BadRequest("a tool's parameters must be a JSON schema of type 'object'", param=param)
 
 
+def tool_choice(choice, names: list[str]) -> str | None:
+    """A request's ``tool_choice`` as a ``Turn``'s: None (the model may answer in text), "required" (it must call
+    one of the tools) or a tool's name. Takes every dialect's spelling: "auto", "none", "required", OpenAI's
+    ``{"type": "function", "function": {"name": ...}}`` (Responses: ``{"type": "function", "name": ...}``) and
+    Anthropic's ``{"type": "auto" | "none" | "any" | "tool"}``."""
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        name = (
+            (choice.get("function") or {}).get("name") or choice.get("name") if kind in ("function", "tool") else None
+        )
+        choice = name if kind in ("function", "tool") else {"any": "required"}.get(kind, kind)
+    if choice in (None, "auto", "none"):
+        return None
+    if not isinstance(choice, str) or choice != "required" and choice not in names:
+        raise BadRequest(
+            f"tool_choice must be 'auto', 'none', 'required' or name one of the request's tools "
+            f"({', '.join(names) or 'none given'}); got {json.dumps(choice)[:100]}",
+            param="tool_choice",
+        )
+    if not names:
+        raise BadRequest("tool_choice requires a tool call, but the request has no tools", param="tool_choice")
+    return choice
+
+
 def json_object(text: str, param: str) -> dict:
     """Tool-call arguments given as a JSON string, parsed (they must be an object)."""
     try:

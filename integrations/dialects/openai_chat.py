@@ -23,6 +23,7 @@ from integrations.dialects.common import (
     new_id,
     parse,
     sse,
+    tool_choice,
     unsupported,
 )
 from integrations.serving import BadRequest, Reply, Turn
@@ -110,8 +111,7 @@ def request(body) -> Request:
             raise unsupported(name)
     if req.logit_bias:
         raise unsupported("logit_bias")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise unsupported("tool_choice", "only 'auto' and 'none' (the model cannot be forced to call a tool)")
+    tool_choice(req.tool_choice, [tool.function.name for tool in req.tools or []])
     if isinstance(req.stop, list) and len(req.stop) > 4:
         raise BadRequest("at most 4 stop sequences", param="stop")
     for i, tool in enumerate(req.tools or []):
@@ -175,6 +175,7 @@ def turn(req: Request, session: str | None) -> Turn:
         sampling(req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.stop, req.seed),
         session,
         (req.kvmemory or {}).get("policy"),
+        tool_choice(req.tool_choice, [tool.function.name for tool in req.tools or []]),
     )
 
 

@@ -20,7 +20,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from integrations.dialects.common import MAX_SEED, check_schema, check_tool_name, new_id, parse, sse, unsupported
+from integrations.dialects.common import (
+    MAX_SEED,
+    check_schema,
+    check_tool_name,
+    new_id,
+    parse,
+    sse,
+    tool_choice,
+    unsupported,
+)
 from integrations.dialects.openai_chat import sampling
 from integrations.serving import BadRequest, Reply, Turn
 
@@ -64,8 +73,7 @@ class Request(BaseModel):
 
 def request(body) -> Request:
     req = parse(Request, body)
-    if req.tool_choice not in (None, "auto", "none"):
-        raise unsupported("tool_choice", "only 'auto' and 'none' (the model cannot be forced to call a tool)")
+    tool_choice(req.tool_choice, function_names(req))
     if (req.text or {}).get("format", {"type": "text"}) != {"type": "text"}:
         raise unsupported("text.format", "only text replies")
     if req.truncation not in (None, "disabled"):
@@ -166,7 +174,12 @@ def turn(req: Request, session: str | None, earlier: list[dict], calls: dict[str
         params,
         session,
         (req.kvmemory or {}).get("policy"),
+        tool_choice(req.tool_choice, function_names(req)),
     )
+
+
+def function_names(req) -> list[str]:
+    return [t.get("name") for t in req.tools or [] if t.get("type") == "function"]
 
 
 def output_items(reply: Reply) -> list[dict]:

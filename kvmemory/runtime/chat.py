@@ -132,6 +132,67 @@ class ChatRenderer:
         return self._frames[role]
 
 
+class RequiredToolCall:
+    """A reply that must call a tool (``tool_choice`` "required", or one tool by name), as a token constraint
+    (``SamplingParams.allowed``: given the reply's tokens so far, the tokens the next one may be).
+
+    The call is framed as the model's own template writes one (``ChatRenderer.tool_call_text``): its opening,
+    one of the tool names, the arguments object, which is the model's own and unconstrained, then the
+    template's closing and the end of the turn. Among the names the model's logits choose, as llama.cpp's
+    tool-call grammar and vLLM's guided decoding do: a small model that would drift into a prose plan, invent
+    a tool name or run on into a second call still makes exactly one call of a real tool."""
+
+    def __init__(self, renderer: ChatRenderer, names: list[str], end_of_turn: frozenset[int]):
+        if not names:
+            raise InvalidArgumentError("a required tool call needs at least one tool")
+        marker, arguments = "kvmemory_tool_name", '{"a": 1}'
+        example = renderer.tool_call_text(marker, {"a": 1})
+        at, args = example.find(marker), example.find(arguments)
+        if at < 0 or args < at:
+            raise InvalidArgumentError("this model's template writes tool calls in a form kvmemory cannot require")
+        opening, between = example[:at], example[at + len(marker) : args].rstrip()  # the model spaces its "{"
+        self.closing = example[args + len(arguments) :]
+        self.encode = lambda text: renderer.tokenizer.encode(text, add_special_tokens=False)
+        self.decode = renderer.tokenizer.decode
+        self.heads = [self.encode(opening + name + between) for name in names]
+        self.end_of_turn = sorted(end_of_turn)
+
+    def __call__(self, generated: list[int]) -> list[int] | None:
+        k = len(generated)
+        options = {head[k] for head in self.heads if len(head) > k and head[:k] == generated}
+        if options:
+            return sorted(options)
+        head = next(head for head in self.heads if generated[: len(head)] == head)
+        after = self.decode(generated[len(head) :])  # the arguments object, then what closes the call
+        end = object_end(after)
+        if end is None:
+            return None  # the model is still writing its arguments
+        written = after[end:]
+        if not self.closing.startswith(written):
+            return self.end_of_turn  # it ran past the call: end the turn there
+        rest = self.closing[len(written) :]
+        return self.encode(rest)[:1] if rest else self.end_of_turn
+
+
+def object_end(text: str) -> int | None:
+    """Where the JSON object that ``text`` starts (after any whitespace) ends, or None if it has not yet."""
+    depth, quoted, escaped = 0, False, False
+    for i, char in enumerate(text):
+        if quoted:
+            escaped, quoted = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            quoted = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif depth == 0 and not char.isspace():
+            return i  # not an object: nothing more to wait for
+    return None
+
+
 def parse_tool_calls(text: str, tools: list[dict] | None = None) -> tuple[str, list[dict]]:
     """Split model output into (plain content, tool calls [{name, args, id}]).
 

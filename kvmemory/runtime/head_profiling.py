@@ -28,7 +28,7 @@ import torch
 from kvmemory.notices import one_time_work, progress
 
 PROFILE_DIR = Path.home() / ".cache" / "kvmemory" / "head_profiles"
-SHIPPED_DIR = Path(__file__).parent / "head_profiles"  # profiles made with this module for the default model
+SHIPPED_DIR = Path(__file__).parent / "head_profiles"  # made with this module for the named models
 HAYSTACK_MODULES = (
     "json",
     "re",

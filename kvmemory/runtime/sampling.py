@@ -5,6 +5,7 @@ them on a session."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
@@ -19,7 +20,8 @@ class SamplingParams:
     """How to sample a reply. Greedy when ``temperature`` is 0; ``stop`` strings end the reply and are not
     part of it; ``ignore_eos`` keeps sampling past end-of-turn tokens (fixed-length runs for benchmarks, as
     in vLLM and llama.cpp). Every field is checked when the value is made, so a bad one fails before
-    anything runs."""
+    anything runs. ``allowed``, given the reply's tokens so far, names the tokens the next one may be (None: any):
+    a constraint such as a required tool call (``runtime/chat.py``, ``RequiredToolCall``)."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -28,6 +30,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     seed: int | None = None
     ignore_eos: bool = False
+    allowed: Callable[[list[int]], Sequence[int] | None] | None = None
 
     def __post_init__(self):
         def whole(name, value, low):
@@ -50,6 +53,8 @@ class SamplingParams:
             whole("seed", self.seed, 0)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.allowed is not None and not callable(self.allowed):
+            raise InvalidArgumentError(f"allowed must be a function of the reply's tokens, got {self.allowed!r}")
         stop = self.stop
         if stop is None:
             stop = ()
@@ -73,7 +78,13 @@ class SamplingParams:
             raise InvalidArgumentError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
         return replace(base, **given)
 
-    def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+    def pick(
+        self, logits: torch.Tensor, generator: torch.Generator | None, allowed: Sequence[int] | None = None
+    ) -> int:
+        """The next token from ``logits`` (one row), among ``allowed`` where that is given."""
+        if allowed is not None:
+            index = torch.as_tensor(list(allowed), dtype=torch.long, device=logits.device)
+            logits = torch.full_like(logits.view(-1), float("-inf")).index_copy_(0, index, logits.view(-1)[index])
         if self.temperature == 0:
             return int(argmax_rows(logits.view(1, -1))[0])
         logits = logits.float() / self.temperature
