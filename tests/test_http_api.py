@@ -238,13 +238,17 @@ def test_a_required_tool_choice_makes_the_reply_call_that_tool_in_every_dialect(
     """The reply opens with the model's tool-call format and names the tool (``RequiredToolCall``); the tiny
     random model's arguments are noise, so a short reply may stop inside them: the call is then text."""
     said = []
-    chat = live.openai().chat.completions.create(
-        model=live.model,
-        messages=[{"role": "user", "content": "Read the settings."}],
-        tools=[{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")],
-        tool_choice={"type": "function", "function": {"name": "b"}},
-        max_tokens=12,
-    ).choices[0]
+    chat = (
+        live.openai()
+        .chat.completions.create(
+            model=live.model,
+            messages=[{"role": "user", "content": "Read the settings."}],
+            tools=[{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")],
+            tool_choice={"type": "function", "function": {"name": "b"}},
+            max_tokens=12,
+        )
+        .choices[0]
+    )
     said.append(chat.message.tool_calls[0].function.name if chat.message.tool_calls else chat.message.content)
     message = live.anthropic().messages.create(
         model=live.model,

