@@ -176,14 +176,19 @@ class Reply:
     tool_call_error: str | None = None  # why text in <tool_call> tags is no valid call (it stays in content)
 
 
+def read_tool_calls(text: str, tools: list[dict] | None) -> tuple[str, list[dict], str | None]:
+    """(content, tool calls, why text in <tool_call> tags is no valid call, or None) of a reply's text."""
+    try:
+        content, calls = parse_tool_calls(text, tools)
+    except ToolCallParseError as err:
+        return text, [], str(err)
+    return content, calls, None
+
+
 def reply_of(generation, prompt: int, cached: int, conversation: list[dict], tools: list[dict] | None) -> Reply:
     """The Reply for a finished generation: tool calls parsed (text that is no valid call stays text)."""
     result = generation.result
-    error = None
-    try:
-        content, calls = parse_tool_calls(result.text, tools)
-    except ToolCallParseError as err:
-        content, calls, error = result.text, [], str(err)
+    content, calls, error = read_tool_calls(result.text, tools)
     finish = "tool_calls" if calls else result.finish_reason
     completion = len(result.token_ids)
     return Reply(

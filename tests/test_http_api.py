@@ -245,14 +245,14 @@ def test_a_required_tool_choice_makes_the_reply_call_that_tool_in_every_dialect(
             messages=[{"role": "user", "content": "Read the settings."}],
             tools=[{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")],
             tool_choice={"type": "function", "function": {"name": "b"}},
-            max_tokens=12,
+            max_tokens=40,
         )
         .choices[0]
     )
     said.append(chat.message.tool_calls[0].function.name if chat.message.tool_calls else chat.message.content)
     message = live.anthropic().messages.create(
         model=live.model,
-        max_tokens=12,
+        max_tokens=40,
         messages=[{"role": "user", "content": "Read the settings."}],
         tools=[{"name": n, "input_schema": {"type": "object"}} for n in ("a", "b")],
         tool_choice={"type": "tool", "name": "b"},

@@ -15,7 +15,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
 from integrations import ChatKVMemory, CompactionNode, KVMemoryMiddleware, KVMemoryState, kv_policy
-from integrations.serving import Reply
+from integrations.serving import Reply, read_tool_calls
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy, default_policy
 from tests.conftest import until
 
@@ -97,7 +97,8 @@ def test_tool_call_round_trip_reuses_the_cache(chat):
 
 def test_tool_call_parsing_and_malformed_output(chat):
     def reply(text: str) -> Reply:
-        return Reply(text, text, [], "stop", None, 10, 0, 5, [])
+        content, calls, error = read_tool_calls(text, None)
+        return Reply(text, content, calls, "tool_calls" if calls else "stop", None, 10, 0, 5, [], error)
 
     ok = chat._final_message(
         reply('Checking.<tool_call>{"name": "lookup_port", "arguments": {"service": "db"}}</tool_call>'), chunk=False
