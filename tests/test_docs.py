@@ -46,3 +46,19 @@ def test_a_python_snippet_of_the_readme_runs(index):
     code = re.findall(r"```python\n(.*?)```", README, flags=re.S)[index]
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+
+
+def test_the_readmes_demo_row_quotes_the_demos_results_file():
+    import json
+
+    demo = json.loads((ROOT / "benchmarks" / "results" / "demo.json").read_text())
+    row = next(line for line in README.splitlines() if line.startswith("| the demo's"))
+    for quoted in (
+        f"{demo['tokens']:,}-token",
+        f"{demo['answered_from_cache']} of {demo['questions']} questions",
+        f"{demo['peak_kv_bytes'] / 2**20:.1f} MiB of KV at peak",
+        f"{demo['session_seconds']:.0f} s",
+        f"{demo['uncompacted_kv_bytes'] / 2**20:.1f} MiB uncompacted",
+        f"{demo['cap_slots']:,}-slot cap",
+    ):
+        assert quoted in row, quoted
