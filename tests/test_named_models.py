@@ -115,3 +115,15 @@ def test_the_command_line_lists_the_models_and_refuses_an_unknown_name():
     assert done.returncode == 0 and "qwen2.5-coder-0.5b (default)" in done.stdout and "smollm2-135m" in done.stdout
     done = subprocess.run([sys.executable, "-m", "integrations.cli", "models", "pull", "gpt-7"], capture_output=True)
     assert done.returncode == 2 and b"invalid choice: 'gpt-7'" in done.stderr
+
+
+def test_every_named_model_ships_its_head_profile():
+    """A freshly pulled model's first compaction reads REAL's profile from the package instead of stopping to
+    profile (``benchmarks/profile_heads.py --model NAME`` makes one)."""
+    import json
+
+    from kvmemory.runtime.head_profiling import SHIPPED_DIR
+
+    for model in named_models.NAMED_MODELS.values():
+        profile = json.loads((SHIPPED_DIR / f"{model.title}.json").read_text())
+        assert profile["model"] == model.title and profile["correct"] > 0 and len(profile["infsc"]) > 0

@@ -199,8 +199,8 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None) -> tuple[str, l
     Calls are read from ``<tool_call>`` tags (the Hermes / Qwen format). Small models often drop the tags and
     answer with the bare object, or with it in a code fence, as the template's instruction shows it; when
     ``tools`` (the turn's schemas) are given, a reply that starts with such an object naming one of them is
-    read as that call (the first, where the model repeats it), as llama.cpp's and vLLM's Hermes parsers do. Raises ToolCallParseError naming what
-    is wrong, so a caller can show the model its mistake.
+    read as that call (the first, where the model repeats it), as llama.cpp's and vLLM's Hermes parsers do.
+    Raises ToolCallParseError naming what is wrong, so a caller can show the model its mistake.
     """
     calls = []
     for match in TOOL_CALL_RE.finditer(text):

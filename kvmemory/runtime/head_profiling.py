@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from kvmemory.notices import one_time_work, progress
+from kvmemory.runtime.named_models import CACHE_DIR
 
-PROFILE_DIR = Path.home() / ".cache" / "kvmemory" / "head_profiles"
+PROFILE_DIR = CACHE_DIR / "head_profiles"
 SHIPPED_DIR = Path(__file__).parent / "head_profiles"  # made with this module for the named models
 HAYSTACK_MODULES = (
     "json",
