@@ -39,6 +39,8 @@ GREP_SECONDS = 10.0
 __all__ = ["SandboxError", "SandboxUnavailableError", "Workspace"]
 
 
+PATH_HINT = " (paths are relative to the workspace root, such as 'tests/test_x.py'; list_files shows them)"
+
 class Workspace:
     def __init__(self, root: str | Path, command_timeout: float = 60.0, max_output_chars: int = 12_000):
         self.root = Path(root).resolve()
@@ -55,7 +57,7 @@ class Workspace:
     def resolve(self, path: str) -> Path:
         target = (self.root / path).resolve()
         if target != self.root and self.root not in target.parents:
-            raise SandboxError(f"path {path!r} is outside the workspace")
+            raise SandboxError(f"path {path!r} is outside the workspace{PATH_HINT}")
         return target
 
     def _cap(self, text: str) -> str:
@@ -67,7 +69,7 @@ class Workspace:
     def _read_text(self, path: str) -> str:
         target = self.resolve(path)
         if not target.is_file():
-            raise SandboxError(f"no such file: {path}")
+            raise SandboxError(f"no such file: {path}{PATH_HINT}")
         data = target.read_bytes()
         try:
             if b"\0" in data[:8192]:
@@ -80,6 +82,8 @@ class Workspace:
     def list_files(self, path: str = ".") -> str:
         """List the files under a directory of the workspace, recursively."""
         base = self.resolve(path)
+        if not base.is_dir():
+            raise SandboxError(f"no such directory: {path}{PATH_HINT}")
         files = []
         for dirpath, dirnames, filenames in os.walk(base):  # never descends into linked directories
             dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
