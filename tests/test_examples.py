@@ -63,9 +63,14 @@ def test_the_agent_calls_a_workspace_tool_in_the_coder_models_own_format():
 
 @pytest.mark.small_model
 @pytest.mark.sandbox
-def test_the_agent_command_line_and_its_example_run_on_the_sample_project():
+def test_the_agent_command_line_and_its_example_run_on_the_sample_project(tmp_path):
+    import json
+
     short = ["--max-steps", "1", "--max-new-tokens", "8"]
-    assert "workspace:" in run("kvmemory-agent", "--sample", *short)
+    output = run("kvmemory-agent", "--sample", *short, "--record", f"{tmp_path}/run.json")
+    assert "workspace:" in output and "after the agent, pytest -q:" in output
+    recorded = json.loads((tmp_path / "run.json").read_text())
+    assert recorded["model"] == "SmolLM2-135M-Instruct" and recorded["tests_pass"] is False and recorded["steps"]
     assert "workspace:" in run(sys.executable, "-m", "examples.coding_agent_under_cap", *short)
 
 

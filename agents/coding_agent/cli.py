@@ -7,7 +7,9 @@ kvmemory-agent --sample                 # on a fresh copy of the bundled sample 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
+import time
 from pathlib import Path
 
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-slots", type=int, default=2048, help="KV memory cap (slots per head)")
     parser.add_argument("--max-steps", type=int, default=12, help="model calls before the agent is stopped")
     parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--record", default=None, help="write the run (every call and output, the tests after) as JSON")
     args = parser.parse_args(argv)
     if not args.workspace and not args.sample:
         parser.error("give --workspace DIR or --sample")
@@ -73,10 +76,12 @@ def main(argv: list[str] | None = None) -> None:
             f"recent tokens; use --max-slots {prompt + args.max_new_tokens + 256} or more"
         )
     config = {"configurable": {"thread_id": "cli"}, "recursion_limit": 2 * args.max_steps + 1}
+    started, steps, ended = time.perf_counter(), [], "finished"
     try:
         for update in agent.stream({"messages": [HumanMessage(args.task)]}, config=config, stream_mode="updates"):
             for delta in update.values():
                 for msg in (delta or {}).get("messages", []):
+                    steps.append({"type": msg.type, "content": str(msg.content), **call_fields(msg)})
                     if isinstance(msg, AIMessage):
                         for call in msg.tool_calls:
                             print(f"→ {call['name']}({short(call['args'], 100)})")
@@ -96,7 +101,34 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as err:  # the recursion limit ends long runs; say so plainly
         if type(err).__name__ != "GraphRecursionError":
             raise
-        print(f"stopped after {args.max_steps} model calls")
+        ended = "step limit"
+        print(f"stopped at the step limit, after {sum(step['type'] == 'ai' for step in steps)} model calls")
+    tests = workspace.run_command("pytest -q")
+    print(f"after the agent, pytest -q: {tests.splitlines()[-1] if tests.strip() else '(no output)'}")
+    if args.record:
+        stats = chat.session_for("cli").stats()
+        run = {
+            "model": chat.engine.name,
+            "weights": chat.engine.weights,
+            "max_slots": args.max_slots,
+            "task": args.task,
+            "ended": ended,
+            "model_calls": sum(step["type"] == "ai" for step in steps),
+            "seconds": round(time.perf_counter() - started, 1),
+            "tokens": stats.logical_tokens,
+            "peak_kv_bytes": chat.session_for("cli").memory.peak_slots * chat.engine.kv_bytes_per_token,
+            "tests_after": tests,
+            "tests_pass": "[exit code 0]" in tests,
+            "steps": steps,
+        }
+        Path(args.record).write_text(json.dumps(run, indent=1, ensure_ascii=False))
+
+
+def call_fields(msg) -> dict:
+    """A recorded step's tool calls (model) or tool name (tool output)."""
+    if isinstance(msg, AIMessage):
+        return {"tool_calls": [{"name": c["name"], "args": c["args"]} for c in msg.tool_calls]}
+    return {"name": msg.name} if isinstance(msg, ToolMessage) else {}
 
 
 if __name__ == "__main__":

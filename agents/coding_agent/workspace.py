@@ -41,6 +41,7 @@ __all__ = ["SandboxError", "SandboxUnavailableError", "Workspace"]
 
 PATH_HINT = " (paths are relative to the workspace root, such as 'tests/test_x.py'; list_files shows them)"
 
+
 class Workspace:
     def __init__(self, root: str | Path, command_timeout: float = 60.0, max_output_chars: int = 12_000):
         self.root = Path(root).resolve()
