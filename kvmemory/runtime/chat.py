@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import uuid
+import weakref
 
 from kvmemory.errors import InvalidArgumentError, ToolCallParseError
 
@@ -33,13 +35,101 @@ def _tool_call_text(call: dict) -> str:
     return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}) + "</tool_call>"
 
 
+# ---- text from clients is text ------------------------------------------------------------------
+
+
+class PlainText:
+    """Tokenizes a client's text as text. A tokenizer matches its added tokens (``<|im_end|>``, ``<|im_start|>``,
+    Qwen's ``<tool_call>``) anywhere in the string it is given, so a message that spells one could close its own
+    turn and open a forged ``system`` or ``assistant`` one. Here a string that spells a control token comes out as
+    the ordinary tokens of those characters (as llama.cpp tokenizes user text with ``parse_special`` off); only
+    the chat template writes control tokens.
+
+    Control tokens are the tokenizer's special added tokens and its added markup tokens (``<...>``, such as
+    Qwen's ``<tool_call>``); text without any is tokenized exactly as before."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        added = tokenizer.added_tokens_decoder.values() if hasattr(tokenizer, "added_tokens_decoder") else ()
+        controls = {t.content for t in added if t.content and (t.special or re.fullmatch(r"</?[^\s<>]+>", t.content))}
+        self.controls = sorted(controls, key=len, reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, self.controls))) if self.controls else None
+        self._plain = None
+
+    def spells_control(self, text: str) -> bool:
+        return self.pattern is not None and self.pattern.search(text) is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with no special tokens added and none read from it."""
+        if not self.spells_control(text):
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.plain(text)
+
+    def plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` by the tokenizer's model alone (its added tokens left out)."""
+        if self._plain is None:
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            if backend is None:  # a slow tokenizer: it splits its special tokens on request
+                self._plain = lambda t: self.tokenizer.encode(t, add_special_tokens=False, split_special_tokens=True)
+            else:
+                from tokenizers import Tokenizer
+
+                spec = json.loads(backend.to_str())
+                spec["added_tokens"] = []
+                model = Tokenizer.from_str(json.dumps(spec))
+                self._plain = lambda t: model.encode(t, add_special_tokens=False).ids
+        return self._plain(text)
+
+    def escape(self, value, placeholders: dict[str, str]):
+        """``value`` (messages, tools: any JSON value) with every control-token spelling in its strings, keys
+        included, replaced by a placeholder that no client can guess; ``placeholders`` maps each back."""
+        if isinstance(value, str):
+            if not self.spells_control(value):
+                return value
+
+            def hide(match: re.Match) -> str:
+                mark = f"kvmemory{secrets.token_hex(8)}x"
+                placeholders[mark] = match.group(0)
+                return mark
+
+            return self.pattern.sub(hide, value)
+        if isinstance(value, dict):
+            return {self.escape(k, placeholders): self.escape(v, placeholders) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.escape(v, placeholders) for v in value]
+        return value
+
+
+_PLAIN_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plain_text(tokenizer) -> PlainText:
+    """The tokenizer's ``PlainText`` (made once per tokenizer)."""
+    try:
+        return _PLAIN_TEXT[tokenizer]
+    except KeyError:
+        made = _PLAIN_TEXT[tokenizer] = PlainText(tokenizer)
+        return made
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of a client's ``text``: no special tokens added, none read from it (``PlainText``)."""
+    return plain_text(tokenizer).encode(text)
+
+
+# ---- rendering -------------------------------------------------------------------------------------
+
+
 class ChatRenderer:
-    """Renders message dicts ({role, content, tool_calls?, name?, tool_call_id?}) with the tokenizer's template."""
+    """Renders message dicts ({role, content, tool_calls?, name?, tool_call_id?}) with the tokenizer's template.
+    What the messages and tools say is text: a string in them that spells a control token is tokenized as the
+    characters it is (``PlainText``), so only the template decides where a turn starts and who speaks."""
 
     def __init__(self, tokenizer):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise InvalidArgumentError("this model's tokenizer has no chat template; use append_text / append_tokens")
         self.tokenizer = tokenizer
+        self.text = plain_text(tokenizer)
         self.native_tools = "tools" in tokenizer.chat_template
         self._frames: dict[str, tuple[list[int], list[int]]] = {}
 
@@ -69,13 +159,25 @@ class ChatRenderer:
     def render(
         self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False
     ) -> list[int]:
+        placeholders: dict[str, str] = {}
+        messages, tools = self.text.escape(messages, placeholders), self.text.escape(tools, placeholders)
         kwargs = {"tools": tools} if tools and self.native_tools else {}
-        ids = self.tokenizer.apply_chat_template(
-            self.prepare(messages, tools), add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+        prepared = self.prepare(messages, tools)
+        if not placeholders:
+            ids = self.tokenizer.apply_chat_template(
+                prepared, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+            )
+            return list(ids if isinstance(ids, list) else ids["input_ids"])
+        text = self.tokenizer.apply_chat_template(
+            prepared, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
         )
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
-        return list(ids)
+        ids = []  # the template's text read with its control tokens, each client spelling of one as plain text
+        for i, piece in enumerate(re.split(f"({'|'.join(placeholders)})", text)):
+            if i % 2:
+                ids += self.text.plain(placeholders[piece])
+            elif piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False)
+        return ids
 
     def tool_call_text(self, name: str, arguments: dict) -> str:
         """How this model's template writes an assistant's call of tool ``name``: the model's own tool-call

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from kvmemory.errors import InvalidArgumentError
+from kvmemory.runtime.chat import encode_text
 from kvmemory.runtime.conversation import (
     common_prefix,
     fingerprint,
@@ -42,12 +43,14 @@ class SessionChat:
     def append_text(
         self, text: str, kind: str = "text", role: str | None = None, progress: ProgressCallback | None = None, **meta
     ) -> Segment:
-        """Tokenize ``text`` (no special tokens added) and append it as one segment, after everything held."""
+        """Tokenize ``text`` and append it as one segment, after everything held. The text is text: no special
+        tokens are added, and a string that spells a control token (``<|im_end|>``) is tokenized as its characters;
+        ``append_tokens`` appends control tokens where a caller means them."""
         if not isinstance(text, str):
             raise InvalidArgumentError(f"append_text takes a string, got {type(text).__name__}")
         if self.engine.tokenizer is None:
             raise InvalidArgumentError("this engine has no tokenizer: use append_tokens")
-        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        ids = encode_text(self.engine.tokenizer, text)
         return self._append_tokens(ids, kind=kind, role=role, progress=progress, text=text, **meta)
 
     @exclusive
