@@ -87,16 +87,17 @@ def free_port_outside_the_ephemeral_range() -> int:
 
 
 @contextmanager
-def single_process(model_dir, sessions):
+def single_process(model_dir, sessions, settings: dict = SETTINGS):
     engine = Engine.from_pretrained(str(model_dir))
     app = create_app(
         engine,
         SessionStore(engine, sessions),
-        max_request_mb=SETTINGS["max_request_mb"],
+        max_request_mb=settings["max_request_mb"],
         save_after_turn=True,
-        api_keys=SETTINGS["api_keys"],
-        max_sessions=SETTINGS["max_sessions"],
-        busy_timeout=SETTINGS["busy_timeout"],
+        api_keys=settings["api_keys"],
+        max_sessions=settings["max_sessions"],
+        busy_timeout=settings["busy_timeout"],
+        max_new_tokens=settings.get("max_new_tokens"),
     )
     with serve_in_thread(app) as base:
         yield base, app

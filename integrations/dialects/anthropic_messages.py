@@ -16,7 +16,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from integrations.dialects.common import check_schema, check_tool_name, new_id, parse, sse, tool_choice, unsupported
+from integrations.dialects.common import (
+    KVMemoryOptions,
+    Open,
+    check_schema,
+    check_tool_name,
+    new_id,
+    parse,
+    sse,
+    tool_choice,
+    unsupported,
+)
 from integrations.dialects.openai_chat import sampling
 from integrations.serving import APIError, BadRequest, Reply, Turn
 
@@ -32,6 +42,40 @@ ERROR_TYPES = {
     503: "overloaded_error",
     507: "api_error",
 }
+
+
+class TextBlock(Open):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(Open):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+
+
+class ToolResultBlock(Open):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[dict] = ""
+    is_error: bool | None = None
+
+
+BLOCKS = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock}
+
+
+def block(raw, where: str, allowed: tuple[str, ...]) -> BaseModel | None:
+    """The content block at ``where`` as its typed model; None for a block kvmemory leaves out (``thinking``);
+    a BadRequest for a malformed block or one of a type not ``allowed`` here."""
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind in ("thinking", "redacted_thinking") and "thinking" in allowed:
+        return None
+    if kind not in allowed:
+        shown = kind if isinstance(kind, str) else type(raw.get("type") if isinstance(raw, dict) else raw).__name__
+        raise unsupported(where, f"blocks of type {shown!r} here: only {', '.join(allowed)}")
+    return parse(BLOCKS[kind], raw, where)
 
 
 class Message(BaseModel):
@@ -66,7 +110,7 @@ class Request(BaseModel):
     service_tier: str | None = None
     context_management: dict | None = None
     output_config: dict | None = None  # (reasoning effort: accepted, nothing to set on this model)
-    kvmemory: dict | None = None
+    kvmemory: KVMemoryOptions | None = None
 
 
 class CountRequest(BaseModel):
@@ -97,10 +141,9 @@ def request(body, model: type[BaseModel] = Request):
 def text_blocks(blocks, where: str) -> str:
     if isinstance(blocks, str):
         return blocks
-    for j, block in enumerate(blocks):
-        if block.get("type") != "text":
-            raise unsupported(f"{where}[{j}]", f"blocks of type {block.get('type')!r} here: only text")
-    return "".join(block.get("text", "") for block in blocks)
+    if not isinstance(blocks, list):
+        raise BadRequest("must be a string or a list of text blocks", param=where)
+    return "".join(block(raw, f"{where}[{j}]", ("text",)).text for j, raw in enumerate(blocks))
 
 
 def chat_messages(req) -> list[dict]:
@@ -108,36 +151,28 @@ def chat_messages(req) -> list[dict]:
     calls, ``tool_result`` blocks tool messages (before the user's text of the same message)."""
     out = [{"role": "system", "content": text_blocks(req.system, "system")}] if req.system else []
     names: dict[str, str] = {}
+    allowed = {"assistant": ("text", "tool_use", "thinking"), "user": ("text", "tool_result"), "system": ("text",)}
     for i, message in enumerate(req.messages):
-        blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
+        raws = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
         text, calls, results = [], [], []
-        for j, block in enumerate(blocks):
-            kind, where = block.get("type"), f"messages[{i}].content[{j}]"
-            if kind == "text":
-                text.append(block.get("text", ""))
-            elif kind == "tool_use" and message.role == "assistant":
-                if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
-                    raise BadRequest("a tool_use block needs a 'name' and an object 'input'", param=where)
-                names[block.get("id")] = block["name"]
+        for j, raw in enumerate(raws):
+            where = f"messages[{i}].content[{j}]"
+            part = block(raw, where, allowed[message.role])
+            if isinstance(part, TextBlock):
+                text.append(part.text)
+            elif isinstance(part, ToolUseBlock):
+                names[part.id] = part.name
                 calls.append(
-                    {
-                        "id": block.get("id"),
-                        "type": "function",
-                        "function": {"name": block["name"], "arguments": block.get("input", {})},
-                    }
+                    {"id": part.id, "type": "function", "function": {"name": part.name, "arguments": part.input}}
                 )
-            elif kind == "tool_result" and message.role == "user":
-                name = names.get(block.get("tool_use_id"))
+            elif isinstance(part, ToolResultBlock):
+                name = names.get(part.tool_use_id)
                 if name is None:
-                    raise BadRequest(f"tool_result for unknown tool_use_id {block.get('tool_use_id')!r}", param=where)
-                content = text_blocks(block.get("content", ""), f"{where}.content")
-                if block.get("is_error"):
+                    raise BadRequest(f"tool_result for unknown tool_use_id {part.tool_use_id!r}", param=where)
+                content = text_blocks(part.content, f"{where}.content")
+                if part.is_error:
                     content = f"Error: {content}"
-                results.append({"role": "tool", "content": content, "name": name, "tool_call_id": block["tool_use_id"]})
-            elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
-                continue
-            else:
-                raise unsupported(where, f"{kind!r} blocks in {message.role} messages")
+                results.append({"role": "tool", "content": content, "name": name, "tool_call_id": part.tool_use_id})
         out.extend(results)
         if message.role == "assistant":
             out.append({"role": "assistant", "content": "".join(text), **({"tool_calls": calls} if calls else {})})
@@ -160,7 +195,10 @@ def tools(req) -> list[dict] | None:
 
 def turn(req: Request, session: str | None) -> Turn:
     params = sampling(req.max_tokens, req.temperature, req.top_p, req.stop_sequences, None)
-    policy, choice = (req.kvmemory or {}).get("policy"), tool_choice(req.tool_choice, [t.name for t in req.tools or []])
+    policy, choice = (
+        req.kvmemory.policy if req.kvmemory else None,
+        tool_choice(req.tool_choice, [t.name for t in req.tools or []]),
+    )
     return Turn(chat_messages(req), tools(req), params, session, policy, choice)
 
 

@@ -6,7 +6,7 @@ import json
 import re
 import uuid
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from integrations.serving import BadRequest
 
@@ -14,22 +14,41 @@ MAX_SEED = 2**63 - 1
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-def parse(model: type[BaseModel], body) -> BaseModel:
-    """``body`` as ``model``, or a BadRequest naming the first bad field (``param``) and why."""
+class Strict(BaseModel):
+    """A request object whose unknown fields are refused by name (as the OpenAI and Anthropic APIs refuse them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Open(BaseModel):
+    """A request object that may carry fields kvmemory does not use (``cache_control``, ``annotations``, ids)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class KVMemoryOptions(Strict):
+    """The ``kvmemory`` field every dialect takes: the session's memory policy (a ``MemoryPolicy`` dict)."""
+
+    policy: dict | None = None
+
+
+def parse(model: type[BaseModel], body, at: str = "") -> BaseModel:
+    """``body`` (the request, or the part of it at ``at``) as ``model``, or a BadRequest naming the first bad
+    field (``param``) and why."""
     if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+        raise BadRequest(f"{at or 'the request body'} must be a JSON object", param=at or None)
     try:
         return model.model_validate(body)
     except ValidationError as err:
         first = err.errors()[0]
-        where = field_path(first["loc"])
+        where = field_path(first["loc"], at)
         if first["type"] == "extra_forbidden":
             raise BadRequest(f"unrecognized request argument: {where}", param=where) from None
         raise BadRequest(f"invalid '{where}': {first['msg']}", param=where) from None
 
 
-def field_path(loc) -> str:
-    out = ""
+def field_path(loc, at: str = "") -> str:
+    out = at
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"

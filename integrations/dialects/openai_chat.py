@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from integrations.dialects.common import (
     MAX_SEED,
+    KVMemoryOptions,
     check_schema,
     check_tool_name,
     json_object,
@@ -85,7 +86,7 @@ class Request(Strict):
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
-    kvmemory: dict | None = None
+    kvmemory: KVMemoryOptions | None = None
     n: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -174,7 +175,7 @@ def turn(req: Request, session: str | None) -> Turn:
         tools or None,
         sampling(req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.stop, req.seed),
         session,
-        (req.kvmemory or {}).get("policy"),
+        req.kvmemory.policy if req.kvmemory else None,
         tool_choice(req.tool_choice, [tool.function.name for tool in req.tools or []]),
     )
 

@@ -16,14 +16,17 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from integrations.dialects.common import (
     MAX_SEED,
+    KVMemoryOptions,
+    Open,
     check_schema,
     check_tool_name,
+    json_object,
     new_id,
     parse,
     sse,
@@ -45,7 +48,7 @@ class FunctionTool(BaseModel):
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    input: str | list[dict]
+    input: str | Annotated[list[dict], Field(min_length=1)]
     model: str | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -68,7 +71,7 @@ class Request(BaseModel):
     service_tier: str | None = None
     stream_options: dict | None = None
     client_metadata: dict | None = None
-    kvmemory: dict | None = None
+    kvmemory: KVMemoryOptions | None = None
 
 
 def request(body) -> Request:
@@ -87,61 +90,76 @@ def request(body) -> Request:
     return req
 
 
+class TextPart(Open):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageItem(Open):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[dict]
+
+
+class FunctionCallItem(Open):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str | dict = "{}"
+
+
+class FunctionCallOutputItem(Open):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[dict]
+
+
+ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+
+
 def input_messages(req: Request) -> list[dict]:
     """The request's input items as chat dicts (``function_call`` items become the assistant's tool calls)."""
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     out: list[dict] = []
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
+    for i, raw in enumerate(items):
         where = f"input[{i}]"
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise BadRequest(
-                    f"message role {role!r}: use user, system, developer or assistant", param=f"{where}.role"
-                )
-            out.append(
-                {"role": "system" if role == "developer" else role, "content": text_of(item.get("content"), where)}
-            )
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function", "function": function_of(item, where)}
+        kind = raw.get("type", "message")
+        if kind == "reasoning":
+            continue  # a reasoning model's item sent back; this model keeps no hidden reasoning
+        if not isinstance(kind, str) or kind not in ITEMS:
+            shown = kind if isinstance(kind, str) else type(kind).__name__
+            raise unsupported(f"{where}.type", f"input items of type {shown!r}")
+        item = parse(ITEMS[kind], raw, where)
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": text_of(item.content, f"{where}.content")})
+        elif isinstance(item, FunctionCallItem):
+            arguments = item.arguments
+            if isinstance(arguments, str):
+                arguments = json_object(arguments, f"{where}.arguments")
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": arguments}}
             if out and out[-1]["role"] == "assistant" and not out[-1]["content"] or out and out[-1].get("tool_calls"):
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            if not isinstance(output, str):
-                output = text_of(output, f"{where}.output")
-            out.append({"role": "tool", "content": output, "tool_call_id": item.get("call_id")})
-        elif kind == "reasoning":
-            continue  # a reasoning model's item sent back; this model keeps no hidden reasoning
         else:
-            raise unsupported(f"{where}.type", f"input items of type {kind!r}")
+            output = text_of(item.output, f"{where}.output")
+            out.append({"role": "tool", "content": output, "tool_call_id": item.call_id})
     return out
 
 
-def text_of(content, where: str) -> str:
+def text_of(content: str | list[dict], where: str) -> str:
+    """A message's content (a string, or text parts) as one string."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise BadRequest("content must be a string or a list of text parts", param=f"{where}.content")
+    texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise unsupported(f"{where}.content[{j}]", f"content of type {kind!r}: only text")
-    return "".join(part.get("text", "") for part in content)
-
-
-def function_of(item: dict, where: str) -> dict:
-    name, arguments = item.get("name"), item.get("arguments", "{}")
-    if not isinstance(name, str):
-        raise BadRequest("a function_call item needs a 'name'", param=f"{where}.name")
-    try:
-        args = json.loads(arguments or "{}") if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError as err:
-        raise BadRequest(f"function_call arguments are not JSON: {err.msg}", param=f"{where}.arguments") from None
-    return {"name": name, "arguments": args}
+        kind = part.get("type")
+        if kind not in ("input_text", "output_text", "text"):
+            shown = kind if isinstance(kind, str) else type(kind).__name__
+            raise unsupported(f"{where}[{j}]", f"content of type {shown!r}: only text")
+        texts.append(parse(TextPart, part, f"{where}[{j}]").text)
+    return "".join(texts)
 
 
 def name_tool_outputs(messages: list[dict], calls: dict[str, str]) -> None:
@@ -173,7 +191,7 @@ def turn(req: Request, session: str | None, earlier: list[dict], calls: dict[str
         tools if tools and req.tool_choice != "none" else None,
         params,
         session,
-        (req.kvmemory or {}).get("policy"),
+        req.kvmemory.policy if req.kvmemory else None,
         tool_choice(req.tool_choice, function_names(req)),
     )
 

@@ -1,0 +1,258 @@
+"""Hostile and careless requests against the real server, in every dialect: valid requests mutated at random by
+hypothesis (wrong types, missing and extra fields, huge numbers, control-token text, deep nesting) and bodies
+no JSON library writes (lone surrogates, 5,000-digit numbers, 5,000-deep nesting, bad UTF-8).
+
+Each answer must be below 500, an error in the dialect's own shape naming what was wrong, and a rejected request
+must leave its session's tokens and transcript as they were. The fast slice runs ``FUZZ_EXAMPLES`` (default 60)
+requests per route; ``KVMEMORY_FUZZ_EXAMPLES=10000 python -m pytest tests/test_http_fuzz.py -m ""`` is the long run
+(the Ray half is marked ``ray``)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.test_http_api import KEY, free_port_outside_the_ephemeral_range, model_dir  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.small_model
+FUZZ_EXAMPLES = int(os.environ.get("KVMEMORY_FUZZ_EXAMPLES", "60"))
+SETTINGS = {"api_keys": (KEY,), "max_sessions": 64, "busy_timeout": 5.0, "max_request_mb": 1.0, "max_new_tokens": 3}
+SESSION = "fuzzed"
+
+TOOL_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+SEEDS = {
+    "/v1/chat/completions": {
+        "model": "default",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Read a.py"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "PORT = 5433"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "read", "description": "Read", "parameters": TOOL_SCHEMA}}],
+        "tool_choice": "auto",
+        "max_tokens": 3,
+        "temperature": 0.5,
+        "stop": ["\n\n"],
+        "kvmemory": {"policy": {"extends": "default", "budget": {"max_slots": 1024}}},
+    },
+    "/v1/responses": {
+        "model": "default",
+        "instructions": "Be brief.",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Read a.py"}]},
+            {"type": "function_call", "call_id": "c1", "name": "read", "arguments": '{"path": "a.py"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "PORT = 5433"},
+        ],
+        "tools": [{"type": "function", "name": "read", "parameters": TOOL_SCHEMA}],
+        "max_output_tokens": 3,
+        "store": False,
+    },
+    "/v1/messages": {
+        "model": "default",
+        "max_tokens": 3,
+        "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [
+            {"role": "user", "content": "Read a.py"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Reading."},
+                    {"type": "tool_use", "id": "t1", "name": "read", "input": {"path": "a.py"}},
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "PORT = 5433"}]},
+        ],
+        "tools": [{"name": "read", "description": "Read", "input_schema": TOOL_SCHEMA}],
+        "stop_sequences": ["\n\n"],
+    },
+}
+SEEDS["/v1/messages/count_tokens"] = {
+    k: v for k, v in SEEDS["/v1/messages"].items() if k not in ("max_tokens", "stop_sequences")
+}
+NAMES = sorted(
+    {
+        "type",
+        "role",
+        "content",
+        "text",
+        "id",
+        "name",
+        "arguments",
+        "input",
+        "output",
+        "call_id",
+        "tool_use_id",
+        "tool_call_id",
+        "policy",
+        "function",
+        "parameters",
+        "max_slots",
+        "rules",
+        "messages",
+    }
+)
+WORDS = [
+    "user",
+    "assistant",
+    "system",
+    "tool",
+    "developer",
+    "text",
+    "input_text",
+    "tool_use",
+    "tool_result",
+    "image",
+    "function",
+    "function_call",
+    "function_call_output",
+    "message",
+    "required",
+    "auto",
+    "any",
+    "none",
+    "read",
+    "c1",
+    "t1",
+    "{}",
+    "[1]",
+    '{"a": [',
+    "<|im_end|>\n<|im_start|>system\n",
+    "\ud800",
+    "default",
+]
+
+LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats()
+    | st.text(max_size=16)
+    | st.sampled_from(WORDS)
+)
+VALUES = st.recursive(
+    LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(NAMES) | st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def places(value, path=()) -> list[tuple]:
+    """Every path into ``value`` (dict keys and list indexes), the root included."""
+    out = [path]
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            out += places(inner, path + (key,))
+    elif isinstance(value, list):
+        for i, inner in enumerate(value):
+            out += places(inner, path + (i,))
+    return out
+
+
+@st.composite
+def mutated(draw, seed: dict):
+    """``seed`` with one to three random edits: a value replaced, a key dropped or a key added."""
+    body = copy.deepcopy(seed)
+    for _ in range(draw(st.integers(1, 3))):
+        path = draw(st.sampled_from(places(body)))
+        if not path:
+            continue
+        parent = body
+        for step in path[:-1]:
+            parent = parent[step]
+        edit = draw(st.sampled_from(["replace", "replace", "drop", "add"]))
+        if edit == "drop" and isinstance(parent, dict):
+            parent.pop(path[-1])
+        elif edit == "add" and isinstance(parent, dict):
+            parent[draw(st.sampled_from(NAMES) | st.text(max_size=8))] = draw(VALUES)
+        else:
+            parent[path[-1]] = draw(VALUES)
+    return body
+
+
+RAW_BODIES = {
+    "lone surrogate": '{"model": "default", "max_tokens": 3, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+    "5,000-digit number": '{"model": "default", "max_tokens": 3' + "0" * 5000 + ', "messages": []}',
+    "5,000-deep nesting": '{"metadata": ' + "[" * 5000 + "]" * 5000 + "}",
+    "5,000-deep top level": "[" * 5000 + "]" * 5000,
+    "200-deep arguments": '{"model": "default", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}],'
+    ' "tools": [{"name": "a", "input_schema": {"type": "object", "properties": '
+    + '{"a": ' * 200
+    + "1"
+    + "}" * 200
+    + "}}]}",
+    "bad UTF-8": b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}',
+    "NaN": '{"model": "default", "max_tokens": 3, "temperature": NaN, "messages": [{"role": "user", "content": "x"}]}',
+    "empty": b"",
+    "null": "null",
+    "a list": "[]",
+}
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+    from tests.test_http_api import single_process
+
+    with single_process(model_dir, tmp_path_factory.mktemp("fuzz-sessions"), SETTINGS) as (base, app):
+        with httpx.Client(base_url=base, headers={"x-api-key": KEY, "x-session-id": SESSION}, timeout=60) as client:
+            for route, seed in SEEDS.items():
+                answer = client.post(route, json=seed)
+                assert answer.status_code == 200, (route, answer.text)  # every seed is a valid request
+            yield client, app.state.core
+
+
+def session_state(core) -> tuple:
+    session = core.store.get(next(k for k in core.store.ids() if k.endswith(SESSION)))
+    return list(session.tokens), session.transcript(), session.stats().kv_bytes
+
+
+def check_answer(route: str, answer: httpx.Response) -> None:
+    assert answer.status_code < 500, (route, answer.status_code, answer.text[:500])
+    if answer.status_code >= 400:
+        body = answer.json()
+        if route.startswith("/v1/messages"):
+            assert body["type"] == "error" and body["error"]["type"] and body["error"]["message"], body
+        else:
+            assert body["error"]["message"] and body["error"]["type"], body
+
+
+@pytest.mark.parametrize("route", list(SEEDS))
+def test_mutated_requests_get_a_4xx_in_the_dialects_shape_and_leave_the_session_as_it_was(server, route):
+    client, core = server
+
+    @settings(max_examples=FUZZ_EXAMPLES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(body=mutated(SEEDS[route]))
+    def check(body):
+        before = session_state(core)
+        answer = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+        check_answer(route, answer)
+        if answer.status_code >= 400:
+            assert session_state(core) == before, body
+
+    check()
+
+
+@pytest.mark.parametrize("kind", list(RAW_BODIES))
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_bodies_no_json_library_writes_get_a_4xx(server, route, kind):
+    client, core = server
+    before = session_state(core)
+    raw = RAW_BODIES[kind]
+    answer = client.post(route, content=raw if isinstance(raw, bytes) else raw.encode())
+    check_answer(route, answer)
+    assert answer.status_code in (400, 413), answer.text
+    assert session_state(core) == before
