@@ -42,6 +42,14 @@ def warn_if_open(host: str, keys: tuple[str, ...]) -> None:
         )
 
 
+def fair_share(max_sessions: int | None, keys: tuple[str, ...]) -> int | None:
+    """With several API keys, each may hold an equal share of the server's sessions (rounded up): one key
+    cannot fill the server and lock the others out."""
+    if max_sessions is None or len(keys) < 2:
+        return None
+    return -(-max_sessions // len(keys))
+
+
 def models_command(args) -> None:
     """``kvmemory models list``: a line per named model; ``kvmemory models pull NAME``: fetch and verify it."""
     if args.action == "list":
@@ -72,6 +80,14 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--sessions", default=None, help="directory where sessions are saved (and spilled)")
     serve.add_argument("--max-resident-mb", type=float, default=None, help="KV of resident sessions, then spill")
     serve.add_argument("--max-sessions", type=int, default=256, help="sessions held (resident and saved)")
+    serve.add_argument(
+        "--max-sessions-per-key",
+        type=int,
+        default=None,
+        help="sessions one API key may hold (default: an equal share of --max-sessions between the keys)",
+    )
+    serve.add_argument("--max-mb-per-key", type=float, default=None, help="resident KV and saved files of one key")
+    serve.add_argument("--max-responses-per-key", type=int, default=1000, help="stored responses kept per key")
     serve.add_argument("--session-ttl-hours", type=float, default=168.0, help="idle sessions are deleted after this")
     serve.add_argument("--max-slots", type=int, default=2048, help="the default policy's cap per session")
     serve.add_argument("--policy", default=None, help="a memory policy file (.yaml/.toml/.json) for every session")
@@ -108,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         "policy": args.policy and os.path.abspath(args.policy),
         "kv_dtype": args.kv_dtype,
         "max_new_tokens": args.max_new_tokens,
+        "sessions_per_key": args.max_sessions_per_key or fair_share(args.max_sessions, keys),
+        "bytes_per_key": int(args.max_mb_per_key * MB) if args.max_mb_per_key else None,
+        "responses_per_key": args.max_responses_per_key,
     }
     try:
         serving_policy(settings)  # a bad policy file fails now, not after the model has loaded
@@ -139,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
             max_sessions=args.max_sessions,
             session_ttl=settings["session_ttl"],
             max_new_tokens=args.max_new_tokens,
+            sessions_per_key=settings["sessions_per_key"],
+            bytes_per_key=settings["bytes_per_key"],
+            responses_per_key=settings["responses_per_key"],
         )
 
     uvicorn.run(loading_app(load), host=args.host, port=args.port)

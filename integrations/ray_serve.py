@@ -121,6 +121,8 @@ class SessionReplica:
             settings.get("max_sessions"),
             settings.get("session_ttl"),
             settings.get("max_new_tokens"),
+            sessions_per_key=settings.get("sessions_per_key"),
+            bytes_per_key=settings.get("bytes_per_key"),
         )
         self.worker = AsyncCore(self.core)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -254,7 +256,7 @@ class Ingress:
             settings.get("api_keys", ()),
             settings.get("model_aliases", ()),
             settings.get("max_request_mb", 32.0),
-            ResponseLog(self.sessions, ttl=settings.get("session_ttl")),
+            ResponseLog(self.sessions, settings.get("responses_per_key", 1000), settings.get("session_ttl")),
         )
 
 

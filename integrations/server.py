@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -55,6 +56,7 @@ from integrations.serving import (
     session_key,
 )
 from kvmemory import MemoryPolicy, SessionStore, default_policy
+from kvmemory.runtime.persistence import abandoned, writer_tag
 
 log = logging.getLogger("kvmemory.server")
 MB = 2**20  # every "MB" of the command line is a mebibyte
@@ -94,52 +96,87 @@ class LocalBackend:
 class ResponseLog:
     """Stored Responses-API responses: the response body, its owner, its session and the conversation the
     session holds after it (what ``previous_response_id`` continues). In a directory when one is given
-    (shared by Ray replicas), else in memory (the newest ``limit``)."""
+    (shared by Ray replicas; a folder per API key), else in memory. Each key keeps its newest ``per_owner``
+    responses, and a response older than ``ttl`` seconds is gone: one key cannot fill the disk or memory with
+    them, nor push out another key's."""
 
-    def __init__(self, directory: Path | None = None, limit: int = 10_000, ttl: float | None = None):
+    def __init__(self, directory: Path | None = None, per_owner: int = 1000, ttl: float | None = None):
         self.directory = Path(directory) / "responses" if directory is not None else None
-        self.limit, self.ttl, self._memory, self._swept = limit, ttl, OrderedDict(), 0.0
+        self.per_owner, self.ttl, self._swept = per_owner, ttl, 0.0
+        self._memory: dict[str | None, OrderedDict] = {}  # owner -> id -> (time stored, record)
+        self._lock = threading.Lock()
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
+            for tmp in self.directory.glob("*/.*.tmp"):  # writes a crash interrupted
+                with contextlib.suppress(FileNotFoundError):
+                    if abandoned(tmp) or time.time() - tmp.stat().st_mtime > 600:
+                        tmp.unlink()
+
+    def folder(self, owner: str | None) -> Path:
+        return self.directory / (owner or "open")
 
     def put(self, record: dict) -> None:
         if self.ttl is not None and time.monotonic() - self._swept > 60:
             self._swept = time.monotonic()
             self.expire(self.ttl)
+        owner = record["owner"]
         if self.directory is None:
-            self._memory[record["id"]] = record
-            while len(self._memory) > self.limit:
-                self._memory.popitem(last=False)
+            with self._lock:
+                mine = self._memory.setdefault(owner, OrderedDict())
+                mine[record["id"]] = (time.time(), record)
+                while len(mine) > self.per_owner:
+                    mine.popitem(last=False)
             return
-        tmp = self.directory / f".{record['id']}.tmp"
-        tmp.write_text(json.dumps(record))
-        tmp.replace(self.directory / f"{record['id']}.json")
+        folder = self.folder(owner)
+        folder.mkdir(exist_ok=True)
+        handle, tmp = tempfile.mkstemp(prefix=f".{record['id']}.{writer_tag()}", suffix=".tmp", dir=folder)
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps(record))
+        os.replace(tmp, folder / f"{record['id']}.json")
+        with contextlib.suppress(FileNotFoundError):  # (another replica pruning at the same time)
+            stored = sorted(folder.glob("*.json"), key=modified)
+            for old in stored[: max(0, len(stored) - self.per_owner)]:
+                old.unlink(missing_ok=True)
 
     def get(self, ident: str, owner: str | None) -> dict:
-        record = None
+        record, stored = None, None
         if self.directory is None:
-            record = self._memory.get(ident)
+            with self._lock:
+                stored, record = self._memory.get(owner, {}).get(ident, (None, None))
         elif openai_responses_id(ident):
-            path = self.directory / f"{ident}.json"
-            record = json.loads(path.read_text()) if path.is_file() else None
-        if record is None or record["owner"] != owner:
+            path = self.folder(owner) / f"{ident}.json"
+            with contextlib.suppress(FileNotFoundError):
+                stored, record = modified(path), json.loads(path.read_text())
+        expired = stored is not None and self.ttl is not None and time.time() - stored > self.ttl
+        if record is None or record["owner"] != owner or expired:
             raise NotFound(f"no response {ident!r}", code="response_not_found", param="response_id")
         return record
 
     def delete(self, ident: str, owner: str | None) -> None:
         self.get(ident, owner)
         if self.directory is None:
-            self._memory.pop(ident, None)
+            with self._lock:
+                self._memory.get(owner, {}).pop(ident, None)
         else:
-            (self.directory / f"{ident}.json").unlink(missing_ok=True)
+            (self.folder(owner) / f"{ident}.json").unlink(missing_ok=True)
 
     def expire(self, max_age: float) -> None:
-        """Forget the stored responses older than ``max_age`` seconds (those in memory are bounded by count)."""
-        if self.directory is not None:
-            for path in self.directory.glob("*.json"):
-                with contextlib.suppress(FileNotFoundError):
-                    if time.time() - path.stat().st_mtime > max_age:
-                        path.unlink()
+        """Forget the stored responses older than ``max_age`` seconds."""
+        now = time.time()
+        if self.directory is None:
+            with self._lock:
+                for mine in self._memory.values():
+                    for ident in [i for i, (stored, _) in mine.items() if now - stored > max_age]:
+                        mine.pop(ident)
+            return
+        for path in self.directory.glob("*/*.json"):
+            with contextlib.suppress(FileNotFoundError):
+                if now - modified(path) > max_age:
+                    path.unlink()
+
+
+def modified(path: Path) -> float:
+    return path.stat().st_mtime
 
 
 def openai_responses_id(ident: str) -> bool:
@@ -524,16 +561,29 @@ def create_app(
     session_ttl: float | None = None,
     busy_timeout: float = 30.0,
     max_new_tokens: int | None = None,
+    sessions_per_key: int | None = None,
+    bytes_per_key: int | None = None,
+    responses_per_key: int = 1000,
 ):
     """The app serving ``engine`` in this process; sessions live in ``store`` (in memory by default), saved
-    to its directory after every turn with ``save_after_turn``; at most ``max_sessions``, those idle for
-    ``session_ttl`` seconds deleted."""
+    to its directory after every turn with ``save_after_turn``; at most ``max_sessions``, and per API key
+    ``sessions_per_key`` sessions of ``bytes_per_key`` bytes and ``responses_per_key`` stored responses; those
+    idle for ``session_ttl`` seconds deleted."""
     store = store or SessionStore(engine)
     policy = policy or default_policy(max_slots=2048)
-    core = ServingCore(store, policy, busy_timeout, save_after_turn, max_sessions, session_ttl, max_new_tokens)
-    app = http_app(
-        LocalBackend(core), engine.name, api_keys, model_aliases, max_request_mb, ResponseLog(store.directory)
+    core = ServingCore(
+        store,
+        policy,
+        busy_timeout,
+        save_after_turn,
+        max_sessions,
+        session_ttl,
+        max_new_tokens,
+        sessions_per_key=sessions_per_key,
+        bytes_per_key=bytes_per_key,
     )
+    responses = ResponseLog(store.directory, responses_per_key, session_ttl)
+    app = http_app(LocalBackend(core), engine.name, api_keys, model_aliases, max_request_mb, responses)
     app.state.core = core
     return app
 

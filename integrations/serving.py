@@ -225,6 +225,9 @@ class ServingCore:
         max_sessions: int | None = None,
         session_ttl: float | None = None,
         max_new_tokens: int | None = None,
+        *,
+        sessions_per_key: int | None = None,
+        bytes_per_key: int | None = None,
     ):
         if save_after_turn and store.directory is None:
             raise BadRequest("save_after_turn needs a store with a directory")
@@ -232,6 +235,7 @@ class ServingCore:
         self.busy_timeout, self.save_after_turn = busy_timeout, save_after_turn
         self.max_sessions, self.session_ttl = max_sessions, session_ttl
         self.max_new_tokens = max_new_tokens  # a server-wide bound on a reply (clients ask for 64,000)
+        self.sessions_per_key, self.bytes_per_key = sessions_per_key, bytes_per_key  # one API key's share
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._swept = 0.0
@@ -276,15 +280,36 @@ class ServingCore:
             lock.release()
 
     def _admit(self, key: str) -> None:
-        """Expire idle sessions (at most once a minute), then refuse a new session past ``max_sessions``."""
+        """Expire idle sessions (at most once a minute), then refuse a new session past ``max_sessions``, or past
+        its API key's share: ``sessions_per_key`` sessions, ``bytes_per_key`` bytes (resident KV and saved files)."""
         if self.session_ttl is not None and time.monotonic() - self._swept > 60:
             self._swept = time.monotonic()
             self.expire()
-        if self.max_sessions is not None and key not in self.store and len(self.store.ids()) >= self.max_sessions:
+        limited = self.max_sessions is not None or self.sessions_per_key is not None or self.bytes_per_key is not None
+        if not limited or key in self.store and self.bytes_per_key is None:
+            return
+        ids, new = self.store.ids(), key not in self.store
+        if new and self.max_sessions is not None and len(ids) >= self.max_sessions:
             raise TooManySessions(
                 f"the server holds its maximum of {self.max_sessions} sessions; delete one "
                 "(DELETE /v1/sessions/{id}) or wait for idle ones to expire"
             )
+        owner = key.split("/", 1)[0] + "/" if "/" in key else None
+        mine = [k for k in ids if owner is not None and k.startswith(owner)]
+        if new and self.sessions_per_key is not None and owner and len(mine) >= self.sessions_per_key:
+            raise TooManySessions(
+                f"this API key holds its maximum of {self.sessions_per_key} sessions; delete one "
+                "(DELETE /v1/sessions/{id}) or wait for idle ones to expire",
+                code="key_session_limit",
+            )
+        if self.bytes_per_key is not None and owner:
+            held = sum(self.store.footprint(k) for k in mine)
+            if held >= self.bytes_per_key:
+                raise TooManySessions(
+                    f"this API key's sessions hold {held / 2**20:.1f} MiB, its limit is "
+                    f"{self.bytes_per_key / 2**20:.1f} MiB; delete sessions (DELETE /v1/sessions/{{id}}) to go on",
+                    code="key_storage_limit",
+                )
 
     def expire(self) -> list[str]:
         """Delete the sessions idle longer than ``session_ttl`` (files too); returns their keys."""
@@ -347,8 +372,7 @@ class ServingCore:
             sampling = dict(turn.sampling)
             if required := turn.required_tools():
                 sampling["allowed"] = RequiredToolCall(session.renderer, required, session.engine.eos_token_ids)
-            if self.max_new_tokens is not None:
-                sampling["max_new_tokens"] = min(sampling.get("max_new_tokens", 256), self.max_new_tokens)
+            sampling["max_new_tokens"] = self.reply_limit(sampling.get("max_new_tokens", 512))
             generation = session.start_generation(**sampling)
             shown = 0
             with contextlib.closing(generation):
@@ -364,6 +388,13 @@ class ServingCore:
             raise
         self.after_turn(turn.session)
         yield reply_of(generation, prompt, cached, session.messages, turn.tools)
+
+    def reply_limit(self, asked: int) -> int:
+        """The longest reply a turn may write: what the client asked, at most the server's ``max_new_tokens`` and
+        never more than the model's context window (a capped session's positions run on far past it, so without
+        this bound a client asking for 2**70 tokens would hold its session for hours). A reply cut here ends
+        with ``finish_reason`` "length", as the OpenAI and Anthropic APIs end one at the client's limit."""
+        return min(asked, self.max_new_tokens or self.engine.max_context, self.engine.max_context)
 
     def count_tokens(self, turn: Turn) -> int:
         with self.errors():

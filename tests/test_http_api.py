@@ -27,7 +27,14 @@ from tests.test_contract import tiny_chat_engine
 pytestmark = pytest.mark.small_model  # the tiny model speaks through the default tokenizer
 
 KEY, OTHER_KEY = "key-a", "key-b"
-SETTINGS = {"api_keys": (KEY, OTHER_KEY), "max_sessions": 40, "busy_timeout": 2.0, "max_request_mb": 1.0}
+SETTINGS = {
+    "api_keys": (KEY, OTHER_KEY),
+    "max_sessions": 40,
+    "sessions_per_key": 25,
+    "responses_per_key": 8,
+    "busy_timeout": 2.0,
+    "max_request_mb": 1.0,
+}
 
 
 @dataclass
@@ -98,6 +105,8 @@ def single_process(model_dir, sessions, settings: dict = SETTINGS):
         max_sessions=settings["max_sessions"],
         busy_timeout=settings["busy_timeout"],
         max_new_tokens=settings.get("max_new_tokens"),
+        sessions_per_key=settings.get("sessions_per_key"),
+        responses_per_key=settings.get("responses_per_key", 1000),
     )
     with serve_in_thread(app) as base:
         yield base, app
@@ -447,24 +456,41 @@ def test_sessions_save_restore_and_delete_and_the_maximum_holds(live):
     assert live.post("/v1/sessions/kept/restore").json()["logical_tokens"] == tokens
     assert live.delete("/v1/sessions/kept").json()["deleted"]
     assert live.get("/v1/sessions/kept").status_code == 404
-    made = []
+    made, refused = {KEY: [], OTHER_KEY: []}, {}
     try:
-        for i in range(SETTINGS["max_sessions"] + 1):
-            answer = live.post(
-                "/v1/chat/completions",
-                {"model": live.model, "messages": user("hi"), "max_tokens": 1},
-                headers={"x-session-id": f"fill-{i}"},
-            )
-            if answer.status_code == 429:
-                assert answer.json()["error"]["code"] == "session_limit_reached"
-                break
-            assert answer.status_code == 200, answer.text
-            made.append(f"fill-{i}")
-        else:
-            pytest.fail("no 429 past the maximum number of sessions")
+        for key in (KEY, OTHER_KEY):  # the first key fills its share, the second what is left
+            for i in range(SETTINGS["max_sessions"] + 1):
+                answer = live.post(
+                    "/v1/chat/completions",
+                    {"model": live.model, "messages": user("hi"), "max_tokens": 1},
+                    key=key,
+                    headers={"x-session-id": f"fill-{i}"},
+                )
+                if answer.status_code == 429:
+                    refused[key] = answer.json()["error"]["code"]
+                    break
+                assert answer.status_code == 200, answer.text
+                made[key].append(f"fill-{i}")
+            else:
+                pytest.fail("no 429 past the maximum number of sessions")
+        assert refused[KEY] == "key_session_limit" and len(made[OTHER_KEY]) >= 1
+        assert refused[OTHER_KEY] in ("session_limit_reached", "key_session_limit")
     finally:
-        for session in made:
-            live.delete(f"/v1/sessions/{session}")
+        for key, sessions in made.items():
+            for session in sessions:
+                live.delete(f"/v1/sessions/{session}", key=key)
+
+
+def test_each_key_keeps_only_its_newest_stored_responses(live):
+    client, others = live.openai(), live.openai(key=OTHER_KEY)
+    theirs = others.responses.create(model=live.model, input="Keep me.", max_output_tokens=1)
+    made = [client.responses.create(model=live.model, input=f"n{i}", max_output_tokens=1).id for i in range(10)]
+    kept = SETTINGS["responses_per_key"]
+    for ident in made[-kept:]:
+        assert client.responses.retrieve(ident).id == ident
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made[0])
+    assert others.responses.retrieve(theirs.id).id == theirs.id  # not pushed out by the first key's
 
 
 # ---- clients that go away, and a turn in progress --------------------------------------------------------

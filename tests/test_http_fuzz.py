@@ -256,3 +256,22 @@ def test_bodies_no_json_library_writes_get_a_4xx(server, route, kind):
     check_answer(route, answer)
     assert answer.status_code in (400, 413), answer.text
     assert session_state(core) == before
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_a_request_for_2_to_the_70_tokens_stops_at_the_servers_bound_with_finish_reason_length(server, route):
+    client, core = server
+    field = {"/v1/chat/completions": "max_tokens", "/v1/responses": "max_output_tokens"}.get(route, "max_tokens")
+    body = {key: value for key, value in SEEDS[route].items() if key not in ("stop", "stop_sequences")}
+    body[field] = 2**70
+    answer = client.post(route, json=body, headers={"x-session-id": "bounded"})
+    assert answer.status_code == 200, answer.text
+    reply = answer.json()
+    usage = reply["usage"]
+    written = usage.get("completion_tokens", usage.get("output_tokens"))
+    assert written <= SETTINGS["max_new_tokens"]
+    if written == SETTINGS["max_new_tokens"]:  # cut at the bound, in the dialect's words (not a stop token)
+        finish = reply.get("stop_reason") or reply.get("status") or reply["choices"][0]["finish_reason"]
+        assert finish in ("length", "max_tokens", "incomplete", "tool_calls", "tool_use")
+    without_a_server_bound = type(core)(core.store, core.policy)
+    assert without_a_server_bound.reply_limit(2**70) == core.engine.max_context

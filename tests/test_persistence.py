@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import threading
 from unittest import mock
 
@@ -24,7 +25,7 @@ from kvmemory import (
     StoreFullError,
 )
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy
-from kvmemory.runtime.persistence import FORMAT_VERSION
+from kvmemory.runtime.persistence import FORMAT_VERSION, writer_tag
 from tests.conftest import random_tokens, tiny_model, wait_until
 from tests.test_contract import assert_same_state, state_of, uneven_plan
 
@@ -212,8 +213,17 @@ def test_opening_a_store_removes_what_crashed_saves_left(tmp_path, tiny_engine):
     fresh.write_bytes(b"another store is writing this one now")
     old = crashed.stat().st_mtime - 3600
     os.utime(crashed, (old, old))
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process of this host that has exited: its save was interrupted, however recent
+    host = writer_tag().split("~")[0]
+    dead_writer = tmp_path / f".c-3.kvm.{host}~{gone.pid}~x3.tmp"
+    live_writer = tmp_path / f".d-4.kvm.{writer_tag()}x4.tmp"
+    other_host = tmp_path / f".e-5.kvm.elsewhere~{gone.pid}~x5.tmp"
+    for path in (dead_writer, live_writer, other_host):
+        path.write_bytes(b"part of a save")
     SessionStore(tiny_engine, tmp_path)
-    assert not crashed.exists() and fresh.exists()
+    assert not crashed.exists() and not dead_writer.exists()
+    assert fresh.exists() and live_writer.exists() and other_host.exists()
 
 
 def test_the_serving_core_hides_the_server_paths_in_its_errors(tmp_path, tiny_engine):
@@ -237,6 +247,33 @@ def test_the_serving_core_expires_idle_sessions_but_not_one_in_use(tmp_path, tin
     with core.hold("busy"):
         assert core.expire() == ["idle"]
     assert core.store.ids() == ["busy"]
+
+
+def test_an_api_key_past_its_share_of_sessions_or_bytes_is_refused_while_another_key_goes_on(tmp_path, tiny_engine):
+    from integrations.serving import ServingCore, TooManySessions
+
+    per_token = tiny_engine.kv_bytes_per_token
+    core = ServingCore(
+        SessionStore(tiny_engine, tmp_path), MemoryPolicy.never(), sessions_per_key=2, bytes_per_key=60 * per_token
+    )
+    for key in ("alice/a", "alice/b"):
+        with core.hold(key) as session:
+            session.append_tokens(random_tokens(20))
+    with pytest.raises(TooManySessions) as refused, core.hold("alice/c"):
+        pass
+    assert refused.value.code == "key_session_limit" and "alice/c" not in core.store
+    with core.hold("alice/a") as session:  # an existing session goes on while the key is under its bytes
+        session.append_tokens(random_tokens(30, seed=2))
+    core.store.save("alice/a")  # its file counts as well as its resident cache
+    assert core.store.footprint("alice/a") > 50 * per_token
+    with pytest.raises(TooManySessions) as refused, core.hold("alice/b"):
+        pass
+    assert refused.value.code == "key_storage_limit" and "MiB" in refused.value.message
+    with core.hold("bob/a") as session:  # another key is not held back by alice's sessions
+        session.append_tokens(random_tokens(20))
+    core.delete("alice/a")
+    with core.hold("alice/b") as session:
+        session.append_tokens(random_tokens(1))
 
 
 def test_a_newcomer_waits_while_every_resident_session_is_in_use(tmp_path, tiny_engine):

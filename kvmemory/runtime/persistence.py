@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import socket
 import tempfile
 from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
@@ -86,7 +88,7 @@ def save_session(session, path) -> Path:
     }
     blob = save_tensors(tensors, metadata={"kvmemory": json.dumps({"manifest": manifest, "state": state})})
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as out:
             out.write(blob)
@@ -97,6 +99,28 @@ def save_session(session, path) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def writer_tag() -> str:
+    """Who writes a temporary file (``host~pid~``, in its name): what tells a later process on this host that
+    the file's writer is gone, so that the file is an interrupted save and not one still being written."""
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40]
+    return f"{host}~{os.getpid()}~"
+
+
+def abandoned(tmp: Path) -> bool:
+    """Whether ``tmp`` was left by a writer on this host that is no longer running (files of other hosts, or of
+    no known writer, cannot be judged this way)."""
+    found = re.search(r"\.([A-Za-z0-9-]+)~(\d+)~", tmp.name)
+    if found is None or found.group(1) != writer_tag().split("~")[0]:
+        return False
+    try:
+        os.kill(int(found.group(2)), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
 
 
 def _payload(session, snap: SessionState) -> tuple[dict[str, torch.Tensor], dict]:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from kvmemory.errors import InvalidArgumentError, SessionBusyError, StoreFullError
 from kvmemory.runtime.memory_hooks import SessionMemory
+from kvmemory.runtime.persistence import abandoned
 from kvmemory.runtime.session import Session
 
 log = logging.getLogger("kvmemory.store")
@@ -208,12 +209,24 @@ class SessionStore:
             return expired
 
     def _remove_interrupted_saves(self) -> None:
-        """Temporary files a crash left mid-save (``.NAME.kvm.XXXX.tmp``), never read again: removed on opening
-        once older than any save takes (another store sharing the directory may be writing a newer one)."""
+        """Temporary files a crash left mid-save (``.NAME.kvm.WRITER.XXXX.tmp``), never read again: removed on
+        opening when their writer, a process on this host, is gone; otherwise once older than any save takes
+        (another store sharing the directory, on this host or another, may be writing a newer one)."""
         for tmp in self.directory.glob(".*.kvm.*.tmp"):
             with contextlib.suppress(FileNotFoundError):
-                if time.time() - tmp.stat().st_mtime > INTERRUPTED_SAVE_AGE:
+                if abandoned(tmp) or time.time() - tmp.stat().st_mtime > INTERRUPTED_SAVE_AGE:
                     tmp.unlink()
+
+    def footprint(self, session_id: str) -> int:
+        """Bytes the session holds here: its KV cache while resident, plus its saved file."""
+        with self._lock:
+            session = self._resident.get(session_id)
+            path = self.path(session_id)
+            saved = 0
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    saved = path.stat().st_size
+            return (session.cache.kv_bytes() if session is not None else 0) + saved
 
     def resident_bytes(self) -> int:
         with self._lock:
