@@ -10,7 +10,7 @@ import logging
 import os
 from pathlib import Path
 
-from integrations.server import MB, create_app, loading_app, serving_policy
+from integrations.server import MB, LoadingApp, create_app, serving_policy
 from kvmemory import Engine, KVMemoryError, SessionStore
 from kvmemory.runtime import named_models
 from kvmemory.runtime.engine import KV_DTYPES
@@ -99,6 +99,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     serve.add_argument("--max-new-tokens", type=int, default=None, help="the longest reply, whatever a client asks")
     serve.add_argument("--max-request-mb", type=float, default=32.0, help="larger request bodies get 413")
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=3.0,
+        help="seconds a turn in progress at SIGTERM may finish in; then it is cancelled (undone) and every "
+        "session is saved to --sessions",
+    )
     serve.add_argument("--save-after-turn", action="store_true", help="save each session after every turn")
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (see integrations/ray_serve.py)")
     serve.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas")
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             responses_per_key=settings["responses_per_key"],
         )
 
-    uvicorn.run(loading_app(load), host=args.host, port=args.port)
+    uvicorn.run(LoadingApp(load), host=args.host, port=args.port, timeout_graceful_shutdown=args.shutdown_grace)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 
 from integrations.dialects import anthropic_messages, openai_chat, openai_responses
@@ -46,6 +47,7 @@ from integrations.serving import (
     APIError,
     AsyncCore,
     BadRequest,
+    Cancelled,
     NotFound,
     Reply,
     ServerError,
@@ -301,7 +303,8 @@ def check_json_text(value) -> None:
 
 
 async def unless_disconnected(request: Request, work):
-    """Await ``work``; if the client goes away first, cancel it (the core undoes the turn) and raise."""
+    """Await ``work``; if the client goes away first, cancel it (the core undoes the turn) and raise
+    ``Cancelled`` (answered with a 499 nobody reads)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -309,7 +312,7 @@ async def unless_disconnected(request: Request, work):
             if done:
                 return task.result()
             if await request.is_disconnected():
-                raise asyncio.CancelledError("the client went away")
+                raise Cancelled("the client went away")
     finally:
         task.cancel()  # (a no-op once done) also when this handler is cancelled, as Ray Serve does
 
@@ -588,34 +591,50 @@ def create_app(
     return app
 
 
-def loading_app(load: Callable[[], FastAPI]) -> FastAPI:
-    """An app that answers 503 (OpenAI-style, with Retry-After) while ``load()`` builds the real app in a
-    background thread, then serves it: the port is open from the start, as a server loading a model should."""
-    outer = FastAPI(title="kvmemory")
-    ready = threading.Event()
-    failed: list[BaseException] = []
+class LoadingApp:
+    """The ASGI app ``kvmemory serve`` runs: 503 (OpenAI-style, with Retry-After) while ``load()`` builds the real
+    app in a background thread, then every request goes straight to it, with its own ``receive`` and ``send``, so
+    that a client going away reaches the route as it would without this wrapper (and cancels its turn). On
+    shutdown every resident session is saved to ``--sessions`` when the server has one."""
 
-    def build():
+    def __init__(self, load: Callable[[], Gate]):
+        self.state = State()
+        self.state.ready = threading.Event()
+        self.app: Gate | None = None
+        self.failed: BaseException | None = None
+        threading.Thread(target=self._build, args=(load,), daemon=True).start()
+
+    def _build(self, load) -> None:
         try:
-            outer.mount("/", load())
+            self.app = load()
         except BaseException as err:  # reported to every request instead of dying silently in a thread
-            failed.append(err)
+            self.failed = err
         finally:
-            ready.set()
+            self.state.ready.set()
 
-    @outer.middleware("http")
-    async def while_loading(request: Request, call_next):
-        if not ready.is_set():
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await self._lifespan(receive, send)
+        if self.failed is not None:
+            message = f"the server failed to load: {self.failed}"
+            return await error_response(500, message, "server_error", "load_failed")(scope, receive, send)
+        if self.app is None:
             response = error_response(503, "the model is still loading; retry shortly", "server_error", "loading")
             response.headers["Retry-After"] = "5"
-            return response
-        if failed:
-            return error_response(500, f"the server failed to load: {failed[0]}", "server_error", "load_failed")
-        return await call_next(request)
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
-    threading.Thread(target=build, daemon=True).start()
-    outer.state.ready = ready
-    return outer
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                core = getattr(self.app.state, "core", None) if self.app is not None else None
+                if core is not None:
+                    await asyncio.to_thread(core.save_all)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
 
 @contextmanager

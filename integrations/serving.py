@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import re
 import threading
 import time
@@ -46,6 +47,7 @@ from kvmemory import (
 )
 from kvmemory.runtime.chat import RequiredToolCall, parse_tool_calls, visible_content
 
+log = logging.getLogger("kvmemory.server")
 SESSION_ID = re.compile(r"[A-Za-z0-9_@:+=-][A-Za-z0-9_.@:+=-]{0,127}")  # what a URL path segment carries as is
 
 
@@ -337,6 +339,21 @@ class ServingCore:
         except PolicyError as err:
             raise api_error(err) from err
 
+    def save_all(self) -> list[str]:
+        """Save every resident session (at shutdown; a store without a directory has nowhere to save). A session
+        still busy after ``busy_timeout`` is left as its last save had it. Returns the keys saved."""
+        if self.store.directory is None:
+            return []
+        saved = []
+        for key in self.store.stats()["resident"]:
+            try:
+                with self._locked(key):
+                    self.store.save(key)
+                saved.append(key)
+            except (SessionBusy, KVMemoryError, KeyError) as err:
+                log.warning("session %s not saved at shutdown: %s", visible_key(key), err)
+        return saved
+
     def after_turn(self, key: str | None) -> None:
         """Save the session when the core saves after every turn (what a restart or a failover resumes)."""
         if self.save_after_turn and key is not None:
@@ -497,11 +514,12 @@ class AsyncCore:
 
     async def run(self, turn: Turn) -> Reply:
         cancel = threading.Event()
-        future = self._pool.submit(self.core.run, turn, cancel)
+        work = asyncio.wrap_future(self._pool.submit(self.core.run, turn, cancel))
         try:
-            return await asyncio.shield(asyncio.wrap_future(future))
+            return await asyncio.shield(work)
         except asyncio.CancelledError:
             cancel.set()  # the worker undoes the turn and frees the session on its own
+            work.add_done_callback(unread)
             raise
 
     async def stream(self, turn: Turn) -> AsyncIterator[str | Reply]:
@@ -510,8 +528,8 @@ class AsyncCore:
         future = None
         try:
             while True:
-                future = self._pool.submit(next, iterator, _END)
-                item = await asyncio.shield(asyncio.wrap_future(future))
+                future = asyncio.wrap_future(self._pool.submit(next, iterator, _END))
+                item = await asyncio.shield(future)
                 if item is _END:
                     return
                 yield item
@@ -520,4 +538,12 @@ class AsyncCore:
             if future is None:
                 self._pool.submit(iterator.close)
             else:
+                future.add_done_callback(unread)
                 future.add_done_callback(lambda _: self._pool.submit(iterator.close))
+
+
+def unread(work: asyncio.Future) -> None:
+    """Take the outcome of work nobody awaits any more (a cancelled turn's ``Cancelled``), so that asyncio does
+    not log it as never retrieved."""
+    if not work.cancelled():
+        work.exception()

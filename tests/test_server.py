@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from integrations.dialects.openai_chat import message as openai_message
-from integrations.server import create_app, loading_app, serve_in_thread
+from integrations.server import LoadingApp, create_app, serve_in_thread
 from integrations.serving import Reply
 from kvmemory import SessionStore
 
@@ -196,7 +196,7 @@ def test_the_server_answers_503_while_the_model_loads(tiny_engine):
         loaded.wait(timeout=60)
         return create_app(tiny_engine)
 
-    app = loading_app(load)
+    app = LoadingApp(load)
     with serve_in_thread(app) as base:
         early = httpx.get(f"{base}/v1/models")
         assert early.status_code == 503 and early.headers["retry-after"] == "5"
