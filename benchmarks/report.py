@@ -549,6 +549,21 @@ def serve_section(d: dict) -> str:
     )
 
 
+def serve_soak_section(d: dict) -> str:
+    s, settings = d["summary"], d["settings"]
+    return (
+        f"**Soak of `kvmemory serve`** (`python -m benchmarks.serve_soak`{on_cpu(d)}): {settings['clients']} "
+        f"clients on {settings['keys']} API keys for {settings['minutes']:g} minutes on `{d['model']}`, each "
+        "continuing a conversation in one of the three dialects, with clients that go away mid-stream and "
+        "mid-turn, bodies over the size limit and fuzzed requests mixed in: "
+        f"{s['requests']:,} answered requests, {s['status_5xx']} with a 5xx, {s['hung']} hung, "
+        f"{s['lost_sessions']} continuing conversations that lost their session, {s['corrupted_sessions']} "
+        f"sessions that shrank; peak server memory {s['peak_rss_bytes'] / 2**20:.0f} MiB, peak disk "
+        f"{s['peak_disk_bytes'] / 2**20:.0f} MiB; SIGTERM stopped it in {s['sigterm_stop_s']:.1f} s. "
+        "![soak](results/serve_soak.png)"
+    )
+
+
 def capacity_section(d: dict) -> str:
     parallel = [r for r in d["rows"] if r["part"] == "parallel"]
     labels = sorted({(r["engine"], r.get("cap_slots") or 0) for r in parallel}, key=lambda x: (x[0] != "llama.cpp", x))
@@ -829,6 +844,7 @@ def render() -> str:
         ("agent_session", agent_section),
         ("persistence", persistence_section),
         ("serve", serve_section),
+        ("serve_soak", serve_soak_section),
         ("capacity", capacity_section),
         ("fp16_linear", fp16_linear_section),
         ("decode_kernel", decode_kernel_section),

@@ -409,7 +409,7 @@ def http_app(
         error = ServerError(f"internal error ({type(err).__name__}); the server log has the details")
         return JSONResponse(dialect_error(request.url.path, error), 500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "model": model}
 
@@ -492,6 +492,7 @@ def http_app(
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         req = anthropic_messages.request(await json_body(request), anthropic_messages.CountRequest)
+        check_model(req.model)
         turn = Turn(anthropic_messages.chat_messages(req), anthropic_messages.tools(req))
         return {"input_tokens": await backend.count_tokens(turn)}
 

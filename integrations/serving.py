@@ -423,11 +423,12 @@ class ServingCore:
             raise NotFound(f"no session {visible_key(key)!r}", code="session_not_found")
 
     def stats(self, key: str) -> dict:
-        """The session's stats; readable while a turn runs on it (they wait for one token at most)."""
+        """The session's stats; readable while a turn runs on it (they wait 0.1 s at most: past that, a long
+        prefill's last published stats)."""
         self.known(key)
         with self.errors():
             session = self.store.get(key)
-            stats = session.stats()
+            stats = session.stats(wait=0.1)
             busy = self._locks.get(key)
         return {**asdict(stats), "compression": stats.compression, "busy": bool(busy and busy.locked())}
 

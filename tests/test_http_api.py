@@ -113,7 +113,7 @@ def single_process(model_dir, sessions, settings: dict = SETTINGS):
 
 
 @contextmanager
-def ray_cluster(model_dir, sessions):
+def ray_cluster(model_dir, sessions, settings: dict = SETTINGS):
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
     from integrations.ray_serve import build_app
@@ -122,7 +122,7 @@ def ray_cluster(model_dir, sessions):
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(str(model_dir), sessions, 2, SETTINGS), name="kvmemory", route_prefix="/")
+        serve.run(build_app(str(model_dir), sessions, 2, settings), name="kvmemory", route_prefix="/")
         yield f"http://127.0.0.1:{port}", None
     finally:
         serve.shutdown()
@@ -420,7 +420,10 @@ def test_unknown_routes_and_bodies_over_the_limit_get_openai_shaped_errors(live)
 
 def test_every_route_needs_a_key_and_a_key_sees_only_its_own_sessions(live):
     assert httpx.get(f"{live.base}/health").json()["status"] == "ok"  # for load balancers: no key
+    assert httpx.head(f"{live.base}/health").status_code == 200
     for method, path in [
+        ("GET", "/docs"),
+        ("GET", "/openapi.json"),
         ("GET", "/v1/models"),
         ("POST", "/v1/chat/completions"),
         ("POST", "/v1/responses"),

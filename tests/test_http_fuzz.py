@@ -203,19 +203,25 @@ RAW_BODIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):  # noqa: F811 (the fixture imported above)
-    from tests.test_http_api import single_process
+@pytest.fixture(scope="module", params=["single-process", pytest.param("ray", marks=pytest.mark.ray)])
+def server(request, model_dir, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+    from tests.test_http_api import ray_cluster, single_process
 
-    with single_process(model_dir, tmp_path_factory.mktemp("fuzz-sessions"), SETTINGS) as (base, app):
+    start = single_process if request.param == "single-process" else ray_cluster
+    with start(model_dir, tmp_path_factory.mktemp(f"fuzz-{request.param}"), SETTINGS) as (base, app):
         with httpx.Client(base_url=base, headers={"x-api-key": KEY, "x-session-id": SESSION}, timeout=60) as client:
             for route, seed in SEEDS.items():
                 answer = client.post(route, json=seed)
                 assert answer.status_code == 200, (route, answer.text)  # every seed is a valid request
-            yield client, app.state.core
+            yield client, app.state.core if app is not None else None
 
 
-def session_state(core) -> tuple:
+def session_state(client: httpx.Client, core) -> tuple:
+    """What a rejected request must leave as it was: the session's tokens, transcript and KV bytes (in this
+    process), or its stats over HTTP (under Ray, where the session lives in a replica)."""
+    if core is None:
+        stats = client.get(f"/v1/sessions/{SESSION}").json()
+        return stats["logical_tokens"], stats["kv_bytes"], stats["segments"]
     session = core.store.get(next(k for k in core.store.ids() if k.endswith(SESSION)))
     return list(session.tokens), session.transcript(), session.stats().kv_bytes
 
@@ -237,11 +243,11 @@ def test_mutated_requests_get_a_4xx_in_the_dialects_shape_and_leave_the_session_
     @settings(max_examples=FUZZ_EXAMPLES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(body=mutated(SEEDS[route]))
     def check(body):
-        before = session_state(core)
+        before = session_state(client, core)
         answer = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
         check_answer(route, answer)
         if answer.status_code >= 400:
-            assert session_state(core) == before, body
+            assert session_state(client, core) == before, body
 
     check()
 
@@ -250,12 +256,12 @@ def test_mutated_requests_get_a_4xx_in_the_dialects_shape_and_leave_the_session_
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
 def test_bodies_no_json_library_writes_get_a_4xx(server, route, kind):
     client, core = server
-    before = session_state(core)
+    before = session_state(client, core)
     raw = RAW_BODIES[kind]
     answer = client.post(route, content=raw if isinstance(raw, bytes) else raw.encode())
     check_answer(route, answer)
     assert answer.status_code in (400, 413), answer.text
-    assert session_state(core) == before
+    assert session_state(client, core) == before
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
@@ -273,5 +279,27 @@ def test_a_request_for_2_to_the_70_tokens_stops_at_the_servers_bound_with_finish
     if written == SETTINGS["max_new_tokens"]:  # cut at the bound, in the dialect's words (not a stop token)
         finish = reply.get("stop_reason") or reply.get("status") or reply["choices"][0]["finish_reason"]
         assert finish in ("length", "max_tokens", "incomplete", "tool_calls", "tool_use")
-    without_a_server_bound = type(core)(core.store, core.policy)
-    assert without_a_server_bound.reply_limit(2**70) == core.engine.max_context
+    if core is not None:  # (in this process: the bound without --max-new-tokens is the model's window)
+        without_a_server_bound = type(core)(core.store, core.policy)
+        assert without_a_server_bound.reply_limit(2**70) == core.engine.max_context
+
+
+@pytest.mark.parametrize(
+    ("route", "field"),
+    [
+        ("/v1/chat/completions", "max_token"),
+        ("/v1/responses", "previous_respons_id"),
+        ("/v1/messages", "stop_sequence"),
+        ("/v1/messages/count_tokens", "max_tokens"),
+    ],
+)
+def test_an_unknown_or_misspelt_field_is_refused_by_name(server, route, field):
+    client, _ = server
+    answer = client.post(route, json={**SEEDS[route], field: 1})
+    assert answer.status_code == 400 and field in answer.text
+
+
+def test_count_tokens_checks_the_model_it_is_asked_about(server):
+    client, _ = server
+    answer = client.post("/v1/messages/count_tokens", json={**SEEDS["/v1/messages/count_tokens"], "model": "gpt-9"})
+    assert answer.status_code == 404 and answer.json()["error"]["type"] == "not_found_error"

@@ -698,3 +698,57 @@ def test_a_gguf_file_converts_once_into_the_same_model(tmp_path, monkeypatch):
     tokenizers.append(AutoTokenizer.from_pretrained(str(converted)))
     rendered = [t.apply_chat_template(messages, add_generation_prompt=True) for t in tokenizers]
     assert rendered[0] == rendered[1] and tokenizers[0].eos_token_id == tokenizers[1].eos_token_id
+
+
+def test_stats_that_will_not_wait_read_what_a_long_prefill_last_published(tiny_engine):
+    import threading
+
+    session = tiny_engine.session(prefill_chunk_size=16)
+    session.append_tokens(random_tokens(8))
+    held, release = threading.Event(), threading.Event()
+
+    def stall(done: int, _total: int) -> None:
+        if done >= 32:  # two chunks in: the prefill holds the session until released
+            held.set()
+            release.wait(timeout=30)
+
+    worker = threading.Thread(
+        target=session.append_tokens, args=(random_tokens(64, seed=2),), kwargs={"progress": stall}
+    )
+    worker.start()
+    try:
+        assert held.wait(timeout=30)
+        stats = session.stats(wait=0.05)  # answers while the prefill holds the session
+        assert 8 <= stats.logical_tokens < 8 + 64 and stats.kv_bytes > 0
+    finally:
+        release.set()
+        worker.join()
+    assert session.stats(wait=0.05).logical_tokens == 72  # free again: measured now
+
+
+@pytest.mark.small_model
+def test_many_short_messages_prefilled_together_hold_what_one_by_one_holds():
+    """A conversation of short messages runs as few passes (``runs_of_one_chunk``): the same tokens, segments,
+    message spans and per-slot segments as appending them one at a time, the same keys up to rounding, and
+    the context queries each segment keeps."""
+    from tests.test_contract import tiny_chat_engine
+
+    engine = tiny_chat_engine()
+    messages = [{"role": ("user", "assistant")[i % 2], "content": f"note {i}: {'x' * (i % 7)}"} for i in range(40)]
+    together, apart = engine.session(), engine.session()
+    passes = engine.stats()["batching"]["passes"]
+    together.set_messages(messages)
+    assert engine.stats()["batching"]["passes"] - passes < 5
+    for k in range(len(messages)):
+        apart.set_messages(messages[: k + 1])
+    assert together.tokens == apart.tokens and together.messages == apart.messages
+    assert [s.to_dict() for s in together.segments] == [s.to_dict() for s in apart.segments]
+    assert together._message_spans == apart._message_spans
+    for a, b in zip(together.cache.layers, apart.cache.layers):
+        n = a.length
+        assert n == b.length and torch.equal(a.segments[:, :n], b.segments[:, :n])
+        torch.testing.assert_close(a.keys[:, :, :n].float(), b.keys[:, :, :n].float(), atol=2e-2, rtol=1e-2)
+    kept = together.query_recorder.context, apart.query_recorder.context
+    assert kept[0].keys() == kept[1].keys()
+    for segment in kept[0]:
+        assert kept[0][segment][0].shape == kept[1][segment][0].shape

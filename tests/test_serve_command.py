@@ -109,6 +109,12 @@ def test_a_client_that_goes_away_stops_its_turn_at_once_under_kvmemory_serve(ser
     assert post(served, route, session, {**ROUTES[route], **short(route)}, timeout=10).status_code == 200  # usable
 
 
+def test_the_command_serves_no_route_without_a_key_but_health(served):
+    assert httpx.head(f"{served}/health").status_code == 200
+    for path in ("/docs", "/openapi.json", "/v1/models"):
+        assert httpx.get(served + path).status_code == 401, path
+
+
 def short(route: str) -> dict:
     return {"max_output_tokens": 2} if route == "/v1/responses" else {"max_tokens": 2}
 

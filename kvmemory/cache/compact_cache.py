@@ -72,17 +72,20 @@ class CompactCache(Cache):
         # cap; None: no bound): appends reserve no storage past it, so a capped session's bytes stay its cap's
         self.growth_room: int | None = None
 
-    def begin_append(self, start: int, count: int, segment_id: int, device=None) -> int:
+    def begin_append(self, start: int, count: int, segment_id: int | list[int], device=None) -> int:
         """Make the next forward's ``count`` tokens sit at transcript positions ``start``, ``start + 1``, … of
-        segment ``segment_id``. Returns the RoPE position of the first (below ``start`` once gaps are closed)."""
+        segment ``segment_id`` (or of each token's segment, a list). Returns the RoPE position of the first
+        (below ``start`` once gaps are closed)."""
         self._pending = self.append_rows(start, count, segment_id, device)
         return self._pending.rope_length - count
 
-    def append_rows(self, start: int, count: int, segment_id: int, device=None) -> AppendRows:
-        """The metadata rows (``Slots.meta``) of ``count`` tokens appended from transcript position ``start``:
-        made once per forward, written by every layer."""
+    def append_rows(self, start: int, count: int, segment_id: int | list[int], device=None) -> AppendRows:
+        """The metadata rows (``Slots.meta``) of ``count`` tokens appended from transcript position ``start``
+        (of one segment, or each of its own: ``segment_id`` a list): made once per forward, written by every
+        layer."""
         shift = self.rope_length - self.logical_length  # what closing gaps took off every later position
-        rows = [[0, p, p + shift, segment_id] for p in range(start, start + count)]  # β = 0.0, whose bits are 0
+        segments = segment_id if isinstance(segment_id, list) else [segment_id] * count
+        rows = [[0, p, p + shift, s] for p, s in zip(range(start, start + count), segments)]  # β = 0.0: bits 0
         meta = torch.tensor(rows, dtype=torch.int32, device=device)
         return AppendRows(meta, start + count, start + count + shift)
 

@@ -98,8 +98,8 @@ class AsyncSession:
     async def search(self, query: str, **kwargs):
         return await self._run(self.sync.search, query, **kwargs)
 
-    async def stats(self):
-        return await self._run(self.sync.stats)
+    async def stats(self, wait: float | None = None):
+        return await self._run(self.sync.stats, wait)
 
     async def close(self) -> None:
         await self._run(self.sync.close)

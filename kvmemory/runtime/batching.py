@@ -38,7 +38,7 @@ class ForwardRequest:
     cache: CompactCache
     ids: list[int]
     start: int
-    segment_id: int
+    segment_id: int  # the tokens' segment (the last one's, where ``segments`` gives each its own)
     all_logits: bool = False
     query_recorder: QueryRecorder | None = None
     hidden_recorder: HiddenRecorder | None = None
@@ -48,6 +48,7 @@ class ForwardRequest:
     # prefill order: the tokens the engine will have run when this request's prefill (all its chunks) is done,
     # were it to run alone from when it began (``ForwardBatcher.due``); passes take the least first
     finish_by: int = 0
+    segments: list[int] | None = None  # each token's segment, for a pass over several short segments at once
     logits: torch.Tensor | None = None  # (T, V) with all_logits, else (1, V)
     outcome: Any = None  # what ``after`` returned
     error: BaseException | None = None
@@ -129,7 +130,7 @@ class PackedCache(Cache):
         stacked = torch.cat(self.queries)
         for request, (start, end) in zip(self.requests, self.bounds):
             if request.query_recorder is not None:
-                request.query_recorder.store(stacked[:, :, start:end])
+                request.query_recorder.store(stacked[:, :, start:end], request.segments)
 
 
 @dataclass
@@ -348,7 +349,8 @@ class ForwardBatcher:
             keep = torch.tensor([i for span in rows for i in span], device=device)
         ropes = []  # each token's RoPE position, which its cache knows (below its position once gaps are closed)
         for request in batch:
-            first = request.cache.begin_append(request.start, len(request.ids), request.segment_id, device)
+            segments = request.segment_id if request.segments is None else request.segments
+            first = request.cache.begin_append(request.start, len(request.ids), segments, device)
             ropes.extend(range(first, first + len(request.ids)))
             if request.query_recorder is not None:
                 request.query_recorder.current_segment = request.segment_id

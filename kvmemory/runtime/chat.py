@@ -179,6 +179,59 @@ class ChatRenderer:
                 ids += self.tokenizer.encode(piece, add_special_tokens=False)
         return ids
 
+    def message_ends(self, messages: list[dict], tools, first: int, full: list[int], progress=None) -> list[int]:
+        """Where each of ``messages[first:]`` ends in ``full`` (their rendering, with or without the generation
+        prompt): ``len(render(messages[:i + 1]))``
+        for each i. Read from one tokenization of the whole text where the template renders each message on its
+        own, as ChatML does (time linear in the messages); otherwise every prefix is rendered (quadratic: 1,000
+        messages take minutes), ``progress(0, len(full))`` before each so that a caller can stop there."""
+        ends = self._ends_in_one_pass(messages, tools, first, full)
+        if ends is not None:
+            return ends
+        out = []
+        for i in range(first, len(messages)):
+            if progress is not None:
+                progress(0, len(full))
+            out.append(len(self.render(messages[: i + 1], tools)))
+        return out
+
+    def _ends_in_one_pass(self, messages, tools, first: int, full: list[int]) -> list[int] | None:
+        """``message_ends`` from the text of each message rendered after the first and the previous message only,
+        each piece checked against the whole text and ending on a token boundary of it; None where any is not
+        (a template whose rendering of a message depends on more than that, or text that spells control tokens)."""
+        placeholders: dict[str, str] = {}
+        self.text.escape([messages, tools], placeholders)
+        if placeholders or not hasattr(self.tokenizer, "backend_tokenizer"):
+            return None
+        kwargs = {"tools": tools} if tools and self.native_tools else {}
+
+        def text(part: list[dict]) -> str:
+            return (
+                self.tokenizer.apply_chat_template(self.prepare(part, tools), tokenize=False, **kwargs) if part else ""
+            )
+
+        try:
+            whole = text(messages)
+            encoded = self.tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(encoded["input_ids"])
+            if list(full[: len(ids)]) != ids:  # (``full`` may go on with the generation prompt)
+                return None
+            tokens_before = {end: k + 1 for k, (_, end) in enumerate(encoded["offset_mapping"])}
+            at, ends = len(text(messages[:first])), []
+            for i in range(first, len(messages)):
+                context = messages[: min(i, 1)] + messages[max(1, i - 1) : i]
+                lead, with_message = text(context), text(context + [messages[i]])
+                piece = with_message[len(lead) :]
+                if not with_message.startswith(lead) or whole[at : at + len(piece)] != piece:
+                    return None
+                at += len(piece)
+                if at not in tokens_before:
+                    return None
+                ends.append(tokens_before[at])
+            return ends
+        except Exception:  # the template's own error on a shortened conversation (strict role alternation)
+            return None
+
     def tool_call_text(self, name: str, arguments: dict) -> str:
         """How this model's template writes an assistant's call of tool ``name``: the model's own tool-call
         format (Qwen's ``<tool_call>`` block, or the Hermes tags folded in for templates without tools), to

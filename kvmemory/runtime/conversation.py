@@ -103,23 +103,21 @@ def render_with_spans(
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids of the conversation and each message's [start, end) in them. ``held`` spans (rendered
     with the same tools) whose tokens are unchanged in ``tokens`` are reused instead of re-rendering. A
-    conversation longer than ``limit`` tokens raises before its messages are located (which renders every
-    prefix: the time grows with the square of the number of messages; ``progress(0, total)`` runs before each,
-    so that a caller can stop there)."""
+    conversation longer than ``limit`` tokens raises before its messages are located
+    (``ChatRenderer.message_ends``; ``progress(0, total)`` runs before, so that a caller can stop there)."""
     full = renderer.render(messages, tools, add_generation_prompt)
     if limit is not None and len(full) > limit:
         raise ContextLengthError(f"conversation renders to {len(full)} tokens; the engine's position limit is {limit}")
     spans: list[tuple[int, int]] = []
-    reusable = held is not None
-    for i, msg in enumerate(messages):
-        if reusable and i < len(held) and held[i][0] == fingerprint(msg):
+    for i, msg in enumerate(messages if held is not None else []):
+        if i < len(held) and held[i][0] == fingerprint(msg):
             s, e = held[i][1:]
             if (not spans or spans[-1][1] == s) and full[s:e] == tokens[s:e]:
                 spans.append((s, e))
                 continue
-        reusable = False
-        if progress is not None:
-            progress(0, len(full))
-        end = len(renderer.render(messages[: i + 1], tools, False))
+        break
+    if progress is not None:
+        progress(0, len(full))
+    for end in renderer.message_ends(messages, tools, len(spans), full, progress):
         spans.append((spans[-1][1] if spans else 0, min(end, len(full))))
     return full, spans

@@ -72,9 +72,10 @@ class QueryRecorder:
         if window <= 0:
             self.recent, self._rows = (), 0
 
-    def store(self, queries: torch.Tensor) -> None:
+    def store(self, queries: torch.Tensor, segments: list[int] | None = None) -> None:
         """Keep the post-RoPE queries (L, Hq, T, D) of every layer for the tokens one forward ran: into the
-        capture, the context and the window, grouped, cut and copied once for all layers."""
+        capture, the context (of ``current_segment``, or of each token's segment in ``segments``) and the
+        window, grouped, cut and copied once for all layers."""
         groups = self.groups = queries.shape[1] // self.num_kv_heads
         keep_context = self.context_tokens and self.current_segment >= 0 and not self.frozen
         window = 0 if self.frozen else self.window
@@ -87,8 +88,10 @@ class QueryRecorder:
             for layer, layer_queries in enumerate(grouped.to(self.dtype).unbind()):
                 self.captured[layer].append(layer_queries)
         if keep_context:
+            spans = segment_spans(segments) if segments is not None else [(self.current_segment, 0, queries.shape[2])]
             for layer, layer_queries in enumerate(grouped.to(self.stored_dtype).unbind()):
-                self._keep_context(layer, layer_queries, groups)
+                for segment, first, end in spans:
+                    self._keep_context(layer, layer_queries[:, first * groups : end * groups], groups, segment)
         if window <= 0:
             return
         keep_rows = window * groups
@@ -100,9 +103,9 @@ class QueryRecorder:
         else:
             self.recent, self._rows = (*self.recent, piece), self._rows + piece.shape[2]
 
-    def _keep_context(self, layer: int, grouped: torch.Tensor, groups: int) -> None:
+    def _keep_context(self, layer: int, grouped: torch.Tensor, groups: int, segment: int) -> None:
         """Append to the segment's context queries; past 2N tokens, thin out to every other token."""
-        store = self.context.setdefault(self.current_segment, [None] * self.num_layers)
+        store = self.context.setdefault(segment, [None] * self.num_layers)
         merged = grouped if store[layer] is None else torch.cat([store[layer], grouped], dim=1)
         tokens = merged.shape[1] // groups
         if tokens > 2 * self.context_tokens:
@@ -257,3 +260,14 @@ def surprisal_of(ids: list[int], before: torch.Tensor | None, logits: torch.Tens
     targets = torch.tensor(ids[1:], device=logits.device)
     rest = logsumexp_rows(logits) - logits.gather(1, targets[:, None])[:, 0]
     return torch.cat([first, rest])
+
+
+def segment_spans(segments: list[int]) -> list[tuple[int, int, int]]:
+    """(segment, first token, end token) of each run of tokens of one segment, in order."""
+    spans: list[tuple[int, int, int]] = []
+    for i, segment in enumerate(segments):
+        if spans and spans[-1][0] == segment:
+            spans[-1] = (segment, spans[-1][1], i + 1)
+        else:
+            spans.append((segment, i, i + 1))
+    return spans

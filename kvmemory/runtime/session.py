@@ -99,6 +99,7 @@ class Session(SessionChat, SessionGeneration, SessionForward, SessionCompaction,
         self.prefilled_tokens = 0  # tokens run through the model by appends (cache reuse shows here)
         self._turn_prefilled = 0  # of those, since the last reply (what a reply's prompt did not find cached)
         self._lock = threading.RLock()
+        self._published: tuple[float, SessionStats] | None = None  # stats as a long prefill last left them
         self._stream: tuple[weakref.ref, object] | None = None  # the open generation and its progress
         # what query-based compaction needs, recorded from the first token (a memory manager whose policy never
         # reads them switches this off)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from kvmemory.errors import InvalidArgumentError
+from kvmemory.errors import InvalidArgumentError, InvalidMessageError
 from kvmemory.runtime.chat import encode_text
 from kvmemory.runtime.conversation import (
     common_prefix,
@@ -140,40 +140,57 @@ class SessionChat:
         base = renderer.render(held, tools) if held else []
         full = renderer.render(held + new, tools, add_generation_prompt)
         if full[: len(base)] != base:  # a template that re-renders earlier turns: fall back to diffing
+            outside = [seg for seg in self.segments if seg.message_index is None]
+            if outside:  # the diff would cut them away: an append must not lose anything
+                raise InvalidMessageError(
+                    "this chat template renders the held messages differently once these follow them (Qwen's joins "
+                    f"consecutive tool messages in one turn), and rendering them again would drop the {len(outside)} "
+                    "segment(s) appended outside messages (append_text, append_tokens, a reply generated without a "
+                    "generation prompt); keep such a session to messages, or append this one as text"
+                )
             return self._set_messages(held + new, tools, add_generation_prompt, progress)
         if self.memory is None or len(self.tokens) + len(full) - len(base) > self.engine.position_limit:
             self._check_room(len(full) - len(base))  # what cannot fit fails before each message is located
-        ends = []
-        for i in range(len(new)):  # (progress runs per message too: a caller can stop a long conversation here)
-            if progress is not None:
-                progress(0, len(full) - len(base))
-            ends.append(len(renderer.render(held + new[: i + 1], tools)))
+        if progress is not None:
+            progress(0, len(full) - len(base))
+        ends = renderer.message_ends(held + new, tools, len(held), full, progress)
         starts = [len(base)] + ends[:-1]
         delta = len(full) - len(base)
         base_at = len(self.tokens) - len(base)
         probes = [planned_segment(m, base_at + s, base_at + e) for m, s, e in zip(new, starts, ends)]
         self._check_room(delta, probes)
-        touched = []
-        for i, (msg, s, e) in enumerate(zip(new, starts, ends)):
-            seg = self._new_segment(
-                message_kind(msg),
-                role=msg["role"],
-                tool_name=msg.get("name"),
-                tags=tuple(msg.get("tags", ())),
-                message_index=len(held) + i,
-            )
-            start = len(self.tokens)
-            if e > s:
-                self._extend_segment(seg.id, full[s:e], progress)
-            self._replace_segment(seg.id, text=msg["content"])
-            self._messages.append(msg)
-            self._message_spans.append((fingerprint(msg), start, len(self.tokens)))
-            self._after_append()
-            touched.append(self.segment(seg.id))
+        touched, first = [], len(held)  # (``held`` is the session's own list: it grows as messages go in)
+        step = self.memory.chunk_size() if self.memory is not None else self.prefill_chunk_size
+        for run in runs_of_one_chunk([e - s for s, e in zip(starts, ends)], step):
+            if len(run) == 1:
+                (k,) = run
+                segment = self._message_segment(new[k], first + k)
+                if ends[k] > starts[k]:
+                    self._extend_segment(segment.id, full[starts[k] : ends[k]], progress)
+                made = [segment.id]
+            else:
+                pieces = [(k, full[starts[k] : ends[k]]) for k in run]
+                made = self._prefill_messages(pieces, progress, lambda k: self._message_segment(new[k], first + k))
+            for k, segment_id in zip(run, made):
+                segment = self._replace_segment(segment_id, text=new[k]["content"])
+                self._messages.append(new[k])
+                self._message_spans.append((fingerprint(new[k]), segment.start, segment.end))
+                self._after_append()
+                touched.append(self.segment(segment_id))
         if add_generation_prompt:
             touched.append(self._open_prompt(full[ends[-1] if ends else len(base) :], progress))
         self._tools_key = tools_key(tools)
         return touched
+
+    def _message_segment(self, message: dict, index: int) -> Segment:
+        """A new segment for the conversation's ``index``-th message."""
+        return self._new_segment(
+            message_kind(message),
+            role=message["role"],
+            tool_name=message.get("name"),
+            tags=tuple(message.get("tags", ())),
+            message_index=index,
+        )
 
     def _open_prompt(self, ids: list[int], progress) -> Segment:
         """Append the template's generation prompt as the start of an assistant segment."""
@@ -332,3 +349,17 @@ class SessionChat:
         else:
             text = seg.text
         return self._append_tokens(ids, kind="recall", role="user", text=text, recall_of=seg.id)
+
+
+def runs_of_one_chunk(sizes: list[int], chunk: int) -> list[list[int]]:
+    """Consecutive messages (by index) grouped to be prefilled together: each run at most ``chunk`` tokens,
+    except a message longer than that, which runs alone (and is prefilled in chunks)."""
+    runs: list[list[int]] = []
+    total = 0
+    for k, size in enumerate(sizes):
+        if not runs or total + size > chunk:
+            runs.append([])
+            total = 0
+        runs[-1].append(k)
+        total += size
+    return runs

@@ -63,6 +63,7 @@ class SessionForward:
         if self.show_progress and total > step:
             progress = _tqdm_progress(total, progress)
         while done < total:
+            self._publish_stats(now=total > step)
             chunk = ids[done : done + step]
             if self.memory is not None:
                 self.memory.make_room(len(chunk))
@@ -74,6 +75,30 @@ class SessionForward:
             if progress is not None:
                 progress(done, total)
         return self.segment(segment_id)
+
+    def _prefill_messages(self, pieces: list[tuple[dict, list[int]]], progress, make_segment) -> list[int]:
+        """Prefill several short messages in one pass: a conversation of a thousand short messages would
+        otherwise cost a thousand passes, each a whole read of the weights. ``pieces``: (message, its token ids),
+        together at most one prefill chunk; ``make_segment(message)`` opens each message's segment. The cache
+        makes room for all of them first; then each token is written with its own segment. Returns the
+        segments' ids, in order."""
+        self._flush_pending()
+        ids = [t for _, piece in pieces for t in piece]
+        if self.memory is not None:
+            self.memory.make_room(len(ids))
+        self._publish_stats()
+        start, made, segments = len(self.tokens), [], []
+        for message, piece in pieces:
+            segment = make_segment(message)
+            self.tokens.extend(piece)
+            self._replace_segment(segment.id, end=len(self.tokens))
+            made.append(segment.id)
+            segments += [segment.id] * len(piece)
+        self._forward(ids, made[-1], positions_from=start, segments=segments)
+        self._turn_prefilled += len(ids)
+        if progress is not None:
+            progress(len(ids), len(ids))
+        return made
 
     def _flush_pending(self, pick: Callable[[torch.Tensor], int] | None = None) -> int | None:
         """Run sampled-but-unprocessed tokens through the model (they belong to the last segment); with
@@ -94,11 +119,14 @@ class SessionForward:
         positions_from: int,
         all_logits: bool = False,
         finish_by: int | None = None,
+        segments: list[int] | None = None,
     ) -> torch.Tensor:
         """Run ``ids`` through the model at ``positions_from`` into the cache (``finish_by``: the place of the
-        prefill they belong to, ``ForwardRequest.finish_by``; by default a prefill of their own). Callers own
-        the rollback (``_atomic`` or ``scratch``)."""
-        return self._forward_then(ids, segment_id, positions_from, all_logits, finish_by=finish_by)[0]
+        prefill they belong to, ``ForwardRequest.finish_by``; by default a prefill of their own; ``segments``:
+        each token's segment where they are several). Callers own the rollback (``_atomic`` or ``scratch``)."""
+        return self._forward_then(ids, segment_id, positions_from, all_logits, finish_by=finish_by, segments=segments)[
+            0
+        ]
 
     def _forward_then(
         self,
@@ -108,6 +136,7 @@ class SessionForward:
         all_logits: bool = False,
         pick: Callable[[torch.Tensor], int] | None = None,
         finish_by: int | None = None,
+        segments: list[int] | None = None,
     ) -> tuple[torch.Tensor, int | None]:
         """``_forward``, and with ``pick`` the next token picked from the last logits. Both that and the
         tokens' surprisal run where the model runs, in the pass's own hand-over (``ForwardRequest.after``)."""
@@ -136,6 +165,7 @@ class SessionForward:
             self.hidden_recorder,
             after if recording or pick is not None else None,
             finish_by=engine.batcher.due(len(ids)) if finish_by is None else finish_by,
+            segments=segments,
         )
         logits = engine.batcher.run(request)
         surprisal, token = request.outcome or (None, None)

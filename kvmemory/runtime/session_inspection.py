@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -33,6 +34,9 @@ class SessionStats:
         return self.uncompacted_kv_bytes / self.kv_bytes if self.kv_bytes else 1.0
 
 
+PUBLISH_EVERY = 0.5  # seconds: how often a long prefill leaves its stats for readers that will not wait
+
+
 class SessionInspection:
     """Part of ``Session`` (``runtime/session.py``): stats."""
 
@@ -41,11 +45,30 @@ class SessionInspection:
         if not self.cache.layers[0].is_initialized:
             return {}
         seg_ids = torch.cat([layer.segments[:, : layer.length].flatten() for layer in self.cache.layers])
-        counts = torch.bincount(seg_ids[seg_ids >= 0].long(), minlength=self._next_segment_id)
+        counts = torch.bincount(seg_ids[seg_ids >= 0].long(), minlength=self._next_segment_id).tolist()
         per_head = self.cache.layers[0].num_heads * len(self.cache.layers)
-        return {seg.id: float(counts[seg.id]) / per_head if seg.id < counts.numel() else 0.0 for seg in self.segments}
+        return {seg.id: counts[seg.id] / per_head if seg.id < len(counts) else 0.0 for seg in self.segments}
 
-    def stats(self) -> SessionStats:
+    def stats(self, wait: float | None = None) -> SessionStats:
+        """What the session holds now. ``wait``: the most seconds to wait for a call in progress (a prefill of
+        thousands of tokens holds the session for seconds); past it, the stats as that call last published them
+        (at its last chunk), so that a monitor never waits for compute."""
+        if not self._lock.acquire(timeout=-1 if wait is None else wait):
+            if self._published is not None:
+                return self._published[1]
+            self._lock.acquire()
+        try:
+            return self._measure()
+        finally:
+            self._lock.release()
+
+    def _publish_stats(self, now: bool = False) -> None:
+        """Leave the stats for readers that will not wait (``stats(wait=...)``): ``now`` (between the chunks of
+        a long prefill), else at most every ``PUBLISH_EVERY`` seconds (a thousand short messages in a row)."""
+        if now or self._published is None or time.monotonic() - self._published[0] > PUBLISH_EVERY:
+            self._published = (time.monotonic(), self._measure())
+
+    def _measure(self) -> SessionStats:
         with self._lock:
             slots = self.segment_slots()
             per_token = self.cache.bytes_per_token()

@@ -1,7 +1,10 @@
-"""Text from clients is text: a message, tool output, tool-call argument or tool schema that spells a control
-token (``<|im_end|>``, ``<|im_start|>``, Llama 3's ``<|eot_id|>``, Qwen's ``<tool_call>``) is tokenized as those
+"""Rendering conversations, on the ChatML template of the small model, Qwen2.5-Coder's template and a Llama 3 one.
+
+Text from clients is text: a message, tool output, tool-call argument or tool schema that spells a control token
+(``<|im_end|>``, ``<|im_start|>``, Llama 3's ``<|eot_id|>``, Qwen's ``<tool_call>``) is tokenized as those
 characters, so it can neither close its own turn nor open a forged one. Only the chat template writes control
-tokens. Checked on the ChatML template of the small model, Qwen2.5-Coder's template and a Llama 3 template."""
+tokens. And where each message ends is found in time linear in the messages, with the same answer as rendering
+every prefix."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import copy
 import functools
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmemory import Engine
@@ -126,3 +129,60 @@ def test_forged_tool_output_and_arguments_stay_text_and_come_back_unchanged():
     assert session.transcript()[-2]["text"].count(text) == 1
     segment = session.append_text(text, kind="tool_output")
     assert start not in session.tokens[segment.start : segment.end]
+
+
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": ASSIGNED_TEXT | CONTROL_SPELLINGS}
+)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # (the fixture's tokenizers are shared)
+@given(conversation=st.lists(MESSAGE, min_size=1, max_size=8), first=st.integers(0, 7), prompt=st.booleans())
+def test_message_ends_are_where_each_prefix_of_the_conversation_renders_to(tokenizer, conversation, first, prompt):
+    renderer = ChatRenderer(tokenizer)
+    call = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": {"path": "a.py"}}}
+    messages = []
+    for message in conversation:  # a tool message follows a call of its tool, as a client sends it
+        if message["role"] == "tool":
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            message = {**message, "name": "read", "tool_call_id": "c1"}
+        messages.append(message)
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+    try:
+        full = renderer.render(messages, tools, add_generation_prompt=prompt)
+    except Exception:  # a conversation the template refuses (Llama 3's has no tool role): nothing to locate
+        return
+    first = min(first, len(messages))
+    expected = [len(renderer.render(messages[: i + 1], tools)) for i in range(first, len(messages))]
+    assert renderer.message_ends(messages, tools, first, full) == expected
+
+
+@pytest.mark.small_model
+def test_a_thousand_messages_are_located_in_one_pass():
+    renderer = load_small_engine().renderer
+    messages = [{"role": ("user", "assistant")[i % 2], "content": f"note {i}"} for i in range(1000)]
+    full = renderer.render(messages)
+    ends = renderer._ends_in_one_pass(messages, None, 0, full)
+    assert ends is not None and ends[-1] == len(full) and ends == sorted(set(ends))
+
+
+@pytest.mark.coder_model
+def test_an_append_that_would_rerender_text_outside_messages_is_refused_and_changes_nothing():
+    """Qwen's template joins consecutive tool messages in one turn, so a second one renders the first again;
+    the diff that follows would cut away raw text appended in between. The append is refused instead."""
+    from tests.test_contract import assert_same_state, state_of, tiny_qwen_chat_engine
+
+    from kvmemory import InvalidMessageError
+
+    session = tiny_qwen_chat_engine().session()
+    output = {"role": "tool", "content": "The database port is 5433.", "name": "run_tests"}
+    session.append_messages([output])
+    session.append_text("a note of the caller's own")
+    before = state_of(session)
+    with pytest.raises(InvalidMessageError, match="outside messages"):
+        session.append_messages([output])
+    assert_same_state(before, state_of(session))
+    messages_only = tiny_qwen_chat_engine().session()
+    messages_only.append_messages([output])
+    messages_only.append_messages([output])  # nothing outside messages: rendered again, nothing lost
+    assert [m["content"] for m in messages_only.messages] == [output["content"]] * 2
