@@ -160,6 +160,13 @@ class Turn:
         names = [tool.get("function", tool).get("name") for tool in self.tools]
         return names if self.tool_choice in ("required", "any") else [n for n in names if n == self.tool_choice]
 
+    def tool_schemas(self) -> dict[str, dict]:
+        """Each tool's parameters schema, by name (what a required call's arguments are held to)."""
+        return {
+            tool.get("function", tool).get("name"): tool.get("function", tool).get("parameters")
+            for tool in self.tools or []
+        }
+
 
 @dataclass
 class Reply:
@@ -388,7 +395,10 @@ class ServingCore:
             prompt, cached = prefill(session, turn, cancel)
             sampling = dict(turn.sampling)
             if required := turn.required_tools():
-                sampling["allowed"] = RequiredToolCall(session.renderer, required, session.engine.eos_token_ids)
+                schemas = {t.get("function", t).get("name"): t.get("function", t).get("parameters") for t in turn.tools}
+                sampling["allowed"] = RequiredToolCall(
+                    session.renderer, required, session.engine.eos_token_ids, schemas
+                )
             sampling["max_new_tokens"] = self.reply_limit(sampling.get("max_new_tokens", 512))
             generation = session.start_generation(**sampling)
             shown = 0

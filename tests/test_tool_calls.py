@@ -4,10 +4,17 @@ the tools), on the small model's template (no native tools: Hermes tags folded i
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvmemory import ToolCallParseError
 from kvmemory.runtime.chat import RequiredToolCall, object_end, parse_tool_calls
+from kvmemory.runtime.tool_arguments import ToolArguments
 from tests.conftest import load_small_engine
 
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {}}} for n in ("read_file", "run_command")]
@@ -68,3 +75,59 @@ def test_a_required_call_opens_names_a_tool_lets_the_arguments_be_and_closes(ren
 def test_the_end_of_a_json_object_is_found_through_strings_and_nesting():
     assert object_end(' {"a": {"b": [1, "]}"]}} tail') == len(' {"a": {"b": [1, "]}"]}}')
     assert object_end(' {"a": "\\" }') is None and object_end("not json") == 0
+
+
+READ_FILE = {
+    "type": "object",
+    "properties": {
+        "path": {"type": "string"},
+        "start_line": {"type": "integer"},
+        "ratio": {"type": "number"},
+        "mode": {"type": "string", "enum": ["text", "bytes"]},
+        "follow": {"type": "boolean"},
+    },
+    "required": ["path"],
+}
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_arguments_written_under_the_schema_are_a_valid_object_whatever_the_model_picks(renderer, seed):
+    """Any path through what ``ToolArguments`` allows (here random picks among the allowed tokens, of which a
+    string's free text is most) ends in an object of the schema's keys, each value of its type."""
+    grammar, rng = ToolArguments(READ_FILE, renderer.tokenizer), random.Random(seed)
+    text, steps = "", 0
+    while (allowed := grammar.allowed(text)) is not None:
+        choices = allowed.tolist()
+        closing = [t for t in choices if renderer.tokenizer.decode([t]) in ('"', "}", ", ")]
+        pick = rng.choice(closing) if closing and (steps > 6 or rng.random() < 0.3) else rng.choice(choices)
+        text += renderer.tokenizer.decode([pick])
+        steps += 1
+        assert steps < 400, text
+    arguments = json.loads(text)
+    assert set(arguments) <= set(READ_FILE["properties"]) and "path" in arguments
+    kinds = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
+    for key, value in arguments.items():
+        schema = READ_FILE["properties"][key]
+        assert isinstance(value, kinds[schema["type"]]) and value in schema.get("enum", [value])
+
+
+def test_a_required_call_holds_its_arguments_to_the_tools_schema(renderer):
+    """Greedy on noise: the one call the reply makes names a real tool, and its arguments are that tool's."""
+    schemas = {"read_file": READ_FILE, "run_command": {"type": "object", "properties": {"command": {"type": "string"}}}}
+    required = RequiredToolCall(renderer, list(schemas), frozenset({0}), schemas)
+    reply: list[int] = []
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        allowed = required(reply)
+        if allowed is None:
+            allowed = list(range(len(renderer.tokenizer)))
+        allowed = torch.as_tensor(allowed)
+        if allowed.tolist() == [0]:
+            break
+        logits = torch.randn(len(renderer.tokenizer), generator=generator)
+        logits[renderer.tokenizer.encode('"', add_special_tokens=False)[0]] += 4  # strings end in a while
+        reply.append(int(allowed[logits[allowed].argmax()]))
+    content, calls = parse_tool_calls(renderer.tokenizer.decode(reply))
+    assert len(calls) == 1 and calls[0]["name"] in schemas
+    assert set(calls[0]["args"]) <= set(schemas[calls[0]["name"]]["properties"])

@@ -13,7 +13,10 @@ import secrets
 import uuid
 import weakref
 
+import torch
+
 from kvmemory.errors import InvalidArgumentError, ToolCallParseError
+from kvmemory.runtime.tool_arguments import ToolArguments
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -292,12 +295,19 @@ class RequiredToolCall:
     (``SamplingParams.allowed``: given the reply's tokens so far, the tokens the next one may be).
 
     The call is framed as the model's own template writes one (``ChatRenderer.tool_call_text``): its opening,
-    one of the tool names, the arguments object, which is the model's own and unconstrained, then the
-    template's closing and the end of the turn. Among the names the model's logits choose, as llama.cpp's
-    tool-call grammar and vLLM's guided decoding do: a small model that would drift into a prose plan, invent
-    a tool name or run on into a second call still makes exactly one call of a real tool."""
+    one of the tool names, the arguments object (held to the tool's JSON schema where ``schemas`` gives one:
+    ``ToolArguments``), then the template's closing and the end of the turn. Among the names the model's
+    logits choose, as llama.cpp's tool-call grammar and vLLM's guided decoding do: a small model that would
+    drift into a prose plan, invent a tool name or its arguments, or run on into a second call still makes
+    exactly one call of a real tool."""
 
-    def __init__(self, renderer: ChatRenderer, names: list[str], end_of_turn: frozenset[int]):
+    def __init__(
+        self,
+        renderer: ChatRenderer,
+        names: list[str],
+        end_of_turn: frozenset[int],
+        schemas: dict[str, dict] | None = None,
+    ):
         if not names:
             raise InvalidArgumentError("a required tool call needs at least one tool")
         marker, arguments = "kvmemory_tool_name", '{"a": 1}'
@@ -310,15 +320,19 @@ class RequiredToolCall:
         self.encode = lambda text: renderer.tokenizer.encode(text, add_special_tokens=False)
         self.decode = renderer.tokenizer.decode
         self.heads = [self.encode(opening + name + between) for name in names]
+        self.arguments = [ToolArguments((schemas or {}).get(name), renderer.tokenizer) for name in names]
         self.end_of_turn = sorted(end_of_turn)
 
-    def __call__(self, generated: list[int]) -> list[int] | None:
+    def __call__(self, generated: list[int]) -> list[int] | torch.Tensor | None:
         k = len(generated)
         options = {head[k] for head in self.heads if len(head) > k and head[:k] == generated}
         if options:
             return sorted(options)
-        head = next(head for head in self.heads if generated[: len(head)] == head)
-        after = self.decode(generated[len(head) :])  # the arguments object, then what closes the call
+        tool = next(i for i, head in enumerate(self.heads) if generated[: len(head)] == head)
+        after = self.decode(generated[len(self.heads[tool]) :])  # the arguments object, then what closes the call
+        held = self.arguments[tool].allowed(after)
+        if held is not None:
+            return held  # the arguments are still being written, under the tool's schema
         end = object_end(after)
         if end is None:
             return None  # the model is still writing its arguments

@@ -30,7 +30,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     seed: int | None = None
     ignore_eos: bool = False
-    allowed: Callable[[list[int]], Sequence[int] | None] | None = None
+    allowed: Callable[[list[int]], Sequence[int] | torch.Tensor | None] | None = None
 
     def __post_init__(self):
         def whole(name, value, low):
@@ -79,11 +79,15 @@ class SamplingParams:
         return replace(base, **given)
 
     def pick(
-        self, logits: torch.Tensor, generator: torch.Generator | None, allowed: Sequence[int] | None = None
+        self,
+        logits: torch.Tensor,
+        generator: torch.Generator | None,
+        allowed: Sequence[int] | torch.Tensor | None = None,
     ) -> int:
         """The next token from ``logits`` (one row), among ``allowed`` where that is given."""
         if allowed is not None:
-            index = torch.as_tensor(list(allowed), dtype=torch.long, device=logits.device)
+            index = allowed if isinstance(allowed, torch.Tensor) else torch.as_tensor(list(allowed), dtype=torch.long)
+            index = index.to(logits.device)
             logits = torch.full_like(logits.view(-1), float("-inf")).index_copy_(0, index, logits.view(-1)[index])
         if self.temperature == 0:
             return int(argmax_rows(logits.view(1, -1))[0])
