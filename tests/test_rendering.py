@@ -170,9 +170,8 @@ def test_a_thousand_messages_are_located_in_one_pass():
 def test_an_append_that_would_rerender_text_outside_messages_is_refused_and_changes_nothing():
     """Qwen's template joins consecutive tool messages in one turn, so a second one renders the first again;
     the diff that follows would cut away raw text appended in between. The append is refused instead."""
-    from tests.test_contract import assert_same_state, state_of, tiny_qwen_chat_engine
-
     from kvmemory import InvalidMessageError
+    from tests.test_contract import assert_same_state, state_of, tiny_qwen_chat_engine
 
     session = tiny_qwen_chat_engine().session()
     output = {"role": "tool", "content": "The database port is 5433.", "name": "run_tests"}
