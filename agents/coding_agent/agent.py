@@ -70,6 +70,21 @@ class ToolCallsOnly(AgentMiddleware):
         return handler(request.override(tool_choice="required"))
 
 
+class WorkspacePaths(AgentMiddleware):
+    """Before each model call, the tools that read an existing path name the workspace's paths as it is now in
+    their schema (``Workspace.tools(paths_as_choices=True)``): under ``ToolCallsOnly`` the arguments are held
+    to the schema, so the model picks one of the real paths where a small model would invent
+    ``/path/to/project``. The tools that run keep their plain schemas (a file written later is readable)."""
+
+    def __init__(self, workspace: Workspace):
+        super().__init__()
+        self.workspace = workspace
+
+    def wrap_model_call(self, request, handler):
+        fresh = {tool.name: tool for tool in self.workspace.tools(paths_as_choices=True)}
+        return handler(request.override(tools=[fresh.get(getattr(t, "name", None), t) for t in request.tools]))
+
+
 class RepeatedCallGuard(AgentMiddleware):
     """Answers a tool call that repeats an earlier one exactly, with nothing written since, without running it:
     its output would be the same, and small models under greedy decoding loop on such calls. The answer says
@@ -109,6 +124,11 @@ def build_coding_agent(chat: ChatKVMemory, workspace: Workspace, checkpointer=No
         chat,
         tools=agent_tools(chat, workspace),
         system_prompt=agent_prompt(chat),
-        middleware=[ToolCallsOnly(), RepeatedCallGuard(), KVMemoryMiddleware(compact_every=compact_every)],
+        middleware=[
+            ToolCallsOnly(),
+            WorkspacePaths(workspace),
+            RepeatedCallGuard(),
+            KVMemoryMiddleware(compact_every=compact_every),
+        ],
         checkpointer=checkpointer,
     )

@@ -39,7 +39,7 @@ GREP_SECONDS = 10.0
 __all__ = ["SandboxError", "SandboxUnavailableError", "Workspace"]
 
 
-PATH_HINT = " (paths are relative to the workspace root, such as 'tests/test_x.py'; list_files shows them)"
+MAX_PATH_CHOICES = 64  # a workspace with more files than this names them in no schema (the prompt would swell)
 
 
 class Workspace:
@@ -58,8 +58,23 @@ class Workspace:
     def resolve(self, path: str) -> Path:
         target = (self.root / path).resolve()
         if target != self.root and self.root not in target.parents:
-            raise SandboxError(f"path {path!r} is outside the workspace{PATH_HINT}")
+            raise SandboxError(f"path {path!r} is outside the workspace{self.path_hint()}")
         return target
+
+    def files(self) -> list[str]:
+        """Every file of the workspace, relative to its root (the skipped directories left out)."""
+        return self.list_files().splitlines() if self.root.is_dir() else []
+
+    def directories(self) -> list[str]:
+        return sorted({"."} | {str(Path(f).parent) for f in self.files() if Path(f).parent != Path(".")})
+
+    def path_hint(self) -> str:
+        """What a wrong path's error adds: the real paths, which a small model copies where it would invent one."""
+        files = self.files()
+        shown = ", ".join(files[:20]) + (
+            f" and {len(files) - 20} more (list_files shows them)" if len(files) > 20 else ""
+        )
+        return f" (paths are relative to the workspace root; its files: {shown})"
 
     def _cap(self, text: str) -> str:
         if len(text) <= self.max_output_chars:
@@ -70,7 +85,7 @@ class Workspace:
     def _read_text(self, path: str) -> str:
         target = self.resolve(path)
         if not target.is_file():
-            raise SandboxError(f"no such file: {path}{PATH_HINT}")
+            raise SandboxError(f"no such file: {path}{self.path_hint()}")
         data = target.read_bytes()
         try:
             if b"\0" in data[:8192]:
@@ -84,7 +99,7 @@ class Workspace:
         """List the files under a directory of the workspace, recursively."""
         base = self.resolve(path)
         if not base.is_dir():
-            raise SandboxError(f"no such directory: {path}{PATH_HINT}")
+            raise SandboxError(f"no such directory: {path}{self.path_hint()}")
         files = []
         for dirpath, dirnames, filenames in os.walk(base):  # never descends into linked directories
             dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
@@ -160,22 +175,35 @@ class Workspace:
         return self._cap(f"$ {command}\n[exit code {done.returncode}]\n{output}{cut}")
 
     # ---- LangChain tools -------------------------------------------------------------------------
-    def tools(self) -> list[StructuredTool]:
-        """The workspace operations as LangChain tools, each with the kvmemory policy its output deserves."""
+    POLICIES = {  # each tool's kvmemory policy: how far its outputs may be compacted
+        "run_command": {"ratio": 12},
+        "read_file": {"ratio": 4},
+        "grep": {"ratio": 6},
+        "patch_file": {"ratio": 2},
+        "write_file": {"ratio": 2},
+        "list_files": {"ratio": 6},
+    }
+    EXISTING = {"read_file": "files", "patch_file": "files", "list_files": "directories", "grep": "directories"}
+
+    def tools(self, paths_as_choices: bool = False) -> list[StructuredTool]:
+        """The workspace operations as LangChain tools, each with the kvmemory policy its output deserves.
+        ``paths_as_choices``: the tools that read an existing path name the workspace's paths in their schema
+        (an enum, while there are at most ``MAX_PATH_CHOICES``), so that a model whose arguments are held to
+        the schema picks a real path instead of inventing one."""
         from integrations.middleware import kv_policy
 
-        policies = {
-            "list_files": {"ratio": 6},
-            "read_file": {"ratio": 4},
-            "grep": {"ratio": 6},
-            "write_file": {"ratio": 2},
-            "patch_file": {"ratio": 2},
-            "run_command": {"ratio": 12},
-        }
         out = []
-        for name, rule in policies.items():
+        for name, rule in self.POLICIES.items():
             fn = getattr(self, name)
             tool = StructuredTool.from_function(fn, name=name, description=fn.__doc__, handle_tool_error=_tool_error)
+            if paths_as_choices and name in self.EXISTING:
+                choices = getattr(self, self.EXISTING[name])()
+                if len(choices) <= MAX_PATH_CHOICES:
+                    schema = tool.tool_call_schema.model_json_schema()
+                    schema["properties"]["path"] = {**schema["properties"]["path"], "enum": choices}
+                    tool = StructuredTool.from_function(
+                        fn, name=name, description=fn.__doc__, args_schema=schema, handle_tool_error=_tool_error
+                    )
             out.append(kv_policy(**rule)(tool))
         return out
 
