@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from kvmemory import (
+    AsyncSession,
     CompactionPlan,
     ContextLengthError,
     Engine,
@@ -752,3 +753,27 @@ def test_many_short_messages_prefilled_together_hold_what_one_by_one_holds():
     assert kept[0].keys() == kept[1].keys()
     for segment in kept[0]:
         assert kept[0][segment][0].shape == kept[1][segment][0].shape
+
+
+def test_every_public_session_method_has_an_async_twin_with_its_signature():
+    import inspect
+
+    from kvmemory.runtime.async_session import NOT_ASYNC, public_methods
+    from kvmemory.runtime.session import Session
+
+    for name in public_methods(Session):
+        if name in NOT_ASYNC:
+            continue
+        twin = inspect.getattr_static(AsyncSession, name)
+        assert inspect.iscoroutinefunction(twin) or inspect.isasyncgenfunction(twin), name
+        assert inspect.signature(twin).parameters == inspect.signature(getattr(Session, name)).parameters, name
+
+
+async def test_the_async_compact_takes_the_sync_ones_arguments(tiny_engine):
+    async with tiny_engine.async_session() as session:
+        await session.append_tokens(random_tokens(64, seed=5))
+        record = await session.compact("snapkv", ratio=4, keep_last=8)
+        assert record.slots_after < record.slots_before and (await session.stats()).compactions == 1
+        assert await session.run(lambda s: len(s.tokens)) == 64
+        async for piece in session.stream(4, temperature=0.0):
+            assert isinstance(piece, str)

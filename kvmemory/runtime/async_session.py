@@ -10,10 +10,12 @@ the session keeps exactly the text the caller received.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from kvmemory.runtime.sampling import GenerationResult
+from kvmemory.runtime.sampling import GenerationResult, SamplingParams
 from kvmemory.runtime.session import Session
 from kvmemory.runtime.session_generation import Generation
 
@@ -71,54 +73,34 @@ class AsyncSession:
             raise cancelled
         return result
 
-    async def append_text(self, text: str, **kwargs):
-        return await self._run(self.sync.append_text, text, **kwargs)
-
-    async def append_tokens(self, token_ids, **kwargs):
-        return await self._run(self.sync.append_tokens, token_ids, **kwargs)
-
-    async def append_messages(self, messages, **kwargs):
-        return await self._run(self.sync.append_messages, messages, **kwargs)
-
-    async def set_messages(self, messages, **kwargs):
-        return await self._run(self.sync.set_messages, messages, **kwargs)
-
-    async def logprobs(self, token_ids):
-        return await self._run(self.sync.logprobs, token_ids)
-
-    async def compact(self, plan):
-        return await self._run(self.sync.compact, plan)
-
-    async def recall(self, segment_id: int):
-        return await self._run(self.sync.recall, segment_id)
+    async def run(self, fn, *args, **kwargs):
+        """``fn(session, *args, **kwargs)`` on the session's worker: several calls as one step (``edit``,
+        ``scratch``), or anything the async twins do not cover."""
+        return await self._run(fn, self.sync, *args, **kwargs)
 
     async def fork(self, session_id: str | None = None, with_memory: bool = False) -> AsyncSession:
         return AsyncSession(await self._run(self.sync.fork, session_id, with_memory))
-
-    async def search(self, query: str, **kwargs):
-        return await self._run(self.sync.search, query, **kwargs)
-
-    async def stats(self, wait: float | None = None):
-        return await self._run(self.sync.stats, wait)
 
     async def close(self) -> None:
         await self._run(self.sync.close)
         self._worker.shutdown(wait=False)
 
-    async def generate(self, **kwargs) -> GenerationResult:
+    @functools.wraps(Session.generate)
+    async def generate(self, *args, **kwargs) -> GenerationResult:
         result = GenerationResult("", [], "length")
-        async for _, result in self.steps(**kwargs):
+        async for _, result in self.steps(*sampling(args, kwargs)):
             pass
         return result
 
-    async def stream(self, **kwargs) -> AsyncIterator[str]:
-        async for piece, _ in self.steps(**kwargs):
+    @functools.wraps(Session.stream)
+    async def stream(self, *args, **kwargs) -> AsyncIterator[str]:
+        async for piece, _ in self.steps(*sampling(args, kwargs)):
             if piece:
                 yield piece
 
-    async def steps(self, **kwargs) -> AsyncIterator[tuple[str, GenerationResult]]:
-        """(new text, result so far) per generated token."""
-        generation: Generation = await self._run(self.sync.start_generation, **kwargs)
+    async def steps(self, params: SamplingParams | None = None, overrides: dict | None = None):
+        """(new text, result so far) per generated token (``start_generation``'s arguments)."""
+        generation: Generation = await self._run(self.sync.start_generation, params, **(overrides or {}))
         loop = asyncio.get_running_loop()
         self._idle.clear()
         try:
@@ -135,3 +117,44 @@ class AsyncSession:
                 await finish_step(loop.run_in_executor(self._worker, generation.close))
             finally:
                 self._idle.set()
+
+
+def sampling(args: tuple, kwargs: dict) -> tuple[SamplingParams | None, dict]:
+    """``Session.generate``'s arguments as ``start_generation``'s: (params, the other overrides)."""
+    bound = inspect.signature(Session.generate).bind(None, *args, **kwargs)
+    given = {k: v for k, v in bound.arguments.items() if k != "self"}
+    return given.pop("params", None), given
+
+
+# Every public Session method not written above gets its twin here, with the same signature, run on the
+# session's worker: the async API cannot drift from the sync one (tests/test_runtime.py checks them all).
+NOT_ASYNC = {
+    "edit": "a transaction of several calls: run them together with AsyncSession.run",
+    "scratch": "a transaction of several calls: run them together with AsyncSession.run",
+    "start_generation": "a step-by-step generation: use steps, stream or generate",
+}
+
+
+def _twin(name: str):
+    method = getattr(Session, name)
+
+    @functools.wraps(method)
+    async def twin(self, *args, **kwargs):
+        return await self._run(getattr(self.sync, name), *args, **kwargs)
+
+    return twin
+
+
+def public_methods(cls) -> list[str]:
+    return [
+        name
+        for name in dir(cls)
+        if not name.startswith("_")
+        and callable(getattr(cls, name))
+        and not isinstance(inspect.getattr_static(cls, name), property)
+    ]
+
+
+for _name in public_methods(Session):
+    if _name not in NOT_ASYNC and _name not in AsyncSession.__dict__:
+        setattr(AsyncSession, _name, _twin(_name))
