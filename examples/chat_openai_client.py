@@ -7,6 +7,7 @@ server, so every turn prefills only the new messages.
 
 import argparse
 
+import httpx
 from langchain_core.messages import HumanMessage
 from langchain_openai import ChatOpenAI
 
@@ -15,6 +16,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     args = parser.parse_args()
+    try:
+        httpx.get(args.base_url.removesuffix("/v1") + "/health", timeout=5)
+    except httpx.TransportError:
+        raise SystemExit(f"no server at {args.base_url}: start one with `kvmemory serve --port 8000`") from None
     model = ChatOpenAI(
         base_url=args.base_url,
         api_key="not-needed",

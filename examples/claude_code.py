@@ -86,6 +86,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     args = parser.parse_args()
+    program = os.path.join(args.bin_dir, args.agent)
+    if not os.access(program, os.X_OK):
+        package = "@anthropic-ai/claude-code" if args.agent == "claude" else "@openai/codex"
+        prefix = os.path.dirname(os.path.dirname(args.bin_dir))  # (<prefix>/node_modules/.bin)
+        raise SystemExit(
+            f"{program} not found: install it with `npm install --prefix {prefix} {package}` (or give --bin-dir)"
+        )
     base = f"http://127.0.0.1:{args.port}"
     policy = os.path.join(os.path.dirname(__file__), "claude_code_policy.yaml")
     turn_of = claude_turn if args.agent == "claude" else codex_turn
@@ -96,7 +103,7 @@ def main() -> None:
         try:
             wait_for(base, server)
             for turn, prompt in enumerate(["What is 2+2? Answer briefly.", "And 3+3?"]):
-                result = turn_of(os.path.join(args.bin_dir, args.agent), base, prompt, workdir, turn > 0)
+                result = turn_of(program, base, prompt, workdir, turn > 0)
                 usage = result.get("usage", {})
                 read, fresh = usage.get("cache_read_input_tokens", 0), usage.get("input_tokens", 0)
                 share = read / (read + fresh) if read + fresh else 0.0

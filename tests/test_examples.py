@@ -89,6 +89,24 @@ def test_the_server_command_line_serves_the_openai_client_example():
         server.wait(timeout=60)
 
 
+@pytest.mark.parametrize(
+    ("example", "argv", "says"),
+    [
+        (
+            "chat_openai_client",
+            ["--base-url", "http://127.0.0.1:9/v1"],
+            "no server at http://127.0.0.1:9/v1: start one",
+        ),
+        ("claude_code", ["--bin-dir", "/nonexistent/node_modules/.bin"], "npm install --prefix /nonexistent"),
+    ],
+)
+def test_an_example_that_needs_something_missing_says_what_in_one_line(example, argv, says):
+    done = subprocess.run(
+        [sys.executable, "-m", f"examples.{example}", *argv], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode != 0 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 def answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=10) as response:

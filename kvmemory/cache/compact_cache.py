@@ -205,7 +205,7 @@ class CompactCache(Cache):
 
         Returns the shift applied to the newest token (the recent window moves by the same amount).
         """
-        if not self.layers[0].is_initialized or self.physical_length == 0:
+        if not self.layers[0].is_initialized or self.slots_per_head == 0:
             return 0
         span = self.longest_head
         shift = span - self.rope_length
