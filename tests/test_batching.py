@@ -253,7 +253,7 @@ def test_one_sessions_failure_leaves_it_unchanged_and_the_others_running():
     healthy, broken = build(engine, "plain"), build(engine, "uneven")
     before = state_of(broken)
 
-    def store(queries):
+    def store(queries, segments=None):
         raise RuntimeError("recorder failed")
 
     broken.query_recorder.store = store
