@@ -176,12 +176,12 @@ class Workspace:
 
     # ---- LangChain tools -------------------------------------------------------------------------
     POLICIES = {  # each tool's kvmemory policy: how far its outputs may be compacted
-        "run_command": {"ratio": 12},
+        "list_files": {"ratio": 6},
         "read_file": {"ratio": 4},
         "grep": {"ratio": 6},
-        "patch_file": {"ratio": 2},
         "write_file": {"ratio": 2},
-        "list_files": {"ratio": 6},
+        "patch_file": {"ratio": 2},
+        "run_command": {"ratio": 12},
     }
     EXISTING = {"read_file": "files", "patch_file": "files", "list_files": "directories", "grep": "directories"}
 
