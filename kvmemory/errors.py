@@ -63,3 +63,8 @@ class ModelMismatchError(SessionFileError):
 
 class StoreFullError(KVMemoryError, TimeoutError):
     """A session store at its memory budget could not admit a session in time (every resident session is in use)."""
+
+
+class KVMemoryDeprecationWarning(DeprecationWarning):
+    """A name kvmemory renamed: it still works, and says what to use instead. The project's own tests fail on
+    one (``filterwarnings`` in ``pyproject.toml``), so kvmemory never calls its own deprecated names."""

@@ -27,7 +27,7 @@ from kvmemory.cache.compact_layer import (
     LayerState,
 )
 from kvmemory.cache.plan import CompactionPlan
-from kvmemory.errors import InvalidPlanError
+from kvmemory.errors import InvalidPlanError, KVMemoryDeprecationWarning
 
 
 class AppendRows(NamedTuple):
@@ -134,13 +134,13 @@ class CompactCache(Cache):
     @property
     def physical_length(self) -> int:
         """Deprecated: ``slots_per_head``."""
-        warnings.warn("CompactCache.physical_length is now slots_per_head", DeprecationWarning, stacklevel=2)
+        warnings.warn("CompactCache.physical_length is now slots_per_head", KVMemoryDeprecationWarning, stacklevel=2)
         return self.slots_per_head
 
     @property
     def longest_layer(self) -> int:
         """Deprecated: ``longest_head`` (the most slots one head holds, which it always meant)."""
-        warnings.warn("CompactCache.longest_layer is now longest_head", DeprecationWarning, stacklevel=2)
+        warnings.warn("CompactCache.longest_layer is now longest_head", KVMemoryDeprecationWarning, stacklevel=2)
         return self.longest_head
 
     def snapshot(self) -> CacheSnapshot:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmemory.errors import KVMemoryDeprecationWarning
+
 
 @dataclass
 class SessionStats:
@@ -26,7 +28,9 @@ class SessionStats:
     @property
     def physical_slots(self) -> list[int]:
         """Deprecated: ``slots_per_head_by_layer``."""
-        warnings.warn("SessionStats.physical_slots is now slots_per_head_by_layer", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "SessionStats.physical_slots is now slots_per_head_by_layer", KVMemoryDeprecationWarning, stacklevel=2
+        )
         return self.slots_per_head_by_layer
 
     @property
