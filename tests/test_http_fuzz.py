@@ -4,7 +4,10 @@ no JSON library writes (lone surrogates, 5,000-digit numbers, 5,000-deep nesting
 
 Each answer must be below 500, an error in the dialect's own shape naming what was wrong, and a rejected request
 must leave its session's tokens and transcript as they were. The fast slice runs ``FUZZ_EXAMPLES`` (default 60)
-requests per route; ``KVMEMORY_FUZZ_EXAMPLES=10000 python -m pytest tests/test_http_fuzz.py -m ""`` is the long run
+requests per route; the long run is
+
+    KVMEMORY_FUZZ_EXAMPLES=10000 python -m pytest tests/test_http_fuzz.py -k mutated --timeout 0
+
 (the Ray half is marked ``ray``)."""
 
 from __future__ import annotations
