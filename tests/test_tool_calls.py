@@ -90,18 +90,18 @@ READ_FILE = {
 }
 
 
-@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1))
 def test_arguments_written_under_the_schema_are_a_valid_object_whatever_the_model_picks(renderer, seed):
     """Any path through what ``ToolArguments`` allows (here random picks among the allowed tokens, of which a
     string's free text is most) ends in an object of the schema's keys, each value of its type."""
     grammar, rng = ToolArguments(READ_FILE, renderer.tokenizer), random.Random(seed)
+    ends = torch.tensor([renderer.tokenizer.encode(t, add_special_tokens=False)[0] for t in ('"', "}", ", ")])
     text, steps = "", 0
     while (allowed := grammar.allowed(text)) is not None:
-        choices = allowed.tolist()
-        closing = [t for t in choices if renderer.tokenizer.decode([t]) in ('"', "}", ", ")]
-        pick = rng.choice(closing) if closing and (steps > 6 or rng.random() < 0.3) else rng.choice(choices)
-        text += renderer.tokenizer.decode([pick])
+        closing = allowed[torch.isin(allowed, ends)]  # (a walk that only ever picks free text never ends)
+        choices = closing if len(closing) and (steps > 6 or rng.random() < 0.3) else allowed
+        text += renderer.tokenizer.decode([int(choices[rng.randrange(len(choices))])])
         steps += 1
         assert steps < 400, text
     arguments = json.loads(text)
