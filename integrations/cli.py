@@ -10,10 +10,11 @@ import logging
 import os
 from pathlib import Path
 
-from integrations.server import MB, LoadingApp, create_app, serving_policy
-from kvmemory import Engine, KVMemoryError, SessionStore
+from kvmemory.errors import KVMemoryError
 from kvmemory.runtime import named_models
-from kvmemory.runtime.engine import KV_DTYPES
+from kvmemory.runtime.dtypes import KV_DTYPE_NAMES
+
+# (the server, the engine and torch are imported once a command runs: ``--help`` answers at once)
 
 log = logging.getLogger("kvmemory.server")
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--policy", default=None, help="a memory policy file (.yaml/.toml/.json) for every session")
     serve.add_argument(
         "--kv-dtype",
-        choices=sorted(KV_DTYPES),
+        choices=sorted(KV_DTYPE_NAMES),
         default=None,
         help="KV cache storage (default: float16 under 16-bit or int4 weights on CPU, else the model's dtype)",
     )
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "models":
         models_command(args)
         return
+    from integrations.server import MB, LoadingApp, create_app, serving_policy
+    from kvmemory import Engine, SessionStore
+
     keys = api_keys(args)
     warn_if_open(args.host, keys)
     settings = {

@@ -7,55 +7,63 @@ session.append_text(long_tool_output, kind="tool_output")
 session.compact("snapkv", ratio=4)  # or let the memory manager compact under its cap
 """
 
-from kvmemory.cache import CompactCache, CompactionPlan, LayerPlan
-from kvmemory.compaction import (
-    H2O,
-    REAL,
-    TAM,
-    TOVA,
-    AttentionMatching,
-    CompactionMethod,
-    CompactionRecord,
-    CounterCausal,
-    KeyNorm,
-    MethodConfig,
-    RandomEviction,
-    SnapKV,
-    StreamingLLM,
-    available_methods,
-    get_method,
-    register,
-)
-from kvmemory.errors import (
-    ContextLengthError,
-    InvalidArgumentError,
-    InvalidMessageError,
-    InvalidPlanError,
-    InvalidTokenError,
-    KVMemoryError,
-    MemoryCapError,
-    ModelLoadError,
-    ModelMismatchError,
-    PolicyError,
-    SessionBusyError,
-    SessionClosedError,
-    SessionFileError,
-    StoreFullError,
-    ToolCallParseError,
-    UnsupportedArchitectureError,
-)
-from kvmemory.memory import CompactionRule, MemoryBudget, MemoryManager, MemoryPolicy, SegmentMatch, default_policy
-from kvmemory.runtime import (
-    AsyncSession,
-    Engine,
-    GenerationResult,
-    SamplingParams,
-    Segment,
-    Session,
-    SessionStats,
-    SessionStore,
-    run_on_compute,
-)
+from __future__ import annotations
+
+from kvmemory.lazy import lazy_exports
+
+# what each public name is imported from, on first use (``kvmemory.lazy``)
+_EXPORTS = {
+    "CompactCache": ("kvmemory.cache", "CompactCache"),
+    "CompactionPlan": ("kvmemory.cache", "CompactionPlan"),
+    "LayerPlan": ("kvmemory.cache", "LayerPlan"),
+    "H2O": ("kvmemory.compaction", "H2O"),
+    "REAL": ("kvmemory.compaction", "REAL"),
+    "TAM": ("kvmemory.compaction", "TAM"),
+    "TOVA": ("kvmemory.compaction", "TOVA"),
+    "AttentionMatching": ("kvmemory.compaction", "AttentionMatching"),
+    "CompactionMethod": ("kvmemory.compaction", "CompactionMethod"),
+    "CompactionRecord": ("kvmemory.compaction", "CompactionRecord"),
+    "CounterCausal": ("kvmemory.compaction", "CounterCausal"),
+    "KeyNorm": ("kvmemory.compaction", "KeyNorm"),
+    "MethodConfig": ("kvmemory.compaction", "MethodConfig"),
+    "RandomEviction": ("kvmemory.compaction", "RandomEviction"),
+    "SnapKV": ("kvmemory.compaction", "SnapKV"),
+    "StreamingLLM": ("kvmemory.compaction", "StreamingLLM"),
+    "available_methods": ("kvmemory.compaction", "available_methods"),
+    "get_method": ("kvmemory.compaction", "get_method"),
+    "register": ("kvmemory.compaction", "register"),
+    "ContextLengthError": ("kvmemory.errors", "ContextLengthError"),
+    "InvalidArgumentError": ("kvmemory.errors", "InvalidArgumentError"),
+    "InvalidMessageError": ("kvmemory.errors", "InvalidMessageError"),
+    "InvalidPlanError": ("kvmemory.errors", "InvalidPlanError"),
+    "InvalidTokenError": ("kvmemory.errors", "InvalidTokenError"),
+    "KVMemoryError": ("kvmemory.errors", "KVMemoryError"),
+    "MemoryCapError": ("kvmemory.errors", "MemoryCapError"),
+    "ModelLoadError": ("kvmemory.errors", "ModelLoadError"),
+    "ModelMismatchError": ("kvmemory.errors", "ModelMismatchError"),
+    "PolicyError": ("kvmemory.errors", "PolicyError"),
+    "SessionBusyError": ("kvmemory.errors", "SessionBusyError"),
+    "SessionClosedError": ("kvmemory.errors", "SessionClosedError"),
+    "SessionFileError": ("kvmemory.errors", "SessionFileError"),
+    "StoreFullError": ("kvmemory.errors", "StoreFullError"),
+    "ToolCallParseError": ("kvmemory.errors", "ToolCallParseError"),
+    "UnsupportedArchitectureError": ("kvmemory.errors", "UnsupportedArchitectureError"),
+    "CompactionRule": ("kvmemory.memory", "CompactionRule"),
+    "MemoryBudget": ("kvmemory.memory", "MemoryBudget"),
+    "MemoryManager": ("kvmemory.memory", "MemoryManager"),
+    "MemoryPolicy": ("kvmemory.memory", "MemoryPolicy"),
+    "SegmentMatch": ("kvmemory.memory", "SegmentMatch"),
+    "default_policy": ("kvmemory.memory", "default_policy"),
+    "AsyncSession": ("kvmemory.runtime", "AsyncSession"),
+    "Engine": ("kvmemory.runtime", "Engine"),
+    "GenerationResult": ("kvmemory.runtime", "GenerationResult"),
+    "SamplingParams": ("kvmemory.runtime", "SamplingParams"),
+    "Segment": ("kvmemory.runtime", "Segment"),
+    "Session": ("kvmemory.runtime", "Session"),
+    "SessionStats": ("kvmemory.runtime", "SessionStats"),
+    "SessionStore": ("kvmemory.runtime", "SessionStore"),
+    "run_on_compute": ("kvmemory.runtime", "run_on_compute"),
+}
 
 __all__ = [
     "TAM",
@@ -109,3 +117,5 @@ __all__ = [
     "register",
     "run_on_compute",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -129,3 +129,15 @@ def read_server_url(server: subprocess.Popen, timeout: float = 300) -> str:
     threading.Thread(target=scan, daemon=True).start()
     assert said.wait(timeout) and found, f"the server did not start (exit code {server.poll()})"
     return found[0]
+
+
+def test_the_command_lines_help_loads_no_model_code_and_the_server_no_langchain():
+    check = (
+        "import sys; import integrations.cli; assert 'torch' not in sys.modules, 'the CLI imported torch'; "
+        "import integrations.server; "
+        "langchain = [m for m in sys.modules if m.startswith(('langchain', 'langgraph'))]; "
+        "assert not langchain, 'the server imported LangChain'"
+    )
+    done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "serve" in run("kvmemory", "--help")

@@ -1,13 +1,22 @@
 """The local-model runtime: engine, sessions, chat rendering."""
 
-from kvmemory.runtime.async_session import AsyncSession
-from kvmemory.runtime.compute import run as run_on_compute
-from kvmemory.runtime.engine import Engine
-from kvmemory.runtime.sampling import GenerationResult, SamplingParams
-from kvmemory.runtime.segments import Segment
-from kvmemory.runtime.session import Session, SessionStats
-from kvmemory.runtime.session_generation import Generation
-from kvmemory.runtime.store import SessionStore
+from __future__ import annotations
+
+from kvmemory.lazy import lazy_exports
+
+# what each public name is imported from, on first use (``kvmemory.lazy``)
+_EXPORTS = {
+    "AsyncSession": ("kvmemory.runtime.async_session", "AsyncSession"),
+    "run_on_compute": ("kvmemory.runtime.compute", "run"),
+    "Engine": ("kvmemory.runtime.engine", "Engine"),
+    "GenerationResult": ("kvmemory.runtime.sampling", "GenerationResult"),
+    "SamplingParams": ("kvmemory.runtime.sampling", "SamplingParams"),
+    "Segment": ("kvmemory.runtime.segments", "Segment"),
+    "Session": ("kvmemory.runtime.session", "Session"),
+    "SessionStats": ("kvmemory.runtime.session", "SessionStats"),
+    "Generation": ("kvmemory.runtime.session_generation", "Generation"),
+    "SessionStore": ("kvmemory.runtime.store", "SessionStore"),
+}
 
 __all__ = [
     "AsyncSession",
@@ -21,3 +30,5 @@ __all__ = [
     "SessionStore",
     "run_on_compute",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -16,6 +16,7 @@ from kvmemory.errors import InvalidArgumentError
 from kvmemory.runtime import compute
 from kvmemory.runtime.batching import ForwardBatcher
 from kvmemory.runtime.chat import ChatRenderer
+from kvmemory.runtime.dtypes import KV_DTYPE_NAMES
 from kvmemory.runtime.loading import (
     check_architecture,
     keep_every_token,
@@ -28,7 +29,7 @@ from kvmemory.runtime.session import Session
 from kvmemory.runtime.weights import check_weights, default_weights, store_linear_weights, weight_format
 
 MAX_LOGICAL_POSITIONS = 2**31 - 1  # the cache stores positions as int32
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
+KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
 # A session's default prefill chunk, and the tokens a packed pass holds beside one chunk on CPU (decode steps,
 # short messages). A decode step waits for the chunk in its pass: on CPU, 256-token chunks halve that wait against
 # 512-token ones for 5-9% of the prefill's speed (``benchmarks.prefill_stall``, two runs); 128-token chunks halve
