@@ -203,7 +203,10 @@ class Client(threading.Thread):
 
     def fuzz(self) -> None:
         route, body = turn_body(self.dialect, self.history + [{"role": "user", "content": "hi"}], False)
-        self.tally(self.post(route, fuzzed(body, self.rng)).status_code, "fuzz")
+        answer = self.post(route, fuzzed(body, self.rng))
+        self.tally(answer.status_code, "fuzz")
+        if answer.status_code == 200:  # the server took the fuzzed history as the client's own edit of it
+            self.new_conversation()
 
 
 def reply_text(dialect: str, reply: dict) -> str:
