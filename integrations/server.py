@@ -58,7 +58,7 @@ from integrations.serving import (
     session_key,
 )
 from kvmemory import MemoryPolicy, SessionStore, default_policy
-from kvmemory.runtime.persistence import abandoned, writer_tag
+from kvmemory.runtime.persistence import remove_interrupted_writes, writer_tag
 
 log = logging.getLogger("kvmemory.server")
 MB = 2**20  # every "MB" of the command line is a mebibyte
@@ -109,10 +109,7 @@ class ResponseLog:
         self._lock = threading.Lock()
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            for tmp in self.directory.glob("*/.*.tmp"):  # writes a crash interrupted
-                with contextlib.suppress(FileNotFoundError):
-                    if abandoned(tmp) or time.time() - tmp.stat().st_mtime > 600:
-                        tmp.unlink()
+            remove_interrupted_writes(self.directory.glob("*/.*.tmp"))
 
     def folder(self, owner: str | None) -> Path:
         return self.directory / (owner or "open")

@@ -395,10 +395,8 @@ class ServingCore:
             prompt, cached = prefill(session, turn, cancel)
             sampling = dict(turn.sampling)
             if required := turn.required_tools():
-                schemas = {t.get("function", t).get("name"): t.get("function", t).get("parameters") for t in turn.tools}
-                sampling["allowed"] = RequiredToolCall(
-                    session.renderer, required, session.engine.eos_token_ids, schemas
-                )
+                end = session.engine.eos_token_ids
+                sampling["allowed"] = RequiredToolCall(session.renderer, required, end, turn.tool_schemas())
             sampling["max_new_tokens"] = self.reply_limit(sampling.get("max_new_tokens", 512))
             generation = session.start_generation(**sampling)
             shown = 0

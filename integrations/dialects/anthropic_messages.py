@@ -25,6 +25,7 @@ from integrations.dialects.common import (
     parse,
     sse,
     tool_choice,
+    type_named,
     unsupported,
 )
 from integrations.dialects.openai_chat import sampling
@@ -73,8 +74,7 @@ def block(raw, where: str, allowed: tuple[str, ...]) -> BaseModel | None:
     if kind in ("thinking", "redacted_thinking") and "thinking" in allowed:
         return None
     if kind not in allowed:
-        shown = kind if isinstance(kind, str) else type(raw.get("type") if isinstance(raw, dict) else raw).__name__
-        raise unsupported(where, f"blocks of type {shown!r} here: only {', '.join(allowed)}")
+        raise unsupported(where, f"blocks of type {type_named(raw)!r} here: only {', '.join(allowed)}")
     return parse(BLOCKS[kind], raw, where)
 
 
@@ -195,10 +195,8 @@ def tools(req) -> list[dict] | None:
 
 def turn(req: Request, session: str | None) -> Turn:
     params = sampling(req.max_tokens, req.temperature, req.top_p, req.stop_sequences, None)
-    policy, choice = (
-        req.kvmemory.policy if req.kvmemory else None,
-        tool_choice(req.tool_choice, [t.name for t in req.tools or []]),
-    )
+    policy = req.kvmemory.policy if req.kvmemory else None
+    choice = tool_choice(req.tool_choice, [t.name for t in req.tools or []])
     return Turn(chat_messages(req), tools(req), params, session, policy, choice)
 
 

@@ -57,6 +57,12 @@ def field_path(loc, at: str = "") -> str:
     return out or "body"
 
 
+def type_named(value) -> str:
+    """What the ``type`` field of a block or item (``value``) says, for an error: the text, or the JSON kind."""
+    kind = value.get("type") if isinstance(value, dict) else value
+    return kind if isinstance(kind, str) else type(kind).__name__
+
+
 def unsupported(name: str, why: str = "kvmemory does not support it") -> BadRequest:
     return BadRequest(f"'{name}' is not supported: {why}", code="unsupported_parameter", param=name)
 

@@ -31,6 +31,7 @@ from integrations.dialects.common import (
     parse,
     sse,
     tool_choice,
+    type_named,
     unsupported,
 )
 from integrations.dialects.openai_chat import sampling
@@ -127,8 +128,7 @@ def input_messages(req: Request) -> list[dict]:
         if kind == "reasoning":
             continue  # a reasoning model's item sent back; this model keeps no hidden reasoning
         if not isinstance(kind, str) or kind not in ITEMS:
-            shown = kind if isinstance(kind, str) else type(kind).__name__
-            raise unsupported(f"{where}.type", f"input items of type {shown!r}")
+            raise unsupported(f"{where}.type", f"input items of type {type_named(raw)!r}")
         item = parse(ITEMS[kind], raw, where)
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
@@ -156,8 +156,7 @@ def text_of(content: str | list[dict], where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type")
         if kind not in ("input_text", "output_text", "text"):
-            shown = kind if isinstance(kind, str) else type(kind).__name__
-            raise unsupported(f"{where}[{j}]", f"content of type {shown!r}: only text")
+            raise unsupported(f"{where}[{j}]", f"content of type {type_named(part)!r}: only text")
         texts.append(parse(TextPart, part, f"{where}[{j}]").text)
     return "".join(texts)
 

@@ -184,10 +184,10 @@ class ChatRenderer:
 
     def message_ends(self, messages: list[dict], tools, first: int, full: list[int], progress=None) -> list[int]:
         """Where each of ``messages[first:]`` ends in ``full`` (their rendering, with or without the generation
-        prompt): ``len(render(messages[:i + 1]))``
-        for each i. Read from one tokenization of the whole text where the template renders each message on its
-        own, as ChatML does (time linear in the messages); otherwise every prefix is rendered (quadratic: 1,000
-        messages take minutes), ``progress(0, len(full))`` before each so that a caller can stop there."""
+        prompt): ``len(render(messages[:i + 1]))`` for each i. Read from one tokenization of the whole text where
+        the template renders each message on its own, as ChatML does (time linear in the messages); otherwise
+        every prefix is rendered (quadratic: 1,000 messages take minutes), ``progress(0, len(full))`` before
+        each so that a caller can stop there."""
         ends = self._ends_in_one_pass(messages, tools, first, full)
         if ends is not None:
             return ends

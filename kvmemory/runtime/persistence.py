@@ -13,12 +13,14 @@ so a crash mid-save leaves the previous file intact. Loading checks everything b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import socket
 import tempfile
+import time
 from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -106,6 +108,19 @@ def writer_tag() -> str:
     the file's writer is gone, so that the file is an interrupted save and not one still being written."""
     host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40]
     return f"{host}~{os.getpid()}~"
+
+
+INTERRUPTED_SAVE_AGE = 600.0  # seconds: a temporary file older than this belongs to a crashed write
+
+
+def remove_interrupted_writes(temporary_files) -> None:
+    """Remove the temporary files a crash left mid-write (never read again): at once where their writer, a
+    process on this host, is gone; otherwise once older than any write takes (another process sharing the
+    directory, on this host or another, may be writing a newer one)."""
+    for tmp in temporary_files:
+        with contextlib.suppress(FileNotFoundError):
+            if abandoned(tmp) or time.time() - tmp.stat().st_mtime > INTERRUPTED_SAVE_AGE:
+                tmp.unlink()
 
 
 def abandoned(tmp: Path) -> bool:

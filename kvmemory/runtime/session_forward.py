@@ -76,20 +76,20 @@ class SessionForward:
                 progress(done, total)
         return self.segment(segment_id)
 
-    def _prefill_messages(self, pieces: list[tuple[dict, list[int]]], progress, make_segment) -> list[int]:
+    def _prefill_messages(self, pieces: list[tuple[int, list[int]]], progress, make_segment) -> list[int]:
         """Prefill several short messages in one pass: a conversation of a thousand short messages would
-        otherwise cost a thousand passes, each a whole read of the weights. ``pieces``: (message, its token ids),
-        together at most one prefill chunk; ``make_segment(message)`` opens each message's segment. The cache
-        makes room for all of them first; then each token is written with its own segment. Returns the
-        segments' ids, in order."""
+        otherwise cost a thousand passes, each a whole read of the weights. ``pieces``: (the message's index,
+        its token ids), together at most one prefill chunk; ``make_segment(index)`` opens each message's segment.
+        The cache makes room for all of them first; then each token is written with its own segment. Returns
+        the segments' ids, in order."""
         self._flush_pending()
         ids = [t for _, piece in pieces for t in piece]
         if self.memory is not None:
             self.memory.make_room(len(ids))
         self._publish_stats()
         start, made, segments = len(self.tokens), [], []
-        for message, piece in pieces:
-            segment = make_segment(message)
+        for index, piece in pieces:
+            segment = make_segment(index)
             self.tokens.extend(piece)
             self._replace_segment(segment.id, end=len(self.tokens))
             made.append(segment.id)
@@ -124,9 +124,10 @@ class SessionForward:
         """Run ``ids`` through the model at ``positions_from`` into the cache (``finish_by``: the place of the
         prefill they belong to, ``ForwardRequest.finish_by``; by default a prefill of their own; ``segments``:
         each token's segment where they are several). Callers own the rollback (``_atomic`` or ``scratch``)."""
-        return self._forward_then(ids, segment_id, positions_from, all_logits, finish_by=finish_by, segments=segments)[
-            0
-        ]
+        logits, _ = self._forward_then(
+            ids, segment_id, positions_from, all_logits, finish_by=finish_by, segments=segments
+        )
+        return logits
 
     def _forward_then(
         self,

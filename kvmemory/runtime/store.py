@@ -37,11 +37,10 @@ from pathlib import Path
 
 from kvmemory.errors import InvalidArgumentError, SessionBusyError, StoreFullError
 from kvmemory.runtime.memory_hooks import SessionMemory
-from kvmemory.runtime.persistence import abandoned
+from kvmemory.runtime.persistence import remove_interrupted_writes
 from kvmemory.runtime.session import Session
 
 log = logging.getLogger("kvmemory.store")
-INTERRUPTED_SAVE_AGE = 600.0  # seconds: a temporary save file older than this belongs to a crashed save
 
 
 class SessionStore:
@@ -209,13 +208,8 @@ class SessionStore:
             return expired
 
     def _remove_interrupted_saves(self) -> None:
-        """Temporary files a crash left mid-save (``.NAME.kvm.WRITER.XXXX.tmp``), never read again: removed on
-        opening when their writer, a process on this host, is gone; otherwise once older than any save takes
-        (another store sharing the directory, on this host or another, may be writing a newer one)."""
-        for tmp in self.directory.glob(".*.kvm.*.tmp"):
-            with contextlib.suppress(FileNotFoundError):
-                if abandoned(tmp) or time.time() - tmp.stat().st_mtime > INTERRUPTED_SAVE_AGE:
-                    tmp.unlink()
+        """Temporary files a crash left mid-save (``.NAME.kvm.WRITER.XXXX.tmp``): ``remove_interrupted_writes``."""
+        remove_interrupted_writes(self.directory.glob(".*.kvm.*.tmp"))
 
     def footprint(self, session_id: str) -> int:
         """Bytes the session holds here: its KV cache while resident, plus its saved file."""
