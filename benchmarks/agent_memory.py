@@ -52,8 +52,8 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 
 from benchmarks.agent_traces import load_traces, trace_text
 from benchmarks.common import BENCH_MODEL, RESULTS, save, table
-from integrations.chat_model import ChatKVMemory, to_chat_dicts
 from kvmemory import Engine, MemoryManager, MemoryPolicy, default_policy
+from kvmemory.integrations.chat_model import ChatKVMemory, to_chat_dicts
 
 SEEDS = [("cc", "counter_causal"), ("am", "attention_matching"), ("tam", "tam")]  # condition prefix, method
 DEFAULT_LINES = {"inner": "selective_context", "inner_params": {"evict_predictable_below": 1.0}}

@@ -8,7 +8,7 @@ mention exactly once, early, and that are asked only at the end.
 
 ``python -m benchmarks.agent_traces`` records the traces anew and checks every fact, and records the tool
 outputs of the coding agent's scripted session (``--set held-out``: only the held-out traces); the benchmarks
-only read the frozen files (``load_traces``, ``agents.coding_agent.scripted_session.recorded_tools``), so
+only read the frozen files (``load_traces``, ``kvmemory.agents.coding_agent.scripted_session.recorded_tools``), so
 results never depend on what is installed.
 """
 
@@ -21,9 +21,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents.coding_agent.sample_project import create_sample_project
-from agents.coding_agent.scripted_session import record_tool_outputs
-from agents.coding_agent.workspace import SandboxError, Workspace
+from kvmemory.agents.coding_agent.sample_project import create_sample_project
+from kvmemory.agents.coding_agent.scripted_session import record_tool_outputs
+from kvmemory.agents.coding_agent.workspace import SandboxError, Workspace
 
 DATA = Path(__file__).parent / "data"
 PROJECTS, TRACES = DATA / "projects", DATA / "traces"

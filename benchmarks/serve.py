@@ -23,8 +23,8 @@ import openai
 
 from benchmarks.agent_traces import load_traces
 from benchmarks.common import BENCH_MODEL, save, table
-from integrations.server import create_app, serve_in_thread
 from kvmemory import Engine, SessionStore
+from kvmemory.integrations.server import create_app, serve_in_thread
 
 
 def turn_messages(messages: list[dict]) -> list[list[dict]]:

@@ -75,7 +75,16 @@ class Server:
             self.port = probe.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.sessions = Path(tempfile.mkdtemp(prefix="kvmemory-soak-"))
-        command = [sys.executable, "-m", "integrations.cli", "serve", "--model", model, "--port", str(self.port)]
+        command = [
+            sys.executable,
+            "-m",
+            "kvmemory.integrations.cli",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+        ]
         command += ["--sessions", str(self.sessions), "--max-sessions", str(max_sessions), "--max-request-mb", "1"]
         command += ["--save-after-turn", "--max-new-tokens", "32"]
         for key in keys:

@@ -18,11 +18,11 @@ import random
 import tempfile
 import time
 
-from agents.coding_agent.sample_project import create_sample_project
-from agents.coding_agent.workspace import Workspace
 from benchmarks.agent_session import policy_with
 from benchmarks.common import BENCH_MODEL, RESULTS, save, table
 from kvmemory import AsyncSession, Engine, KVMemoryError
+from kvmemory.agents.coding_agent.sample_project import create_sample_project
+from kvmemory.agents.coding_agent.workspace import Workspace
 from kvmemory.memory import MemoryManager
 
 QUESTIONS = [

@@ -97,7 +97,7 @@ def main() -> None:
     policy = os.path.join(os.path.dirname(__file__), "claude_code_policy.yaml")
     turn_of = claude_turn if args.agent == "claude" else codex_turn
     with tempfile.TemporaryDirectory() as workdir:
-        serve = [sys.executable, "-m", "integrations.cli", "serve", "--port", str(args.port), "--api-key", KEY]
+        serve = [sys.executable, "-m", "kvmemory.integrations.cli", "serve", "--port", str(args.port), "--api-key", KEY]
         serve += ["--model-alias", "*", "--policy", policy, "--max-new-tokens", str(args.max_new_tokens)]
         server = subprocess.Popen(serve, env={**os.environ, "KVMEMORY_QUIET": "1"})
         try:

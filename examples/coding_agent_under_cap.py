@@ -8,7 +8,7 @@ default Qwen2.5-Coder-0.5B calls real tools but rarely finds the bug; ``--model 
 
 import sys
 
-from agents.coding_agent.cli import main
+from kvmemory.agents.coding_agent.cli import main
 
 if __name__ == "__main__":
     main(["--sample", "--max-slots", "2048", "--max-steps", "6", "--max-new-tokens", "96", *sys.argv[1:]])

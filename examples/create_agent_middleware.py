@@ -7,7 +7,7 @@ from langchain.agents import create_agent
 from langchain_core.messages import HumanMessage
 from langchain_core.tools import tool
 
-from integrations import ChatKVMemory, KVMemoryMiddleware, kv_policy
+from kvmemory.integrations import ChatKVMemory, KVMemoryMiddleware, kv_policy
 
 
 @kv_policy(ratio=20)  # test logs: squeeze hard

@@ -21,12 +21,19 @@ from pathlib import Path
 
 from langchain_core.messages import HumanMessage
 
-from agents.coding_agent.agent import recall_tool
-from agents.coding_agent.sample_project import create_sample_project
-from agents.coding_agent.scripted_session import RECORDED, STEPS, fact_questions, recorded_tools, replay, run_tool
-from agents.coding_agent.workspace import SandboxUnavailableError, Workspace
-from integrations import ChatKVMemory
 from kvmemory import Engine, ToolCallParseError
+from kvmemory.agents.coding_agent.agent import recall_tool
+from kvmemory.agents.coding_agent.sample_project import create_sample_project
+from kvmemory.agents.coding_agent.scripted_session import (
+    RECORDED,
+    STEPS,
+    fact_questions,
+    recorded_tools,
+    replay,
+    run_tool,
+)
+from kvmemory.agents.coding_agent.workspace import SandboxUnavailableError, Workspace
+from kvmemory.integrations import ChatKVMemory
 from kvmemory.memory import default_policy, plot_memory_map
 from kvmemory.runtime.chat import parse_tool_calls
 

@@ -7,7 +7,7 @@ from langchain_core.messages import HumanMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 
-from integrations import ChatKVMemory, CompactionNode, KVMemoryState
+from kvmemory.integrations import ChatKVMemory, CompactionNode, KVMemoryState
 from kvmemory.memory import default_policy
 
 

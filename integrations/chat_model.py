@@ -25,8 +25,8 @@ from langchain_core.runnables.config import ensure_config
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from integrations.serving import Reply, ServingCore, Turn
 from kvmemory import ContextLengthError, Engine, MemoryCapError, Session, SessionStore
+from kvmemory.integrations.serving import Reply, ServingCore, Turn
 from kvmemory.memory import MemoryManager, MemoryPolicy, default_policy
 from kvmemory.runtime.async_session import finish_step
 from kvmemory.runtime.chat import TOOL_CALL_RE

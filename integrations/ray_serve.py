@@ -37,9 +37,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from integrations.server import MB, ResponseLog, http_app, serving_policy
-from integrations.serving import APIError, AsyncCore, ServingCore, Turn
 from kvmemory import Engine, KVMemoryError, MemoryManager, SessionFileError, SessionStore
+from kvmemory.integrations.server import MB, ResponseLog, http_app, serving_policy
+from kvmemory.integrations.serving import APIError, AsyncCore, ServingCore, Turn
 from kvmemory.runtime.named_models import model_title
 
 log = logging.getLogger("kvmemory.ray")

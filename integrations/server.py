@@ -42,8 +42,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 
-from integrations.dialects import anthropic_messages, openai_chat, openai_responses
-from integrations.serving import (
+from kvmemory import MemoryPolicy, SessionStore, default_policy
+from kvmemory.integrations.dialects import anthropic_messages, openai_chat, openai_responses
+from kvmemory.integrations.serving import (
     APIError,
     AsyncCore,
     BadRequest,
@@ -57,7 +58,6 @@ from integrations.serving import (
     Unauthorized,
     session_key,
 )
-from kvmemory import MemoryPolicy, SessionStore, default_policy
 from kvmemory.runtime.persistence import remove_interrupted_writes, writer_tag
 
 log = logging.getLogger("kvmemory.server")

@@ -6,13 +6,18 @@ from __future__ import annotations
 import importlib
 
 
-def lazy_exports(package: str, exports: dict[str, tuple[str, str]]):
-    """A package's ``__getattr__`` and ``__dir__`` for ``exports`` (name -> (module, attribute))."""
+def lazy_exports(package: str, exports: dict[str, tuple[str, str]], extra: str | None = None):
+    """A package's ``__getattr__`` and ``__dir__`` for ``exports`` (name -> (module, attribute)); with
+    ``extra``, a name used without that extra installed is refused naming it (``kvmemory.extras``)."""
     namespace = importlib.import_module(package).__dict__
 
     def __getattr__(name: str):
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        if extra is not None:
+            from kvmemory.extras import require
+
+            require(extra, f"{package}.{name}")
         module, attribute = exports[name]
         value = getattr(importlib.import_module(module), attribute)
         namespace[name] = value  # once found, an ordinary attribute

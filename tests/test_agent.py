@@ -10,11 +10,11 @@ from functools import partial
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
-from agents.coding_agent.agent import build_coding_agent, recall_tool
-from agents.coding_agent.sample_project import FACTS, create_sample_project
-from agents.coding_agent.scripted_session import STEPS, replay, run_tool
-from agents.coding_agent.workspace import SandboxError, Workspace
-from integrations import ChatKVMemory
+from kvmemory.agents.coding_agent.agent import build_coding_agent, recall_tool
+from kvmemory.agents.coding_agent.sample_project import FACTS, create_sample_project
+from kvmemory.agents.coding_agent.scripted_session import STEPS, replay, run_tool
+from kvmemory.agents.coding_agent.workspace import SandboxError, Workspace
+from kvmemory.integrations import ChatKVMemory
 from kvmemory.memory import default_policy
 from tests.conftest import missing, wait_until
 

@@ -133,8 +133,8 @@ def read_server_url(server: subprocess.Popen, timeout: float = 300) -> str:
 
 def test_the_command_lines_help_loads_no_model_code_and_the_server_no_langchain():
     check = (
-        "import sys; import integrations.cli; assert 'torch' not in sys.modules, 'the CLI imported torch'; "
-        "import integrations.server; "
+        "import sys; import kvmemory.integrations.cli; assert 'torch' not in sys.modules, 'the CLI imported torch'; "
+        "import kvmemory.integrations.server; "
         "langchain = [m for m in sys.modules if m.startswith(('langchain', 'langgraph'))]; "
         "assert not langchain, 'the server imported LangChain'"
     )

@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from integrations.server import create_app, owner_of, serve_in_thread
 from kvmemory import Engine, SessionStore
+from kvmemory.integrations.server import create_app, owner_of, serve_in_thread
 from tests.conftest import wait_until
 from tests.test_contract import tiny_chat_engine
 
@@ -116,7 +116,7 @@ def single_process(model_dir, sessions, settings: dict = SETTINGS):
 def ray_cluster(model_dir, sessions, settings: dict = SETTINGS):
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
-    from integrations.ray_serve import build_app
+    from kvmemory.integrations.ray_serve import build_app
 
     port = free_port_outside_the_ephemeral_range()
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
@@ -556,7 +556,7 @@ def test_a_second_request_on_a_busy_session_waits_then_gets_409(live):
 
 
 def test_a_session_keeps_its_replica_unless_that_replica_leaves():
-    from integrations.ray_serve import by_affinity
+    from kvmemory.integrations.ray_serve import by_affinity
 
     replicas, sessions = ["r1", "r2", "r3"], [f"thread-{i}" for i in range(300)]
     home = {s: by_affinity(s, replicas)[0] for s in sessions}

@@ -14,8 +14,8 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
-from integrations import ChatKVMemory, CompactionNode, KVMemoryMiddleware, KVMemoryState, kv_policy
-from integrations.serving import Reply, read_tool_calls
+from kvmemory.integrations import ChatKVMemory, CompactionNode, KVMemoryMiddleware, KVMemoryState, kv_policy
+from kvmemory.integrations.serving import Reply, read_tool_calls
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy, default_policy
 from tests.conftest import until
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmemory import Engine, InvalidArgumentError
+from kvmemory import Engine, InvalidArgumentError, KVMemoryError
 from kvmemory.cache import CompactionPlan, LayerPlan
 from kvmemory.compaction.base import LayerSpan
 from kvmemory.compaction.head_budgets import fill_to_total, headkv_budgets, uniform_budgets
@@ -194,18 +194,36 @@ def test_the_default_model_reads_its_shipped_head_profile(small_engine, tmp_path
     assert Engine(tiny_model("llama")).name == "llama" and Engine(tiny_model("llama"), name="mine").name == "mine"
 
 
-def test_a_model_that_cannot_be_profiled_gets_every_head_scored_alike(tiny_engine, tmp_path, monkeypatch):
-    """REAL profiles a model it has no profile for on needle tasks, which are text: an engine without a
-    tokenizer gets the same score for every head (so the same budget) and a warning, not a failed
-    compaction, and nothing is cached in place of a real profile."""
+def test_a_model_without_a_profile_is_never_profiled_inside_a_turn(tmp_path, monkeypatch):
+    """Profiling runs the model for a minute, so a compaction never starts it: a model with no shipped or
+    cached profile gets the same score for every head (so the same budget) and a warning naming the command
+    that profiles it, and nothing is cached in place of a real profile."""
+    from tests.test_contract import tiny_chat_engine
+
     monkeypatch.setattr(head_profiling, "PROFILE_DIR", tmp_path)
-    with pytest.warns(UserWarning, match="no tokenizer"):
-        profile = head_profiling.profile_for(tiny_engine)
+    monkeypatch.setattr(head_profiling, "profile_heads", None)  # profiling would fail loudly
+    engine = tiny_chat_engine()
+    with pytest.warns(UserWarning, match="kvmemory models profile"):
+        profile = head_profiling.profile_for(engine)
     scores = profile.scores()
-    assert scores.shape == (tiny_engine.num_layers, tiny_engine.num_kv_heads) and bool((scores == 1).all())
+    assert scores.shape == (engine.num_layers, engine.num_kv_heads) and bool((scores == 1).all())
     capacity = torch.full(tuple(scores.shape), 1000)
     assert bool((headkv_budgets(64 * scores.numel(), scores, capacity) == 64).all())
     assert not any(tmp_path.iterdir())
+
+
+def test_preparing_a_model_profiles_it_once_and_compactions_read_that_profile(tmp_path, monkeypatch, tiny_engine):
+    from tests.test_contract import tiny_chat_engine
+
+    monkeypatch.setattr(head_profiling, "PROFILE_DIR", tmp_path)
+    engine = tiny_chat_engine()
+    made, saved = head_profiling.prepare_profile(engine)
+    assert saved == tmp_path / f"{engine.name}.json" and made.cases > 0
+    assert len(made.infsc) == engine.num_layers and len(made.infsc[0]) == engine.num_kv_heads
+    assert head_profiling.prepare_profile(engine) == (made, None)  # prepared already: nothing runs again
+    assert head_profiling.profile_for(engine) == made
+    with pytest.raises(KVMemoryError, match="no tokenizer"):  # the needle tasks are text
+        head_profiling.prepare_profile(tiny_engine)
 
 
 def test_tam_keeps_pivotal_tokens_verbatim():

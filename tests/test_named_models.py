@@ -111,9 +111,13 @@ def test_names_resolve_default_follows_the_environment(monkeypatch):
 
 
 def test_the_command_line_lists_the_models_and_refuses_an_unknown_name():
-    done = subprocess.run([sys.executable, "-m", "integrations.cli", "models", "list"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmemory.integrations.cli", "models", "list"], capture_output=True, text=True
+    )
     assert done.returncode == 0 and "qwen2.5-coder-0.5b (default)" in done.stdout and "smollm2-135m" in done.stdout
-    done = subprocess.run([sys.executable, "-m", "integrations.cli", "models", "pull", "gpt-7"], capture_output=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmemory.integrations.cli", "models", "pull", "gpt-7"], capture_output=True
+    )
     assert done.returncode == 2 and b"invalid choice: 'gpt-7'" in done.stderr
 
 
@@ -127,3 +131,22 @@ def test_every_named_model_ships_its_head_profile():
     for model in named_models.NAMED_MODELS.values():
         profile = json.loads((SHIPPED_DIR / f"{model.title}.json").read_text())
         assert profile["model"] == model.title and profile["correct"] > 0 and len(profile["infsc"]) > 0
+
+
+def test_the_command_line_profiles_a_model_once(tmp_path):
+    """``kvmemory models profile`` is where a model without a shipped profile is profiled (never inside a
+    turn): it saves the profile in the cache, and a second run finds it."""
+    import os
+
+    from tests.test_contract import tiny_chat_engine
+
+    engine = tiny_chat_engine()
+    engine.model.save_pretrained(tmp_path / "model")
+    engine.tokenizer.save_pretrained(tmp_path / "model")
+    env = {**os.environ, "KVMEMORY_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "kvmemory.integrations.cli", "models", "profile", str(tmp_path / "model")]
+    first = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert first.returncode == 0 and "needle cases, saved to" in first.stdout, first.stderr[-2000:]
+    assert len(list((tmp_path / "cache" / "head_profiles").glob("*.json"))) == 1
+    second = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert second.returncode == 0 and "shipped or cached already" in second.stdout, second.stderr[-2000:]

@@ -13,7 +13,6 @@ import pytest
 import torch
 from langchain_core.messages import HumanMessage
 
-from integrations import ChatKVMemory
 from kvmemory import (
     Engine,
     InvalidArgumentError,
@@ -24,6 +23,7 @@ from kvmemory import (
     SessionStore,
     StoreFullError,
 )
+from kvmemory.integrations import ChatKVMemory
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy
 from kvmemory.runtime.persistence import FORMAT_VERSION, writer_tag
 from tests.conftest import random_tokens, tiny_model, wait_until
@@ -227,7 +227,7 @@ def test_opening_a_store_removes_what_crashed_saves_left(tmp_path, tiny_engine):
 
 
 def test_the_serving_core_hides_the_server_paths_in_its_errors(tmp_path, tiny_engine):
-    from integrations.serving import APIError, ServingCore
+    from kvmemory.integrations.serving import APIError, ServingCore
 
     store = SessionStore(tiny_engine, tmp_path)
     core = ServingCore(store, MemoryPolicy.never())
@@ -238,7 +238,7 @@ def test_the_serving_core_hides_the_server_paths_in_its_errors(tmp_path, tiny_en
 
 
 def test_the_serving_core_expires_idle_sessions_but_not_one_in_use(tmp_path, tiny_engine):
-    from integrations.serving import ServingCore
+    from kvmemory.integrations.serving import ServingCore
 
     core = ServingCore(SessionStore(tiny_engine, tmp_path), MemoryPolicy.never(), session_ttl=0.0)
     for key in ("idle", "busy"):
@@ -250,7 +250,7 @@ def test_the_serving_core_expires_idle_sessions_but_not_one_in_use(tmp_path, tin
 
 
 def test_an_api_key_past_its_share_of_sessions_or_bytes_is_refused_while_another_key_goes_on(tmp_path, tiny_engine):
-    from integrations.serving import ServingCore, TooManySessions
+    from kvmemory.integrations.serving import ServingCore, TooManySessions
 
     per_token = tiny_engine.kv_bytes_per_token
     core = ServingCore(

@@ -34,7 +34,7 @@ def kvmemory_serve(model, sessions, *options: str):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "integrations.cli", "serve", "--model", str(model), "--port", str(port)]
+    command = [sys.executable, "-m", "kvmemory.integrations.cli", "serve", "--model", str(model), "--port", str(port)]
     command += ["--api-key", KEY, "--sessions", str(sessions), *options]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"

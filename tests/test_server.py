@@ -13,10 +13,10 @@ import httpx
 import openai
 import pytest
 
-from integrations.dialects.openai_chat import message as openai_message
-from integrations.server import LoadingApp, create_app, serve_in_thread
-from integrations.serving import Reply
 from kvmemory import SessionStore
+from kvmemory.integrations.dialects.openai_chat import message as openai_message
+from kvmemory.integrations.server import LoadingApp, create_app, serve_in_thread
+from kvmemory.integrations.serving import Reply
 
 pytestmark = pytest.mark.small_model
 

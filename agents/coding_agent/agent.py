@@ -7,8 +7,8 @@ from langchain.agents.middleware import AgentMiddleware
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import StructuredTool
 
-from agents.coding_agent.workspace import Workspace
-from integrations import ChatKVMemory, KVMemoryMiddleware
+from kvmemory.agents.coding_agent.workspace import Workspace
+from kvmemory.integrations import ChatKVMemory, KVMemoryMiddleware
 
 AGENT_PROMPT = (
     "You are a coding agent working in a Python repository. You act only by calling tools, one call per reply.\n"

@@ -12,16 +12,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-from langgraph.checkpoint.memory import InMemorySaver
+from kvmemory.agents.coding_agent.sample_project import TASK
+from kvmemory.extras import MissingExtraError, require
 
-from agents.coding_agent.agent import agent_prompt, agent_tools, build_coding_agent
-from agents.coding_agent.sample_project import create_sample_project
-from agents.coding_agent.scripted_session import TASK
-from agents.coding_agent.workspace import SandboxError, Workspace
-from integrations import ChatKVMemory
-from kvmemory import KVMemoryError
-from kvmemory.memory import default_policy
+# (LangChain, the engine and torch are imported once the command runs: ``--help`` and a missing extra answer
+# at once)
 
 
 def short(text: str, n: int = 160) -> str:
@@ -29,9 +24,11 @@ def short(text: str, n: int = 160) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def protected_prompt_tokens(chat: ChatKVMemory, workspace: Workspace, task: str) -> int:
+def protected_prompt_tokens(chat, workspace, task: str) -> int:
     """Tokens of what the default policy never compacts: system prompt with the tool schemas, and the task."""
-    from langchain_core.messages import SystemMessage
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    from kvmemory.agents.coding_agent.agent import agent_prompt, agent_tools
 
     tools = agent_tools(chat, workspace)
     return chat.get_num_tokens_from_messages([SystemMessage(agent_prompt(chat)), HumanMessage(task)], tools=tools)
@@ -48,6 +45,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--record", default=None, help="write the run (every call and output, the tests after) as JSON")
     args = parser.parse_args(argv)
+    try:
+        require("agent", "kvmemory-agent")
+    except MissingExtraError as err:
+        parser.error(str(err))
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from kvmemory import KVMemoryError
+    from kvmemory.agents.coding_agent.agent import build_coding_agent
+    from kvmemory.agents.coding_agent.sample_project import create_sample_project
+    from kvmemory.agents.coding_agent.workspace import SandboxError, Workspace
+    from kvmemory.integrations import ChatKVMemory
+    from kvmemory.memory import default_policy
+
     if not args.workspace and not args.sample:
         parser.error("give --workspace DIR or --sample")
     if args.workspace and not Path(args.workspace).is_dir():
@@ -130,9 +141,9 @@ def model_calls(steps: list[dict]) -> int:
 
 def call_fields(msg) -> dict:
     """A recorded step's tool calls (model) or tool name (tool output)."""
-    if isinstance(msg, AIMessage):
+    if msg.type == "ai":
         return {"tool_calls": [{"name": c["name"], "args": c["args"]} for c in msg.tool_calls]}
-    return {"name": msg.name} if isinstance(msg, ToolMessage) else {}
+    return {"name": msg.name} if msg.type == "tool" else {}
 
 
 if __name__ == "__main__":

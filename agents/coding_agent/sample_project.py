@@ -10,6 +10,11 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+TASK = (
+    "Task: the inventory project's restock test fails. Find the bug, fix it and make every test pass. "
+    "Later I will ask you about the settings and the failing test, so note them as you go."
+)
+
 FACTS = {
     "database_port": ("What is the database port in settings.py?", "5433"),
     "api_timeout": ("What is API_TIMEOUT_SECONDS in settings.py?", "17"),

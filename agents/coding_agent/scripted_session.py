@@ -17,17 +17,13 @@ from pathlib import Path
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 
-from agents.coding_agent.sample_project import FACTS, create_sample_project
-from agents.coding_agent.workspace import SandboxError, Workspace
+from kvmemory.agents.coding_agent.sample_project import FACTS, TASK, create_sample_project
+from kvmemory.agents.coding_agent.workspace import SandboxError, Workspace
 
 RECORDED = Path(__file__).with_name("recorded_tool_outputs.json")
 SYSTEM_PROMPT = (
     "You are a careful coding agent working in a Python repository. Use the tools to inspect files and run "
     "tests, fix bugs with minimal patches, and remember the facts you read: settings, names and failing tests."
-)
-TASK = (
-    "Task: the inventory project's restock test fails. Find the bug, fix it and make every test pass. "
-    "Later I will ask you about the settings and the failing test, so note them as you go."
 )
 
 STEPS: list[tuple[str, dict]] = [

@@ -2,7 +2,7 @@
 
 File tools resolve every path (symlinks included) and refuse anything outside the workspace; they never
 follow a link out, and binary files get a clear message. Commands come from an allow-list, run without a
-shell inside a bubblewrap sandbox (``agents.coding_agent.sandbox``: only the workspace visible and
+shell inside a bubblewrap sandbox (``kvmemory.agents.coding_agent.sandbox``: only the workspace visible and
 writable, no network, CPU/memory/output limits, the whole process tree killed at the time-out). The
 text search runs there too, with its own time limit.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from langchain_core.tools import StructuredTool
 
-from agents.coding_agent.sandbox import Limits, Sandbox, SandboxError, SandboxUnavailableError
+from kvmemory.agents.coding_agent.sandbox import Limits, Sandbox, SandboxError, SandboxUnavailableError
 
 ALLOWED_PROGRAMS = {
     "python",
@@ -190,7 +190,7 @@ class Workspace:
         ``paths_as_choices``: the tools that read an existing path name the workspace's paths in their schema
         (an enum, while there are at most ``MAX_PATH_CHOICES``), so that a model whose arguments are held to
         the schema picks a real path instead of inventing one."""
-        from integrations.middleware import kv_policy
+        from kvmemory.integrations.middleware import kv_policy
 
         out = []
         for name, rule in self.POLICIES.items():

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from integrations.dialects.common import (
+from kvmemory.integrations.dialects.common import (
     KVMemoryOptions,
     Open,
     check_schema,
@@ -28,8 +28,8 @@ from integrations.dialects.common import (
     type_named,
     unsupported,
 )
-from integrations.dialects.openai_chat import sampling
-from integrations.serving import APIError, BadRequest, Reply, Turn
+from kvmemory.integrations.dialects.openai_chat import sampling
+from kvmemory.integrations.serving import APIError, BadRequest, Reply, Turn
 
 ERROR_TYPES = {
     400: "invalid_request_error",

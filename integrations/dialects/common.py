@@ -8,7 +8,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from integrations.serving import BadRequest
+from kvmemory.integrations.serving import BadRequest
 
 MAX_SEED = 2**63 - 1
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from integrations.dialects.common import (
+from kvmemory.integrations.dialects.common import (
     MAX_SEED,
     KVMemoryOptions,
     check_schema,
@@ -27,7 +27,7 @@ from integrations.dialects.common import (
     tool_choice,
     unsupported,
 )
-from integrations.serving import BadRequest, Reply, Turn
+from kvmemory.integrations.serving import BadRequest, Reply, Turn
 
 
 class Strict(BaseModel):

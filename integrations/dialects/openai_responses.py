@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from integrations.dialects.common import (
+from kvmemory.integrations.dialects.common import (
     MAX_SEED,
     KVMemoryOptions,
     Open,
@@ -34,8 +34,8 @@ from integrations.dialects.common import (
     type_named,
     unsupported,
 )
-from integrations.dialects.openai_chat import sampling
-from integrations.serving import BadRequest, Reply, Turn
+from kvmemory.integrations.dialects.openai_chat import sampling
+from kvmemory.integrations.serving import BadRequest, Reply, Turn
 
 
 class FunctionTool(BaseModel):

@@ -296,8 +296,9 @@ def default_policy(max_slots: int | None = None, recent_tokens: int = 128) -> Me
     stay (``recent_frames``): their role headers are predictable, so they would go first, and without them
     the model loses track of whose turn is next. A compaction the cap forces aims at 95% of it
     (``target_fraction``): each frees little, so the memory holds as much of what it read as the cap allows.
-    Without ``max_slots`` the cap is the model's context. A model without a shipped head profile is profiled
-    once, at its first compaction, and the profile cached (``kvmemory.runtime.head_profiling``).
+    Without ``max_slots`` the cap is the model's context. The named models ship REAL's head profiles; another
+    model is profiled by ``kvmemory models profile MODEL`` (never inside a turn; until then every head is
+    scored alike, ``kvmemory.runtime.head_profiling``).
     Every choice but the protected rules is a field default of ``MemoryPolicy``, ``CompactionRule`` and
     ``MemoryBudget``."""
     return MemoryPolicy(rules=protected_rules(), budget=MemoryBudget(max_slots=max_slots, recent_tokens=recent_tokens))

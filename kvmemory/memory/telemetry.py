@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvmemory.extras import require
+
 KIND_COLORS = {
     "system": "#4c72b0",
     "user": "#55a868",
@@ -20,6 +22,7 @@ KIND_COLORS = {
 def plot_memory_map(timeline: list[dict], segments, path, cap: int | None = None, title: str = "KV memory map"):
     """Stacked slots per segment (coloured by kind) at every recorded event; the cap as a line. ``path``: a
     file path (its folder is created) or a binary file object; the PNG is written there and ``path`` returned."""
+    require("plot", "a memory map picture")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kvmemory.errors import KVMemoryError
 from kvmemory.notices import one_time_work, progress
 from kvmemory.runtime.named_models import CACHE_DIR
 
@@ -84,28 +85,44 @@ def default_profile_path(model_name: str) -> Path:
 
 
 def profile_for(engine, path: str | Path | None = None) -> HeadProfile:
-    """The head profile to use for ``engine``: the given file, a shipped or cached one, or a fresh profile
-    (made once and cached; an engine without a tokenizer cannot make one and scores every head alike)."""
+    """The head profile to use for ``engine``: the given file, or a shipped or cached one. Profiling runs the
+    model for a minute, so it happens when a model is prepared (``prepare_profile``), never inside a turn: a
+    model without a profile has every head scored alike, with a warning naming the command that profiles it."""
     if path is not None:
         return HeadProfile.load(path)
+    profile = stored_profile(engine)
+    if profile is None:
+        warnings.warn(
+            f"no head profile for {engine.name}: every head is scored alike until `kvmemory models profile "
+            f"MODEL` profiles it (about a minute, once)",
+            stacklevel=2,
+        )
+        profile = HeadProfile.uniform(engine.name, engine.num_layers, engine.num_kv_heads)
+    return profile
+
+
+def stored_profile(engine) -> HeadProfile | None:
+    """The profile shipped for ``engine``'s model or cached for it, if one fits its layers and KV heads."""
     name = engine.name.replace("/", "__")
     for candidate in (SHIPPED_DIR / f"{name}.json", default_profile_path(engine.name)):
         if candidate.is_file():
             profile = HeadProfile.load(candidate)
             if len(profile.infsc) == engine.num_layers and len(profile.infsc[0]) == engine.num_kv_heads:
                 return profile
-    if engine.tokenizer is None:  # the needle tasks are text
-        warnings.warn(
-            f"no head profile for {engine.name} and no tokenizer to make one: every head is scored alike",
-            stacklevel=2,
-        )
-        return HeadProfile.uniform(engine.name, engine.num_layers, engine.num_kv_heads)
-    with one_time_work(
-        f"profiling the KV heads of {engine.name} on needle tasks (cached in {PROFILE_DIR})", "a minute"
-    ):
+    return None
+
+
+def prepare_profile(engine) -> tuple[HeadProfile, Path | None]:
+    """Model preparation: the stored profile, or a new one made now and cached (with the file it was saved
+    to). The needle tasks are text, so an engine without a tokenizer is refused."""
+    profile = stored_profile(engine)
+    if profile is not None:
+        return profile, None
+    if engine.tokenizer is None:
+        raise KVMemoryError(f"{engine.name} has no tokenizer: its heads cannot be profiled on needle tasks")
+    with one_time_work(f"profiling the KV heads of {engine.name} on needle tasks", "a minute"):
         profile = profile_heads(engine, model_name=engine.name)
-        profile.save()
-    return profile
+    return profile, profile.save()
 
 
 def haystack_text() -> str:
