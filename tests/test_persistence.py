@@ -142,6 +142,12 @@ def test_bad_files_raise_errors_that_name_the_problem(tmp_path, tiny_engine):
         other.load_session(path)
     with pytest.raises(ModelMismatchError, match="layers"):
         Engine(tiny_model("llama", num_hidden_layers=3)).load_session(path)
+    fine_tune = tiny_model("llama")  # the same weights but one, far into a tensor: another model all the same
+    with torch.no_grad():
+        fine_tune.get_input_embeddings().weight.view(-1)[-1] += 1.0
+    with pytest.raises(ModelMismatchError, match="weights_sha256"):
+        Engine(fine_tune).load_session(path)
+    assert Engine(tiny_model("llama"), weights_digest="ab" * 32).identity["weights_sha256"] == "ab" * 32
     newer = blob.replace(f'\\"version\\": {FORMAT_VERSION}'.encode(), b'\\"version\\": 9')
     assert newer != blob
     (tmp_path / "newer.kvm").write_bytes(newer)

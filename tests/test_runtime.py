@@ -27,7 +27,7 @@ from kvmemory import (
 from kvmemory.attention import folded_sdpa, mask_sdpa
 from kvmemory.cache import int8_rows
 from kvmemory.cache.compact_layer import rotation_tables
-from kvmemory.runtime.named_models import SMALL_MODEL, model_file
+from kvmemory.runtime.named_models import SMALL_MODEL, model_file, named_model
 from kvmemory.runtime.recorders import SurprisalRecorder
 from kvmemory.runtime.sampling import ReplyText
 from tests.conftest import random_tokens, reference_copy, tiny_model
@@ -683,6 +683,8 @@ def test_a_gguf_file_converts_once_into_the_same_model(tmp_path, monkeypatch):
     gguf = model_file(SMALL_MODEL)
     converted = loading.converted_gguf(gguf)
     assert converted.parent == tmp_path / "models" and loading.converted_gguf(gguf) == converted
+    # the model's identity (which weights a saved session needs) is the file's sha256, taken at the conversion
+    assert loading.source_digest(converted) == named_model(SMALL_MODEL).sha256
     direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     cached = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32)
     expected, got = direct.state_dict(), cached.state_dict()

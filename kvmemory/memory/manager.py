@@ -155,11 +155,12 @@ class MemoryManager:
         cap = self.slot_cap()
         return max(16, min(self.session.prefill_chunk_size, cap // 4))
 
-    def make_room(self, n_new: int) -> None:
-        """Before ``n_new`` tokens enter the cache: compact if they would exceed the cap."""
+    def make_room(self, n_new: int) -> int | None:
+        """Before ``n_new`` tokens enter the cache: compact if they would exceed the cap. Returns what the cache
+        may reserve past them: up to the cap, no more (None while a compaction of its own is running)."""
         cap = self.slot_cap()
         if self._busy:
-            return
+            return None
         held = self.session.cache.slots_per_head  # summed over every layer: once per decoded token
         self.peak_slots = max(self.peak_slots, min(held + n_new, cap))
         if held + n_new > cap:
@@ -177,7 +178,7 @@ class MemoryManager:
                     f"the cap of {cap}"
                 )
             held = self.session.cache.slots_per_head
-        self.session.cache.growth_room = cap - held - n_new  # what the cache may reserve: up to the cap, no more
+        return cap - held - n_new
 
     def after_append(self) -> None:
         interval = self.policy.budget.interval
@@ -251,8 +252,8 @@ class MemoryManager:
         """One span per unprotected segment: its part outside the sinks and the recent window."""
         budget = self.policy.budget
         limit = len(self.session.tokens) - (budget.recent_tokens if recent_tokens is None else recent_tokens)
-        held_before = self._slots_before()
-        heads = len(self.session.cache.layers) * self.session.cache.layers[0].num_heads
+        held_before = self.session.slots_before()
+        heads = self.session.engine.num_layers * self.session.engine.num_kv_heads
         out = []
         for seg in self.session.segments:
             rule = self.rule_for(seg)
@@ -265,48 +266,20 @@ class MemoryManager:
             )
         return out
 
-    def _slots_before(self) -> torch.Tensor:
-        """(T + 1,) slots over every layer and head whose position is below each index: positions [a, b) hold
-        ``held[b] - held[a]``. One count over the cache serves every segment."""
-        counts = torch.zeros(len(self.session.tokens), dtype=torch.long)
-        for layer in self.session.cache.layers:
-            if not layer.is_initialized:  # nothing cached yet
-                continue
-            pos = layer.positions[:, : layer.length]
-            counts += torch.bincount(pos[pos >= 0].cpu(), minlength=len(counts))[: len(counts)]
-        return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
-
     def _incompressible_slots(self, n_new: int) -> int:
         """Slots no compaction can free once ``n_new`` tokens arrive (the recent window slides over them):
         everything outside the spans, plus one floor per run of adjacent spans (see ``_merge_oldest``)."""
-        if not self.session.cache.layers[0].is_initialized:
+        if not self.session.cache.slots_per_head:
             return 0
         still_recent = max(0, self.policy.budget.recent_tokens - n_new)
         runs = _merge_oldest(self._spans(recent_tokens=still_recent), room=0)
         return math.ceil(self.session.cache.slots_per_head - sum(max(0.0, r.current - r.floor) for r in runs))
 
     def _importance(self, spans: list[_Span]) -> list[float]:
-        """Share of the attention the selector-window queries give each span's own positions (summed over layers
-        and heads; what lies between a joined span's pieces belongs to other spans)."""
-        recorder = self.session.query_recorder
-        if len(spans) < 2 or recorder is None or not recorder.has_window:
+        """Share of the attention the selector-window queries give each span's own positions."""
+        if len(spans) < 2:
             return [1.0] * len(spans)  # a lone span takes all the room whatever its mass
-        scale = self.session.engine.head_dim**-0.5
-        owner = torch.full((len(self.session.tokens) + 1,), len(spans), dtype=torch.long)  # last: no span
-        for i, span in enumerate(spans):
-            owner[span.positions] = i
-        mass = torch.zeros(len(spans) + 1, dtype=torch.float64)
-        with torch.no_grad():
-            for li, layer in enumerate(self.session.cache.layers):
-                q = recorder.window_queries(li).float()
-                keys = layer.keys[0, :, : layer.length].float()
-                logits = torch.einsum("hmd,hsd->hms", q, keys) * scale + layer.bias[0, :, None, : layer.length]
-                attn = torch.softmax(logits, -1).mean(1)  # (H, S)
-                pos = layer.positions[:, : layer.length].cpu()
-                index = torch.where(pos >= 0, owner[pos.clamp_min(0)], len(spans))
-                mass.index_add_(0, index.flatten(), attn.cpu().double().flatten())
-        mass = mass[:-1]
-        return (mass / mass.sum().clamp_min(1e-12)).tolist()
+        return self.session.attention_shares([span.positions for span in spans])
 
     def _budgets(self, goal_slots: int | None) -> list[tuple[_Span, int, bool]]:
         """[(span, slots per head, forced by the cap)] for the spans that must shrink.

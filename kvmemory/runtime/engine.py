@@ -26,7 +26,13 @@ from kvmemory.runtime.loading import (
 from kvmemory.runtime.named_models import DEFAULT_MODEL, model_title
 from kvmemory.runtime.persistence import load_session
 from kvmemory.runtime.session import Session
-from kvmemory.runtime.weights import check_weights, default_weights, store_linear_weights, weight_format
+from kvmemory.runtime.weights import (
+    check_weights,
+    default_weights,
+    store_linear_weights,
+    weight_format,
+    weights_digest,
+)
 
 MAX_LOGICAL_POSITIONS = 2**31 - 1  # the cache stores positions as int32
 KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
@@ -66,7 +72,8 @@ class Engine:
     fp16 under 16-bit or int4 weights on fp32 activations, else the model's dtype (``kv_storage_dtype``).
     ``prefill_chunk_size`` is the most tokens a session prefills in one forward (256 on a CPU, 512 elsewhere; a
     session may set its own) and ``max_batch_tokens`` bounds the tokens of one packed pass (``ForwardBatcher``;
-    on a CPU one chunk and 128 more, elsewhere 2048; 1 runs one session a pass).
+    on a CPU one chunk and 128 more, elsewhere 2048; 1 runs one session a pass). ``weights_digest``: the sha256
+    of the file the weights come from, if known (``identity``).
     """
 
     def __init__(
@@ -82,6 +89,7 @@ class Engine:
         attention_path: str | None = None,
         kv_dtype: torch.dtype | str | None = None,
         prefill_chunk_size: int | None = None,
+        weights_digest: str | None = None,
     ):
         for limit, value in (("max_batch_tokens", max_batch_tokens), ("prefill_chunk_size", prefill_chunk_size)):
             if value is not None and value < 1:
@@ -96,6 +104,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = model.config
         self.name = name or getattr(model.config, "name_or_path", None) or model.config.model_type
+        self._weights_digest = weights_digest  # the source file's sha256, kept since the model was prepared
         # The attention window (slots of the longest head) defaults to the trained context. Logical positions keep
         # counting the true token index after compaction. Once RoPE positions would pass ``rebase_at``
         # (default: the trained positions), the cache is re-rotated to close compaction's gaps (see
@@ -134,11 +143,11 @@ class Engine:
             check_weights(weights)  # a bad name fails before anything loads
 
         def load():
-            model, tokenizer = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
-            return model if weights is None else store_linear_weights(model, weights), tokenizer
+            model, tokenizer, digest = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
+            return model if weights is None else store_linear_weights(model, weights), tokenizer, digest
 
-        model, tokenizer = compute.run_on(device, load)  # see kvmemory.runtime.compute
-        return cls(model, tokenizer, name=model_title(name_or_path), **limits)
+        model, tokenizer, digest = compute.run_on(device, load)  # see kvmemory.runtime.compute
+        return cls(model, tokenizer, name=model_title(name_or_path), weights_digest=digest, **limits)
 
     # ---- model facts ---------------------------------------------------------------------------
     @property
@@ -183,6 +192,23 @@ class Engine:
     @property
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
+
+    @functools.cached_property
+    def identity(self) -> dict:
+        """What a saved session is valid for: the architecture, its shapes, the weights' storage and which
+        weights. Which weights is the sha256 of the file the model was prepared from (``weights_digest``, kept
+        since then), or else of every weight tensor, taken once here (a second or two a GB)."""
+        config = self.config
+        return {
+            "architecture": config.model_type,
+            "layers": self.num_layers,
+            "kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": config.vocab_size,
+            "dtype": str(self.model.dtype),
+            "weights": self.weights,
+            "weights_sha256": self._weights_digest or weights_digest(self.model),
+        }
 
     @functools.cached_property
     def eos_token_ids(self) -> frozenset[int]:

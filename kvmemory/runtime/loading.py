@@ -4,6 +4,7 @@ directories and HF hub ids. A GGUF file is converted once into a cached transfor
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -78,14 +79,18 @@ def quiet_progress_bars() -> Iterator[None]:
 
 
 def load_model_and_tokenizer(name_or_path: str, device, dtype, attn_implementation: str):
+    """The model, its tokenizer and the sha256 of the file it was prepared from where one is kept (a named
+    model's pin, a GGUF file's digest taken at its conversion; None for a checkpoint)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if named_model(str(name_or_path)) is not None:
-        source = converted_gguf(model_file(str(name_or_path)))
+    digest = None
+    if (named := named_model(str(name_or_path))) is not None:
+        source, digest = converted_gguf(model_file(str(name_or_path))), named.sha256
     elif str(name_or_path).endswith(".gguf"):
         if not Path(name_or_path).is_file():
             raise ModelLoadError(f"GGUF file not found: {name_or_path}")
         source = converted_gguf(Path(name_or_path))
+        digest = source_digest(source)
     else:
         source = Path(name_or_path)
     gguf_file = None
@@ -110,10 +115,26 @@ def load_model_and_tokenizer(name_or_path: str, device, dtype, attn_implementati
             )
     except OSError as err:
         raise ModelLoadError(f"could not load the weights of {name_or_path!r}: {err}") from err
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval(), tokenizer, digest
 
 
 CONVERSION_FORMAT = "linear-fp16"  # in the cache key: a checkpoint of another layout is converted again
+SOURCE_DIGEST = "source.sha256"  # in a converted checkpoint: the sha256 of the GGUF file it was made from
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def source_digest(converted: Path) -> str | None:
+    """The sha256 of the GGUF file a conversion was made from (taken once, at the conversion); None where the
+    GGUF file is read directly (no conversion could be cached) and the engine hashes the weights instead."""
+    path = converted / SOURCE_DIGEST
+    return path.read_text().strip() if path.is_file() else None
 
 
 def converted_gguf(gguf: Path) -> Path:
@@ -133,6 +154,9 @@ def converted_gguf(gguf: Path) -> Path:
     key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{CONVERSION_FORMAT}"
     target = CACHE_DIR / "models" / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (target / "config.json").is_file():
+        if not (target / SOURCE_DIGEST).is_file():  # converted by an earlier kvmemory: digest it once now
+            with contextlib.suppress(OSError):
+                (target / SOURCE_DIGEST).write_text(file_sha256(gguf))
         return target
     expected = f"{max(30, round(stat.st_size / 2**30 * 120, -1)):.0f} s"  # 61 s for the 0.47 GiB default
     try:
@@ -141,6 +165,7 @@ def converted_gguf(gguf: Path) -> Path:
             staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
             try:
                 _convert(gguf, staging)
+                (staging / SOURCE_DIGEST).write_text(file_sha256(gguf))  # the model's identity, hashed once
                 os.replace(staging, target)  # whole or not at all: a second process may have won the race
             except OSError:
                 if not (target / "config.json").is_file():

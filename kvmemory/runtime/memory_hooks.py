@@ -25,8 +25,9 @@ class SessionMemory(Protocol):
     def chunk_size(self) -> int:
         """Prefill chunk length to use under the cap."""
 
-    def make_room(self, n_new: int) -> None:
-        """Compact, if needed, so that ``n_new`` more tokens fit under the cap."""
+    def make_room(self, n_new: int) -> int | None:
+        """Compact, if needed, so that ``n_new`` more tokens fit under the cap; return the rows the cache may
+        reserve past them (up to the cap), or None to leave its reserve as it is."""
 
     def after_append(self) -> None:
         """Called after every append or generated token: periodic compaction and telemetry."""

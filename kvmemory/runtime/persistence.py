@@ -49,26 +49,6 @@ def library_version() -> str:
         return "unknown"
 
 
-def model_identity(engine) -> dict:
-    """What a saved cache is only valid for: the architecture, its shapes, the dtype and the weights."""
-    if getattr(engine, "_identity", None) is None:
-        digest = hashlib.sha256()
-        for name, tensor in sorted(engine.model.state_dict().items()):
-            sample = tensor.detach().flatten()[:4096].float().cpu().contiguous()
-            digest.update(name.encode() + str(tuple(tensor.shape)).encode() + sample.numpy().tobytes())
-        config = engine.config
-        engine._identity = {
-            "architecture": config.model_type,
-            "layers": engine.num_layers,
-            "kv_heads": engine.num_kv_heads,
-            "head_dim": engine.head_dim,
-            "vocab_size": config.vocab_size,
-            "dtype": str(engine.model.dtype),
-            "weights_sha256": digest.hexdigest(),
-        }
-    return engine._identity
-
-
 def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(tensors):
@@ -85,7 +65,7 @@ def save_session(session, path) -> Path:
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "library": library_version(),
-        "model": model_identity(session.engine),
+        "model": session.engine.identity,
         "tensors_sha256": _tensor_digest(tensors),
     }
     blob = save_tensors(tensors, metadata={"kvmemory": json.dumps({"manifest": manifest, "state": state})})
@@ -225,7 +205,7 @@ def read_session_file(path, engine) -> tuple[dict[str, torch.Tensor], dict]:
             f"{path} has session format version {manifest.get('version')}; this kvmemory "
             f"({library_version()}) reads version {FORMAT_VERSION}"
         )
-    expected = model_identity(engine)
+    expected = engine.identity
     differs = {k: (manifest["model"].get(k), v) for k, v in expected.items() if manifest["model"].get(k) != v}
     if differs:
         what = ", ".join(f"{k}: file {a!r}, engine {b!r}" for k, (a, b) in differs.items())

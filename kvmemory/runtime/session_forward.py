@@ -65,8 +65,7 @@ class SessionForward:
         while done < total:
             self._publish_stats(now=total > step)
             chunk = ids[done : done + step]
-            if self.memory is not None:
-                self.memory.make_room(len(chunk))
+            self._make_room(len(chunk))
             self._forward(chunk, segment_id, positions_from=len(self.tokens), finish_by=finish_by)
             self.tokens.extend(chunk)
             self._replace_segment(segment_id, end=len(self.tokens))
@@ -84,8 +83,7 @@ class SessionForward:
         the segments' ids, in order."""
         self._flush_pending()
         ids = [t for _, piece in pieces for t in piece]
-        if self.memory is not None:
-            self.memory.make_room(len(ids))
+        self._make_room(len(ids))
         self._publish_stats()
         start, made, segments = len(self.tokens), [], []
         for index, piece in pieces:
@@ -100,14 +98,21 @@ class SessionForward:
             progress(len(ids), len(ids))
         return made
 
+    def _make_room(self, n_new: int) -> None:
+        """Let the memory compact so that ``n_new`` tokens fit its cap; the rows it says the cache may still
+        reserve past them bound the cache's growth (so a grown buffer never passes the cap)."""
+        if self.memory is not None:
+            room = self.memory.make_room(n_new)
+            if room is not None:
+                self.cache.growth_room = room
+
     def _flush_pending(self, pick: Callable[[torch.Tensor], int] | None = None) -> int | None:
         """Run sampled-but-unprocessed tokens through the model (they belong to the last segment); with
         ``pick``, the next token picked from the last logits where the model runs (None when nothing ran)."""
         if not self._pending:
             return None
         ids, seg_id = self._pending, self.segments[-1].id
-        if self.memory is not None:
-            self.memory.make_room(len(ids))
+        self._make_room(len(ids))
         _, token = self._forward_then(ids, seg_id, len(self.tokens) - len(ids), pick=pick)
         self._pending = []
         return token

@@ -53,6 +53,40 @@ class SessionInspection:
         per_head = self.cache.layers[0].num_heads * len(self.cache.layers)
         return {seg.id: counts[seg.id] / per_head if seg.id < len(counts) else 0.0 for seg in self.segments}
 
+    def slots_before(self) -> torch.Tensor:
+        """(T + 1,) slots over every layer and head whose position is below each index: positions [a, b) hold
+        ``held[b] - held[a]``. One count over the cache serves every segment."""
+        counts = torch.zeros(len(self.tokens), dtype=torch.long)
+        for layer in self.cache.layers:
+            if not layer.is_initialized:  # nothing cached yet
+                continue
+            pos = layer.positions[:, : layer.length]
+            counts += torch.bincount(pos[pos >= 0].cpu(), minlength=len(counts))[: len(counts)]
+        return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+
+    def attention_shares(self, groups: list[torch.Tensor]) -> list[float]:
+        """Share of the attention the recorded selector-window queries give each group of positions (summed
+        over layers and heads; positions in no group count toward none). Equal shares without a window."""
+        recorder = self.query_recorder
+        if recorder is None or not recorder.has_window:
+            return [1.0] * len(groups)
+        scale = self.engine.head_dim**-0.5
+        owner = torch.full((len(self.tokens) + 1,), len(groups), dtype=torch.long)  # last: no group
+        for i, positions in enumerate(groups):
+            owner[positions] = i
+        mass = torch.zeros(len(groups) + 1, dtype=torch.float64)
+        with torch.no_grad():
+            for li, layer in enumerate(self.cache.layers):
+                q = recorder.window_queries(li).float()
+                keys = layer.keys[0, :, : layer.length].float()
+                logits = torch.einsum("hmd,hsd->hms", q, keys) * scale + layer.bias[0, :, None, : layer.length]
+                attn = torch.softmax(logits, -1).mean(1)  # (H, S)
+                pos = layer.positions[:, : layer.length].cpu()
+                index = torch.where(pos >= 0, owner[pos.clamp_min(0)], len(groups))
+                mass.index_add_(0, index.flatten(), attn.cpu().double().flatten())
+        mass = mass[:-1]
+        return (mass / mass.sum().clamp_min(1e-12)).tolist()
+
     def stats(self, wait: float | None = None) -> SessionStats:
         """What the session holds now. ``wait``: the most seconds to wait for a call in progress (a prefill of
         thousands of tokens holds the session for seconds); past it, the stats as that call last published them

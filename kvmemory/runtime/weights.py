@@ -47,6 +47,7 @@ moved the NLL by more than 0.01.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import torch
@@ -451,3 +452,14 @@ def store_linear_weights(model: nn.Module, weights: str) -> nn.Module:
             setattr(parent, name, replaced)
     model.config.tie_word_embeddings = False  # the head's 16-bit copy no longer shares the embedding
     return model
+
+
+def weights_digest(model: nn.Module) -> str:
+    """sha256 of every tensor of ``model``'s state (names, shapes and bytes): which weights these are, for a
+    model that came from no file with a kept digest."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}{tuple(data.shape)}{data.dtype}".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().data if data.numel() else b"")
+    return digest.hexdigest()
