@@ -9,8 +9,8 @@ parsed from ``<tool_call>`` JSON. Usage metadata reports reused prefix tokens as
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -26,13 +26,11 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvmemory import ContextLengthError, Engine, MemoryCapError, Session, SessionStore
-from kvmemory.integrations.serving import Reply, ServingCore, Turn
+from kvmemory.defaults import DEFAULT_MAX_SLOTS
+from kvmemory.integrations.serving import AsyncCore, Reply, ServingCore, Turn
 from kvmemory.memory import MemoryManager, MemoryPolicy, default_policy
-from kvmemory.runtime.async_session import finish_step
-from kvmemory.runtime.chat import TOOL_CALL_RE
 
 DEFAULT_THREAD = "default"
-DEFAULT_MAX_SLOTS = 2048  # the cap a chat model gets when no policy is given (as in the agent benchmark)
 
 
 def _text(content) -> str:
@@ -80,7 +78,7 @@ class ChatKVMemory(BaseChatModel):
     """A local chat model whose threads keep (and compact) their KV cache between calls.
 
     ``ChatKVMemory.from_pretrained("default", policy=default_policy(max_slots=4096))``. Without a policy
-    each thread gets ``default_policy(max_slots=2048)`` (``DEFAULT_MAX_SLOTS``, or the model's context if
+    each thread gets ``default_policy(max_slots=DEFAULT_MAX_SLOTS)`` (2048, or the model's context if
     smaller); pass ``MemoryPolicy.never()`` for a cache that is never compacted.
     """
 
@@ -97,6 +95,7 @@ class ChatKVMemory(BaseChatModel):
     save_turns: bool = Field(True, description="with a store that has a directory: save each thread after each call")
 
     _core: Any = PrivateAttr(None)
+    _async_core: Any = PrivateAttr(None)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "default", **kwargs) -> ChatKVMemory:
@@ -118,6 +117,7 @@ class ChatKVMemory(BaseChatModel):
             self.store = SessionStore(self.engine)
         saving = self.save_turns and self.store.directory is not None
         self._core = ServingCore(self.store, self.policy, busy_timeout=None, save_after_turn=saving)
+        self._async_core = AsyncCore(self._core)
 
     def _new_memory(self) -> MemoryManager:
         return MemoryManager(self.policy)
@@ -195,14 +195,12 @@ class ChatKVMemory(BaseChatModel):
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
         tools = [convert_to_openai_tool(t) for t in tools] if tools else None
-        renderer = self.engine.session().renderer
-        return len(renderer.render(to_chat_dicts(messages), tools, add_generation_prompt=True))
+        return len(self.engine.render_chat(to_chat_dicts(messages), tools))
 
     # ---- generation ----------------------------------------------------------------------------
 
-    def _turns(self, messages: list[BaseMessage], stop, kwargs) -> Iterator[str | Reply]:
-        """The core's turn on this call's thread: visible text pieces, then the Reply."""
-        turn = Turn(
+    def _turn(self, messages: list[BaseMessage], stop, kwargs) -> Turn:
+        return Turn(
             to_chat_dicts(messages),
             kwargs.get("tools"),
             {
@@ -215,10 +213,17 @@ class ChatKVMemory(BaseChatModel):
             self.current_thread_id(kwargs),
             tool_choice=kwargs.get("tool_choice"),
         )
-        try:
-            yield from self._core.turn(turn)
-        except (ContextLengthError, MemoryCapError) as err:
-            raise ContextOverflowError(str(err)) from err
+
+    def _chunk(self, item: str | Reply, shown: str) -> ChatGenerationChunk:
+        """A streamed piece of text as a chunk; the Reply as the last chunk (tool calls, usage, and whatever
+        of its text the pieces, ``shown``, did not carry)."""
+        if not isinstance(item, Reply):
+            return ChatGenerationChunk(message=AIMessageChunk(content=item))
+        final = self._final_message(item, chunk=True)
+        if not final.tool_call_chunks and not final.invalid_tool_calls:
+            if item.content.startswith(shown) and len(item.content) > len(shown):
+                final.content = item.content[len(shown) :]
+        return ChatGenerationChunk(message=final)
 
     def _final_message(self, reply: Reply, chunk: bool):
         usage = {
@@ -230,12 +235,11 @@ class ChatKVMemory(BaseChatModel):
         meta = {"finish_reason": reply.finish_reason, "model_name": self.engine.name}
         content, calls, invalid = reply.content, reply.tool_calls, []
         if reply.tool_call_error is not None:
-            body = TOOL_CALL_RE.search(reply.text)
             invalid = [
                 {
                     "type": "invalid_tool_call",
                     "name": None,
-                    "args": body.group(1) if body else reply.text,
+                    "args": reply.invalid_tool_call,
                     "id": None,
                     "error": f"{reply.tool_call_error}. "
                     'Answer again with <tool_call>{"name": ..., "arguments": {...}}</tool_call>',
@@ -266,11 +270,12 @@ class ChatKVMemory(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         reply = None
-        for item in self._turns(messages, stop, kwargs):
-            if isinstance(item, Reply):
-                reply = item
-            elif run_manager is not None:
-                run_manager.on_llm_new_token(item)
+        with context_overflow():
+            for item in self._core.turn(self._turn(messages, stop, kwargs)):
+                if isinstance(item, Reply):
+                    reply = item
+                elif run_manager is not None:
+                    run_manager.on_llm_new_token(item)
         return ChatResult(generations=[ChatGeneration(message=self._final_message(reply, chunk=False))])
 
     def _stream(
@@ -280,21 +285,15 @@ class ChatKVMemory(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        reply, shown = None, ""
-        for item in self._turns(messages, stop, kwargs):
-            if isinstance(item, Reply):
-                reply = item
-                continue
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=item))
-            shown += item
-            if run_manager is not None:
-                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
-        final = self._final_message(reply, chunk=True)
-        if not final.tool_call_chunks and not final.invalid_tool_calls:
-            if reply.content.startswith(shown) and len(reply.content) > len(shown):
-                final.content = reply.content[len(shown) :]
-        yield ChatGenerationChunk(message=final)
+        shown = ""
+        with context_overflow():
+            for item in self._core.turn(self._turn(messages, stop, kwargs)):
+                chunk = self._chunk(item, shown)
+                if not isinstance(item, Reply):
+                    shown += item
+                    if run_manager is not None:
+                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
 
     async def _agenerate(
         self,
@@ -323,22 +322,28 @@ class ChatKVMemory(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
+        """The serving core's asyncio bridge (``AsyncCore``): one token per worker-thread step, so other
+        coroutines and sessions interleave; a cancelled task keeps exactly the text it received."""
         kwargs.setdefault("thread_id", self.current_thread_id(kwargs))
-        iterator = self._stream(messages, stop, None, **kwargs)
-        done = object()
-        try:
-            while True:  # one token per worker-thread step: other coroutines and sessions interleave
-                # a cancelled task still waits for the step in flight, so the iterator is never closed mid-step
-                chunk, cancelled = await finish_step(asyncio.to_thread(next, iterator, done))
-                if cancelled is not None:
-                    raise cancelled
-                if chunk is done:
-                    return
-                if run_manager is not None and chunk.text:
-                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+        shown = ""
+        with context_overflow():
+            turn = functools.partial(self._core.turn, self._turn(messages, stop, kwargs))
+            async for item in self._async_core.iterate(turn):
+                chunk = self._chunk(item, shown)
+                if not isinstance(item, Reply):
+                    shown += item
+                    if run_manager is not None:
+                        await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
-        finally:
-            await finish_step(asyncio.to_thread(iterator.close))
+
+
+@contextlib.contextmanager
+def context_overflow() -> Iterator[None]:
+    """A turn that cannot fit the model's context or the memory cap, as LangChain's ``ContextOverflowError``."""
+    try:
+        yield
+    except (ContextLengthError, MemoryCapError) as err:
+        raise ContextOverflowError(str(err)) from err
 
 
 def _without_thread(kwargs: dict) -> dict:

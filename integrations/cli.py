@@ -10,6 +10,7 @@ import logging
 import os
 from pathlib import Path
 
+from kvmemory.defaults import DEFAULT_MAX_SLOTS
 from kvmemory.errors import KVMemoryError
 from kvmemory.extras import MissingExtraError, require
 from kvmemory.runtime import named_models
@@ -103,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-mb-per-key", type=float, default=None, help="resident KV and saved files of one key")
     serve.add_argument("--max-responses-per-key", type=int, default=1000, help="stored responses kept per key")
     serve.add_argument("--session-ttl-hours", type=float, default=168.0, help="idle sessions are deleted after this")
-    serve.add_argument("--max-slots", type=int, default=2048, help="the default policy's cap per session")
+    serve.add_argument(
+        "--max-slots", type=int, default=DEFAULT_MAX_SLOTS, help="the default policy's cap per session (slots per head)"
+    )
     serve.add_argument("--policy", default=None, help="a memory policy file (.yaml/.toml/.json) for every session")
     serve.add_argument(
         "--kv-dtype",

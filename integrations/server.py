@@ -37,12 +37,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 
 from kvmemory import MemoryPolicy, SessionStore, default_policy
+from kvmemory.defaults import DEFAULT_MAX_SLOTS
 from kvmemory.integrations.dialects import anthropic_messages, openai_chat, openai_responses
 from kvmemory.integrations.serving import (
     APIError,
@@ -201,7 +202,7 @@ class Gate:
 
     @property
     def state(self):
-        """The app's state (``backend``, ``responses``; ``core`` in a single process)."""
+        """The app's state (``core``, the serving core, in a single process)."""
         return self.app.state
 
     async def __call__(self, scope, receive, send):
@@ -357,22 +358,17 @@ def conversation_key(owner: str | None, messages: list[dict]) -> str:
     return session_key(owner, "conv-" + hashlib.sha256(json.dumps(head).encode()).hexdigest()[:32])
 
 
-def http_app(
-    backend,
-    model: str,
-    api_keys: tuple[str, ...] = (),
-    model_aliases: tuple[str, ...] = (),
-    max_request_mb: float = 32.0,
-    responses: ResponseLog | None = None,
-) -> FastAPI:
-    """The routes over ``backend`` (a LocalBackend, or the Ray ingress's replicas)."""
-    app = FastAPI(title="kvmemory", description=__doc__)
-    app.state.backend, app.state.responses = backend, responses or ResponseLog()
-    names = (model, "default", *model_aliases)  # "default": whatever model the server was started with
+class Served:
+    """What every route reads: the backend (a LocalBackend, or the Ray ingress's replicas), the names the model
+    answers to, the stored responses; and how a request names its session."""
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in names and "*" not in names:
-            served = ", ".join(repr(n) for n in names)
+    def __init__(self, backend, model: str, model_aliases: tuple[str, ...], responses: ResponseLog):
+        self.backend, self.model, self.responses = backend, model, responses
+        self.names = (model, "default", *model_aliases)  # "default": whatever model the server was started with
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names and "*" not in self.names:
+            served = ", ".join(repr(n) for n in self.names)
             raise NotFound(
                 f"model {name!r} is not served here; this server serves {served} (start it with --model-alias NAME "
                 "to accept another name, or --model-alias '*' for any)",
@@ -380,14 +376,38 @@ def http_app(
                 param="model",
             )
 
-    def key(request: Request, body_id: str | None = None, param: str = "x-session-id") -> str | None:
+    @staticmethod
+    def owner(request: Request) -> str | None:
+        return request.state.owner
+
+    def key(self, request: Request, body_id: str | None = None, param: str = "x-session-id") -> str | None:
         given = request.headers.get("x-session-id") or body_id
         if given is None:
             return None
-        return session_key(owner(request), given, "x-session-id" if request.headers.get("x-session-id") else param)
+        where = "x-session-id" if request.headers.get("x-session-id") else param
+        return session_key(self.owner(request), given, where)
 
-    def owner(request: Request) -> str | None:
-        return request.state.owner
+
+def http_app(
+    backend,
+    model: str,
+    api_keys: tuple[str, ...] = (),
+    model_aliases: tuple[str, ...] = (),
+    max_request_mb: float = 32.0,
+    responses: ResponseLog | None = None,
+) -> Gate:
+    """The routes over ``backend`` (a LocalBackend, or the Ray ingress's replicas), behind the key and size
+    gate: one router per dialect, each converting its requests into the serving core's turns."""
+    app = FastAPI(title="kvmemory", description=__doc__)
+    served = Served(backend, model, tuple(model_aliases), responses or ResponseLog())
+    add_error_handlers(app)
+    for router in (general_routes, openai_chat_routes, openai_responses_routes, anthropic_routes, session_routes):
+        app.include_router(router(served))
+    return Gate(app, tuple(api_keys), int(max_request_mb * MB))
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in the shape of the dialect its route speaks; a crash a 500 that names only its type."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
@@ -406,32 +426,47 @@ def http_app(
         error = ServerError(f"internal error ({type(err).__name__}); the server log has the details")
         return JSONResponse(dialect_error(request.url.path, error), 500)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+
+def general_routes(served: Served) -> APIRouter:
+    router = APIRouter()
+
+    @router.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        return {"status": "ok", "model": model}
+        return {"status": "ok", "model": served.model}
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "kvmemory", "created": 0}]}
+        entry = {"id": served.model, "object": "model", "owned_by": "kvmemory", "created": 0}
+        return {"object": "list", "data": [entry]}
 
-    # -- OpenAI Chat Completions --
-    @app.post("/v1/chat/completions")
+    return router
+
+
+def openai_chat_routes(served: Served) -> APIRouter:
+    router, backend, model = APIRouter(), served.backend, served.model
+
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = openai_chat.request(await json_body(request))
-        check_model(req.model)
-        turn = openai_chat.turn(req, key(request, req.user, "user"))
+        served.check_model(req.model)
+        turn = openai_chat.turn(req, served.key(request, req.user, "user"))
         if req.stream:
             items = await first_then_rest(request, backend.stream(turn))
             return event_stream(openai_chat.events(req, items, model), openai_error_event)
         return openai_chat.answer(await unless_disconnected(request, backend.run(turn)), model)
 
-    # -- OpenAI Responses --
-    @app.post("/v1/responses")
+    return router
+
+
+def openai_responses_routes(served: Served) -> APIRouter:
+    router, backend, model, log_ = APIRouter(), served.backend, served.model, served.responses
+
+    @router.post("/v1/responses")
     async def create_response(request: Request):
         req = openai_responses.request(await json_body(request))
-        check_model(req.model)
-        who, log_ = owner(request), app.state.responses
-        earlier, calls, session = [], {}, key(request, req.prompt_cache_key, "prompt_cache_key")
+        served.check_model(req.model)
+        who = served.owner(request)
+        earlier, calls, session = [], {}, served.key(request, req.prompt_cache_key, "prompt_cache_key")
         if req.previous_response_id is not None:
             previous = log_.get(req.previous_response_id, who)
             earlier, calls = previous["conversation"], previous["calls"]
@@ -464,68 +499,82 @@ def http_app(
         store(reply, body)
         return body
 
-    @app.get("/v1/responses/{response_id}")
+    @router.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str):
-        return app.state.responses.get(response_id, owner(request))["response"]
+        return log_.get(response_id, served.owner(request))["response"]
 
-    @app.delete("/v1/responses/{response_id}")
+    @router.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str):
-        app.state.responses.delete(response_id, owner(request))
+        log_.delete(response_id, served.owner(request))
         return {"id": response_id, "object": "response", "deleted": True}
 
-    # -- Anthropic Messages --
-    @app.post("/v1/messages")
+    return router
+
+
+def anthropic_routes(served: Served) -> APIRouter:
+    router, backend, model = APIRouter(), served.backend, served.model
+
+    @router.post("/v1/messages")
     async def messages(request: Request):
         req = anthropic_messages.request(await json_body(request))
-        check_model(req.model)
-        turn = anthropic_messages.turn(req, key(request))
+        served.check_model(req.model)
+        turn = anthropic_messages.turn(req, served.key(request))
         if turn.session is None:
-            turn.session = conversation_key(owner(request), turn.messages)
+            turn.session = conversation_key(served.owner(request), turn.messages)
         if req.stream:
             items = await first_then_rest(request, backend.stream(turn))
             return event_stream(anthropic_messages.events(model, items), anthropic_messages.error_event)
         return anthropic_messages.answer(await unless_disconnected(request, backend.run(turn)), model)
 
-    @app.post("/v1/messages/count_tokens")
+    @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         req = anthropic_messages.request(await json_body(request), anthropic_messages.CountRequest)
-        check_model(req.model)
+        served.check_model(req.model)
         turn = Turn(anthropic_messages.chat_messages(req), anthropic_messages.tools(req))
         return {"input_tokens": await backend.count_tokens(turn)}
 
-    # -- sessions --
-    @app.get("/v1/sessions")
+    return router
+
+
+def session_routes(served: Served) -> APIRouter:
+    """kvmemory's own routes: a session's stats and memory map; save, restore and delete it."""
+    router, backend = APIRouter(), served.backend
+
+    def key(request: Request, session_id: str) -> str | None:
+        return served.key(request, session_id, "session_id")
+
+    @router.get("/v1/sessions")
     async def sessions(request: Request):
-        ids = await backend.sessions(owner(request))
+        ids = await backend.sessions(served.owner(request))
         return {"object": "list", "data": [{"id": i, "object": "session"} for i in ids]}
 
-    @app.get("/v1/sessions/{session_id}")
+    @router.get("/v1/sessions/{session_id}")
     async def session_stats(request: Request, session_id: str):
-        stats = await backend.session("stats", key(request, session_id, "session_id"))
+        stats = await backend.session("stats", key(request, session_id))
         return finite({"id": session_id, **stats})
 
-    @app.get("/v1/sessions/{session_id}/memory_map.png")
+    @router.get("/v1/sessions/{session_id}/memory_map.png")
     async def memory_map(request: Request, session_id: str):
-        png = await backend.session("memory_map", key(request, session_id, "session_id"))
+        png = await backend.session("memory_map", key(request, session_id))
         return Response(png, media_type="image/png")
 
-    @app.post("/v1/sessions/{session_id}/save")
+    @router.post("/v1/sessions/{session_id}/save")
     async def save(request: Request, session_id: str):
-        size = await backend.session("save", key(request, session_id, "session_id"))
+        size = await backend.session("save", key(request, session_id))
         return {"id": session_id, "saved": True, "bytes": size}
 
-    @app.post("/v1/sessions/{session_id}/restore")
+    @router.post("/v1/sessions/{session_id}/restore")
     async def restore(request: Request, session_id: str):
         """Load the session from its saved file (replacing the resident one)."""
-        tokens = await backend.session("restore", key(request, session_id, "session_id"))
+        tokens = await backend.session("restore", key(request, session_id))
         return {"id": session_id, "restored": True, "logical_tokens": tokens}
 
-    @app.delete("/v1/sessions/{session_id}")
+    @router.delete("/v1/sessions/{session_id}")
     async def delete(request: Request, session_id: str):
-        await backend.session("delete", key(request, session_id, "session_id"))
+        await backend.session("delete", key(request, session_id))
         return {"id": session_id, "deleted": True}
 
-    return Gate(app, tuple(api_keys), int(max_request_mb * MB))
+    return router
 
 
 def responses_error_event(ident: str, err: APIError) -> str:
@@ -571,7 +620,7 @@ def create_app(
     ``sessions_per_key`` sessions of ``bytes_per_key`` bytes and ``responses_per_key`` stored responses; those
     idle for ``session_ttl`` seconds deleted."""
     store = store or SessionStore(engine)
-    policy = policy or default_policy(max_slots=2048)
+    policy = policy or default_policy(max_slots=DEFAULT_MAX_SLOTS)
     core = ServingCore(
         store,
         policy,
@@ -667,4 +716,4 @@ def serving_policy(settings: dict) -> MemoryPolicy:
     """``--policy FILE`` when given, else the default policy under ``--max-slots``."""
     if settings.get("policy"):
         return MemoryPolicy.from_file(settings["policy"])
-    return default_policy(max_slots=settings.get("max_slots", 2048))
+    return default_policy(max_slots=settings.get("max_slots", DEFAULT_MAX_SLOTS))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import re
 import threading
@@ -183,25 +184,53 @@ class Reply:
     completion_tokens: int
     conversation: list[dict]
     tool_call_error: str | None = None  # why text in <tool_call> tags is no valid call (it stays in content)
+    invalid_tool_call: str | None = None  # that text
 
-
-def read_tool_calls(text: str, tools: list[dict] | None) -> tuple[str, list[dict], str | None]:
-    """(content, tool calls, why text in <tool_call> tags is no valid call, or None) of a reply's text."""
-    try:
-        content, calls = parse_tool_calls(text, tools)
-    except ToolCallParseError as err:
-        return text, [], str(err)
-    return content, calls, None
+    @classmethod
+    def read(
+        cls,
+        text: str,
+        finish_reason: str,
+        stop_sequence: str | None,
+        prompt: int,
+        cached: int,
+        completion: int,
+        conversation: list[dict],
+        tools: list[dict] | None,
+    ) -> Reply:
+        """The reply of the model's ``text``: its tool calls parsed (text that is no valid call stays text)."""
+        try:
+            content, calls = parse_tool_calls(text, tools)
+        except ToolCallParseError as err:
+            return cls(
+                text,
+                text,
+                [],
+                finish_reason,
+                stop_sequence,
+                prompt,
+                cached,
+                completion,
+                conversation,
+                str(err),
+                err.call_text,
+            )
+        finish = "tool_calls" if calls else finish_reason
+        return cls(text, content, calls, finish, stop_sequence, prompt, cached, completion, conversation)
 
 
 def reply_of(generation, prompt: int, cached: int, conversation: list[dict], tools: list[dict] | None) -> Reply:
-    """The Reply for a finished generation: tool calls parsed (text that is no valid call stays text)."""
+    """The Reply for a finished generation."""
     result = generation.result
-    content, calls, error = read_tool_calls(result.text, tools)
-    finish = "tool_calls" if calls else result.finish_reason
-    completion = len(result.token_ids)
-    return Reply(
-        result.text, content, calls, finish, generation.stop_string, prompt, cached, completion, conversation, error
+    return Reply.read(
+        result.text,
+        result.finish_reason,
+        generation.stop_string,
+        prompt,
+        cached,
+        len(result.token_ids),
+        conversation,
+        tools,
     )
 
 
@@ -423,7 +452,7 @@ class ServingCore:
 
     def count_tokens(self, turn: Turn) -> int:
         with self.errors():
-            return len(self.engine.session().renderer.render(turn.messages, turn.tools, add_generation_prompt=True))
+            return len(self.engine.render_chat(turn.messages, turn.tools))
 
     # -- sessions --
     def known(self, key: str) -> None:
@@ -531,9 +560,15 @@ class AsyncCore:
             work.add_done_callback(unread)
             raise
 
-    async def stream(self, turn: Turn) -> AsyncIterator[str | Reply]:
+    def stream(self, turn: Turn) -> AsyncIterator[str | Reply]:
+        return self.iterate(functools.partial(self.core.stream, turn))
+
+    async def iterate(self, start: Callable[[threading.Event], Iterator]) -> AsyncIterator:
+        """The items of ``start(cancel)``, a blocking iterator, one worker-thread step each. The task awaiting
+        them may be cancelled at any step: the worker finishes that step, ``cancel`` is set and the iterator
+        closed (a turn then keeps exactly the text it yielded)."""
         cancel = threading.Event()
-        iterator = self.core.stream(turn, cancel)
+        iterator = start(cancel)
         future = None
         try:
             while True:

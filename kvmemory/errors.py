@@ -38,7 +38,11 @@ class PolicyError(KVMemoryError, ValueError):
 
 
 class ToolCallParseError(KVMemoryError, ValueError):
-    """The model wrote a tool call that is not valid JSON or lacks a name."""
+    """The model wrote a tool call that is not valid JSON or lacks a name; ``call_text`` is what it wrote."""
+
+    def __init__(self, message: str, call_text: str = ""):
+        super().__init__(message)
+        self.call_text = call_text
 
 
 class InvalidArgumentError(KVMemoryError, ValueError):

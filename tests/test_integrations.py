@@ -15,7 +15,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
 from kvmemory.integrations import ChatKVMemory, CompactionNode, KVMemoryMiddleware, KVMemoryState, kv_policy
-from kvmemory.integrations.serving import Reply, read_tool_calls
+from kvmemory.integrations.serving import Reply
 from kvmemory.memory import CompactionRule, MemoryBudget, MemoryPolicy, default_policy
 from tests.conftest import until
 
@@ -97,8 +97,7 @@ def test_tool_call_round_trip_reuses_the_cache(chat):
 
 def test_tool_call_parsing_and_malformed_output(chat):
     def reply(text: str) -> Reply:
-        content, calls, error = read_tool_calls(text, None)
-        return Reply(text, content, calls, "tool_calls" if calls else "stop", None, 10, 0, 5, [], error)
+        return Reply.read(text, "stop", None, 10, 0, 5, [], None)
 
     ok = chat._final_message(
         reply('Checking.<tool_call>{"name": "lookup_port", "arguments": {"service": "db"}}</tool_call>'), chunk=False
@@ -109,6 +108,7 @@ def test_tool_call_parsing_and_malformed_output(chat):
     bad = chat._final_message(reply(malformed), chunk=False)
     assert not bad.tool_calls and bad.invalid_tool_calls
     assert "not valid JSON" in bad.invalid_tool_calls[0]["error"]
+    assert bad.invalid_tool_calls[0]["args"] == '{"name": "lookup_port", "arguments": {service: db}}'  # what it wrote
 
 
 def test_context_overflow_is_a_langchain_error(small_engine):

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from kvmemory.agents.coding_agent.sample_project import TASK
+from kvmemory.defaults import DEFAULT_MAX_SLOTS
 from kvmemory.extras import MissingExtraError, require
 
 # (LangChain, the engine and torch are imported once the command runs: ``--help`` and a missing extra answer
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample", action="store_true", help="use a fresh copy of the bundled sample project")
     parser.add_argument("--task", default=TASK)
     parser.add_argument("--model", default="default", help="HF id, local directory, .gguf file or 'default'")
-    parser.add_argument("--max-slots", type=int, default=2048, help="KV memory cap (slots per head)")
+    parser.add_argument("--max-slots", type=int, default=DEFAULT_MAX_SLOTS, help="KV memory cap (slots per head)")
     parser.add_argument("--max-steps", type=int, default=12, help="model calls before the agent is stopped")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--record", default=None, help="write the run (every call and output, the tests after) as JSON")

@@ -373,7 +373,11 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None) -> tuple[str, l
     """
     calls = []
     for match in TOOL_CALL_RE.finditer(text):
-        calls += _calls(_tag_json(match.group(1).strip()))
+        body = match.group(1).strip()
+        try:
+            calls += _calls(_tag_json(body))
+        except ToolCallParseError as err:
+            raise ToolCallParseError(str(err), call_text=body) from err
     if calls:
         return TOOL_CALL_RE.sub("", text).strip(), calls
     bare = _bare_call(text, {_function_schema(t).get("name") for t in tools or ()})
