@@ -48,21 +48,7 @@ def test_a_python_snippet_of_the_readme_runs(index):
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
 
 
-@pytest.mark.parametrize(
-    "results, row_start", [("demo.json", "| the demo's"), ("demo_qwen2.5-coder-1.5b.json", "| the same demo on")]
-)
-def test_the_readmes_demo_rows_quote_the_demos_results_files(results, row_start):
-    import json
+def test_the_readmes_results_table_is_what_the_results_generate():
+    from benchmarks.readme_results import with_results
 
-    demo = json.loads((ROOT / "benchmarks" / "results" / results).read_text())
-    row = next(line for line in README.splitlines() if line.startswith(row_start))
-    for quoted in (
-        demo["model"].removesuffix("-Instruct"),
-        f"{demo['tokens']:,}-token",
-        f"{demo['answered_from_cache']} of {demo['questions']} questions",
-        f"{demo['peak_kv_bytes'] / 2**20:.1f} MiB of KV at peak",
-        f"{demo['session_seconds']:.0f} s",
-        f"{demo['uncompacted_kv_bytes'] / 2**20:.1f} MiB uncompacted",
-        f"{demo['cap_slots']:,}-slot cap",
-    ):
-        assert quoted in row, quoted
+    assert README == with_results(README), "README.md's results table is stale: run python -m benchmarks.report --write"
