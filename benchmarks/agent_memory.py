@@ -47,13 +47,11 @@ import re
 import statistics
 import time
 
-from langchain.agents.middleware import ClearToolUsesEdit, SummarizationMiddleware
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
-
 from benchmarks.agent_traces import load_traces, trace_text
 from benchmarks.common import BENCH_MODEL, RESULTS, save, table
+from benchmarks.text_memory import ClearToolUses, DropOldest, FullHistory, Summarization
 from kvmemory import Engine, MemoryManager, MemoryPolicy, default_policy
-from kvmemory.integrations.chat_model import ChatKVMemory, to_chat_dicts
+from kvmemory.integrations.chat_model import to_chat_dicts
 
 SEEDS = [("cc", "counter_causal"), ("am", "attention_matching"), ("tam", "tam")]  # condition prefix, method
 DEFAULT_LINES = {"inner": "selective_context", "inner_params": {"evict_predictable_below": 1.0}}
@@ -126,119 +124,6 @@ def capped_policy(
     switch = {"method": method, "params": params or {}}
     rules = [r if r.protected else r.model_copy(update=switch) for r in policy.rules]
     return policy.model_copy(update={"rules": rules, "default": policy.default.model_copy(update=switch)})
-
-
-def to_langchain(messages: list[dict]) -> list:
-    """Chat dicts (as the traces store them) → LangChain messages, for the text baselines."""
-    out = []
-    for m in messages:
-        if m["role"] == "system":
-            out.append(SystemMessage(m["content"]))
-        elif m["role"] == "user":
-            out.append(HumanMessage(m["content"]))
-        elif m["role"] == "tool":
-            out.append(ToolMessage(m["content"], tool_call_id=m["tool_call_id"], name=m["name"]))
-        else:
-            calls = [
-                {"name": c["function"]["name"], "args": c["function"]["arguments"], "id": c["id"]}
-                for c in m.get("tool_calls", [])
-            ]
-            out.append(AIMessage(m["content"], tool_calls=calls))
-    return out
-
-
-# ---- what each condition shows the model -----------------------------------------------------------
-class FullHistory:
-    """kvmemory and the uncompacted run: the model is sent every message; the cache does the remembering."""
-
-    def show(self, history: list[dict]) -> list[dict]:
-        return history
-
-    def probe(self, history: list[dict], extra: list[dict]) -> list[dict]:
-        return history + extra
-
-
-class DropOldest:
-    """Keep the system prompt and task, then the newest messages that fit the token budget."""
-
-    def __init__(self, count_tokens, budget: int):
-        self.count, self.budget = count_tokens, budget
-
-    def fit(self, messages: list) -> list:
-        head, rest = messages[:2], messages[2:]
-        starts = self.starts(rest)
-        low, high = 0, len(starts) - 1  # the first start whose messages fit (fewer messages, fewer tokens)
-        while low < high:
-            middle = (low + high) // 2
-            if self.count(head + rest[starts[middle] :]) <= self.budget:
-                high = middle
-            else:
-                low = middle + 1
-        return head + rest[starts[low] :]
-
-    @staticmethod
-    def starts(rest: list) -> list[int]:
-        """Where the kept messages may begin, oldest dropped first: a tool call goes with its results, and no
-        tool result is left without its call; the last start keeps nothing."""
-        out, at = [0], 0
-        while at < len(rest):
-            cut = 1
-            if isinstance(rest[at], AIMessage) and rest[at].tool_calls:
-                while at + cut < len(rest) and isinstance(rest[at + cut], ToolMessage):
-                    cut += 1
-            at += cut
-            while at < len(rest) and isinstance(rest[at], ToolMessage):  # never leave an orphaned tool result
-                at += 1
-            out.append(at)
-        return out
-
-    def edit(self, messages: list) -> list:
-        return messages
-
-    def show(self, history: list[dict]) -> list[dict]:
-        return to_chat_dicts(self.fit(self.edit(to_langchain(history))))
-
-    def probe(self, history: list[dict], extra: list[dict]) -> list[dict]:
-        return self.show(history + extra)
-
-
-class ClearToolUses(DropOldest):
-    """LangChain's ContextEditingMiddleware with ``ClearToolUsesEdit(keep=3)`` at the budget (applied to every
-    model call, as the middleware does), then drop-oldest where clearing alone does not fit the budget."""
-
-    def edit(self, messages: list) -> list:
-        messages = [m.model_copy(deep=True) for m in messages]
-        ClearToolUsesEdit(trigger=self.budget, keep=3).apply(messages, count_tokens=self.count)
-        return messages
-
-
-class Summarization:
-    """LangChain's SummarizationMiddleware (the local model summarises) over the running conversation. As in
-    ``create_agent``, the system prompt stays outside the agent state and the middleware's state update
-    replaces the messages; probes see that state without summarising again."""
-
-    def __init__(self, count_tokens, budget: int, engine):
-        summariser = ChatKVMemory(engine=engine, policy=MemoryPolicy.never(), max_new_tokens=128)
-        self.system, self.state, self.seen, self.summaries = [], [], 1, 0
-        self.middleware = SummarizationMiddleware(  # counts the system prompt too: the budget is what is sent
-            summariser,
-            trigger=("tokens", budget),
-            keep=("tokens", budget // 2),
-            token_counter=lambda messages: count_tokens(self.system + list(messages)),
-        )
-
-    def show(self, history: list[dict]) -> list[dict]:
-        self.system = to_langchain(history[:1])
-        self.state += to_langchain(history[self.seen :])
-        self.seen = len(history)
-        update = self.middleware.before_model({"messages": self.state}, None)
-        if update is not None:
-            self.state = [m for m in update["messages"] if m.type != "remove"]
-            self.summaries += 1
-        return to_chat_dicts(self.system + self.state)
-
-    def probe(self, history: list[dict], extra: list[dict]) -> list[dict]:
-        return to_chat_dicts(self.system + self.state + to_langchain(history[self.seen :] + extra))
 
 
 # ---- measuring --------------------------------------------------------------------------------------

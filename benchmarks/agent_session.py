@@ -28,9 +28,10 @@ import time
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
-from benchmarks.agent_memory import DropOldest, degenerate, no_trace_logprobs
+from benchmarks.agent_memory import degenerate, no_trace_logprobs
 from benchmarks.agent_traces import trace_text
 from benchmarks.common import BENCH_MODEL, RESULTS, save, table
+from benchmarks.text_memory import DropOldest
 from kvmemory import Engine
 from kvmemory.agents.coding_agent.scripted_session import STEPS, SYSTEM_PROMPT, fact_questions, recorded_tools, replay
 from kvmemory.integrations.chat_model import to_chat_dicts

@@ -27,9 +27,10 @@ import json
 import statistics
 import time
 
-from benchmarks.agent_memory import FullHistory, ask, bootstrap, gain_share, no_trace_logprobs, replay, setup
+from benchmarks.agent_memory import ask, bootstrap, gain_share, no_trace_logprobs, replay, setup
 from benchmarks.agent_traces import TRACE_SETS, load_traces, trace_text
 from benchmarks.common import BENCH_MODEL, RESULTS, save, table
+from benchmarks.text_memory import FullHistory
 from kvmemory import Engine
 
 CONDITIONS = ["kvmemory-default", "uniform-lines", "cc-lines", "am-lines", "tam-lines", "drop-oldest"]

@@ -49,6 +49,6 @@ def test_a_python_snippet_of_the_readme_runs(index):
 
 
 def test_the_readmes_results_table_is_what_the_results_generate():
-    from benchmarks.readme_results import with_results
+    from benchmarks.report.readme import with_results
 
     assert README == with_results(README), "README.md's results table is stale: run python -m benchmarks.report --write"

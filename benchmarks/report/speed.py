@@ -1,0 +1,387 @@
+"""Sections of ``benchmarks/README.md`` on speed: decode and prefill, cache formats, kernels, concurrent sessions,
+capacity and stalls."""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks.report.tables import NLL_COLUMN, beside_fp32, formats_of, md, on_cpu
+
+
+def speed_section(d: dict) -> str:
+    runners = [k.removesuffix(" decode tok/s") for k in d["contexts"][0] if k.endswith(" decode tok/s")]
+    header = ["context"] + [f"{r} {what} tok/s" for r in runners for what in ("prefill", "decode")]
+    rows = [
+        [r["context"]] + [f"{r[f'{n} {what} tok/s']:.1f}" for n in runners for what in ("prefill", "decode")]
+        for r in d["contexts"]
+    ]
+    if "llama.cpp" in runners:
+        header += ["decode vs llama.cpp", "prefill vs llama.cpp"]
+        for row, r in zip(rows, d["contexts"]):
+            row += [f"{r['decode vs llama.cpp']:.2f}×", f"{r['prefill vs llama.cpp']:.2f}×"]
+    c = d["compacted"]
+    text = (
+        f"**Speed** (`python -m benchmarks.speed`, {d['weights_default']} weights{on_cpu(d)}, medians of "
+        f"{d['repeats']} runs, the runners taking turns after a warm-up each, {d['decode_tokens']} greedy tokens; "
+        "llama.cpp through llama-cpp-python on the same GGUF file and thread count):\n\n"
+        + md(rows, header)
+        + f"\n\nAfter compacting {c['context']} tokens to {c['slots']} slots per head: decode "
+        f"{c['compacted_decode_tok_s']:.1f} tok/s vs {c['uncompacted_decode_tok_s']:.1f} uncompacted "
+        f"({c['speedup']:.2f}×), KV {c['compacted_kv_bytes'] / 2**20:.1f} MiB vs "
+        f"{c['uncompacted_kv_bytes'] / 2**20:.1f} MiB; with uneven heads (0.5× to 1.5× the mean, the same "
+        f"{c['uneven_kv_bytes'] / 2**20:.1f} MiB) {c['uneven_decode_tok_s']:.1f} tok/s ({c['uneven_vs_even']:.2f}× "
+        "the even heads)"
+        + (
+            f"; llama.cpp, taking turns with these sessions, decodes the uncompacted {c['context']} tokens at "
+            f"{c['llama_cpp_decode_tok_s']:.1f} tok/s ({c['compacted_vs_llama_cpp']:.2f}× for the compacted session; "
+            f"medians of {c.get('repeats', d['repeats'])} runs)."
+            if "llama_cpp_decode_tok_s" in c
+            else "."
+        )
+    )
+    if "callers" in d:
+        callers = {k.removesuffix(" decode tok/s"): v for k, v in d["callers"].items() if k.endswith("tok/s")}
+        text += (
+            "\n\nDecode at 512 tokens by caller (every CPU forward runs on the compute thread, whoever calls): "
+            + ", ".join(f"{name} {tok_s:.1f} tok/s" for name, tok_s in callers.items())
+            + "."
+        )
+    if "recording" in d:
+        r = d["recording"]
+        text += (
+            f"\n\nRecording each token's surprisal (what the default policy's selective context ranks by) at "
+            f"{r['context']} tokens (medians of {r.get('repeats', d['repeats'])}): "
+            f"prefill {r['surprisal recorded prefill tok/s']:.0f} tok/s vs "
+            f"{r['plain prefill tok/s']:.0f} without ({r['prefill cost']:+.0%} time), decode "
+            f"{r['surprisal recorded decode tok/s']:.1f} vs {r['plain decode tok/s']:.1f} tok/s."
+        )
+    if "kv_dtype" in d:  # runs before ``benchmarks.kv_dtype`` measured the cache formats
+        k = d["kv_dtype"]
+        text += (
+            f"\n\nThe cache stored in 16 bits (`kv_dtype`) at {k['context']} tokens (medians of {k['repeats']}): "
+            + ", ".join(
+                f"{r['kv_dtype']} {r['kv_bytes_per_token'] / 1024:.1f} KiB per token, prefill "
+                f"{r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s"
+                for r in k["rows"]
+            )
+            + "."
+        )
+    if "weights" in d:
+        weights = [
+            [
+                w["weights"],
+                f"{w['decode_tok_s']:.1f}",
+                f"{w['prefill_tok_s']:.0f}",
+                f"{w['weight_mb']:.0f}",
+                *beside_fp32(w),
+            ]
+            for w in d["weights"]
+        ]
+        text += (
+            "\n\nWeight formats (`Engine.from_pretrained(weights=...)`; decode and prefill at 512 tokens; the NLL "
+            "change is the largest over `benchmarks.quality`'s full-cache rows, one 2,048-token window per text "
+            "kind; order: SnapKV, AM under REAL and TAM at 10× rank the same as with fp32 on every kind):\n\n"
+            + md(weights, ["weights", "decode tok/s", "prefill tok/s", "weight MB", NLL_COLUMN, "order"])
+        )
+    if "kernels" in d:
+        eight = "ms_8_rows" in d["kernels"][0]  # runs before it timed one row only
+        kernels = [
+            [k["kernel"], f"{k['ms_per_token']:.1f}"] + ([f"{k['ms_8_rows']:.1f}"] if eight else [])
+            for k in d["kernels"]
+        ]
+        text += (
+            "\n\nOne token through every linear weight of the default model's shapes (output head included), per "
+            "CPU kernel"
+            + (", and one pass of 8 rows (8 sessions decoding at once)" if eight else "")
+            + " (torch's int8 and int4 weight-only kernels are vectorised for bf16 activations only):\n\n"
+            + md(kernels, ["kernel", "ms per token"] + (["ms for 8 rows"] if eight else []))
+        )
+    return text + "\n\n![speed](benchmarks/results/speed.png)"
+
+
+def kv_dtype_section(d: dict) -> str:
+    rows = [
+        [
+            r["kv_dtype"],
+            f"{r['kv_bytes_per_token'] / 1024:.1f}",
+            f"{r['prefill_tok_s']:.0f}",
+            f"{r['decode_tok_s']:.1f}",
+            *beside_fp32(r),
+        ]
+        for r in d["rows"]
+    ]
+    return (
+        f"**KV cache formats** (`python -m benchmarks.kv_dtype`, {d['weights']} weights{on_cpu(d)}): the cache "
+        "stored in fp32, fp16, bf16 and 8-bit rows (`Engine(kv_dtype=...)`); bytes per token over every layer and "
+        f"KV head (β and positions included); prefill of {d['context']} tokens and {d['decode_tokens']} greedy "
+        f"tokens after it, the formats taking turns (medians of {d['repeats']}); the NLL change is the largest "
+        "over `benchmarks.quality`'s full-cache rows against the fp32 cache (one 2,048-token window per text "
+        "kind); order: SnapKV, AM under REAL and TAM at 10× rank as on the fp32 cache on every kind.\n\n"
+        + md(rows, ["kv_dtype", "KiB per token", "prefill tok/s", "decode tok/s", NLL_COLUMN, "order"])
+        + "\n\n![kv_dtype](benchmarks/results/kv_dtype.png)"
+    )
+
+
+def capacity_section(d: dict) -> str:
+    parallel = [r for r in d["rows"] if r["part"] == "parallel"]
+    labels = sorted({(r["engine"], r.get("cap_slots") or 0) for r in parallel}, key=lambda x: (x[0] != "llama.cpp", x))
+    counts = sorted({r["sessions"] for r in parallel})
+    speed = {(r["engine"], r.get("cap_slots") or 0, r["sessions"]): r for r in parallel}
+    rows = [
+        [f"{engine}, " + (f"each under {cap} slots" if cap else "uncompacted")]
+        + [
+            f"{speed[(engine, cap, n)]['aggregate_decode_tps']:.1f} ({speed[(engine, cap, n)]['ratio_to_one']:.2f}×)"
+            for n in counts
+        ]
+        for engine, cap in labels
+    ]
+    check, settings = d["prompt_check"], d["settings"]
+    budget = [r for r in d["rows"] if r["part"] == "budget"]
+    theirs = {r["kv_budget_bytes"]: r["sessions_held"] for r in budget if r["engine"] == "llama.cpp"}
+    budget_rows = [
+        [
+            f"{r['kv_budget_bytes'] / 2**30:g} GiB",
+            r["engine"],
+            f"all {r['context_tokens']:,}, in {r['cap_slots']:,} slots a head ({r['cap']})"
+            if r["engine"] == "kvmemory"
+            else f"its last {r['context_tokens']:,}",
+            f"{r['session_bytes'] / 2**20:.1f}",
+            f"{r['sessions_held']}"
+            + (f" ({r['sessions_held'] / theirs[r['kv_budget_bytes']]:.1f}×)" if r["engine"] == "kvmemory" else ""),
+            f"{r['aggregate_decode_tps']:.1f}",
+            f"{r['prefill_tps']:.0f}",
+            f"{r['ttft_median_s']:.1f} / {r['ttft_max_s']:.1f}" if "ttft_median_s" in r else "",
+            f"{r['fact_gain_kept']:.2f} {r['fact_gain_ci']}" if r.get("fact_gain_kept") is not None else "not run",
+        ]
+        for r in sorted(budget, key=lambda r: (r["kv_budget_bytes"], r["engine"] != "llama.cpp"))
+    ]
+    columns = [
+        "KV budget",
+        "engine",
+        "tokens the cache holds",
+        "MiB a session",
+        "sessions (× llama.cpp)",
+        "decode tok/s",
+        "prefill tok/s",
+        "first token s (median / max)",
+        "fact gain kept [95% CI]",
+    ]
+    return (
+        f"**Capacity against llama.cpp** (`python -m benchmarks.capacity`{on_cpu(d)}). llama.cpp's "
+        "`llama-batched-bench`, built from the llama.cpp that the llama-cpp-python source distribution vendors, "
+        f"runs on the same GGUF file and {settings['threads']} threads. Aggregate decode tokens/s of sessions "
+        f"with {settings['context']}-token contexts each, {settings['tokens']} tokens each (in brackets, the ratio "
+        "to one session):\n\n"
+        + md(rows, ["engine"] + [f"{n} sessions" for n in counts])
+        + "\n\nllama.cpp computes each prompt once and copies it into every sequence's own cache stream (`-pps "
+        f"-no-kvu`). At 4 sequences that decodes at {check['shared_prompt_copied']['decode']:.1f} tokens/s, and at "
+        f"{check['separate_prompts']['decode']:.1f} with separate prompts. Its prefill runs at "
+        f"{check['separate_prompts']['prefill']:.0f} tokens/s.\n\n"
+        "Then each session is the long-session benchmark's: six agent tasks in turn, "
+        f"{budget[-1]['context_tokens']:,} tokens of file reads, test runs and logs, held under a KV budget:\n\n"
+        "- kvmemory: the default policy, capped at 1/N of the session's tokens. A session's bytes are its KV "
+        "storage as allocated plus the queries it records for compaction. Prefill is measured while every "
+        "session appends a tool output at once, with the time to its first token.\n"
+        "- llama.cpp: its 8,192-position context in fp16, the most of such a session it can hold. Prefill is "
+        "at its full context.\n\n"
+        "The fact gain kept is the long-session benchmark's, over the session's 69 facts: kvmemory at that cap, "
+        "llama.cpp as the newest messages that fit its context (`context-window`, on the same weights).\n\n"
+        + md(budget_rows, columns)
+    )
+
+
+def fp16_linear_section(d: dict) -> str:
+    narrow = "kvmemory_256_ms" in d["rows"][0]  # the run also timed the kernel held to 8-float vectors
+    rows = [
+        [
+            r["rows"],
+            f"{r['kvmemory_ms']:.1f}",
+            *([f"{r['kvmemory_256_ms']:.1f}"] if narrow else []),
+            f"{r['fbgemm_ms']:.1f}",
+            f"{r['speedup']:.2f}×",
+            f"{r['kvmemory_vs_one_row']:.2f}×",
+            *([f"{r['kvmemory_256_vs_one_row']:.2f}×"] if narrow else []),
+            f"{r['fbgemm_vs_one_row']:.2f}×",
+        ]
+        for r in d["rows"]
+    ]
+    columns = [
+        "rows",
+        "kvmemory ms",
+        *(["kvmemory 8-float ms"] if narrow else []),
+        "fbgemm ms",
+        "fbgemm / kvmemory",
+        "kvmemory vs 1 row",
+        *(["8-float vs 1 row"] if narrow else []),
+        "fbgemm vs 1 row",
+    ]
+    widths = (
+        " On this CPU the kernel runs on 16-float (AVX-512) vectors; *8-float* holds it to its AVX2 path, which "
+        "gives the same bits."
+        if narrow
+        else ""
+    )
+    return (
+        f"**fp16 weights on CPU** (`python -m benchmarks.fp16_linear`{on_cpu(d)}): one pass of R rows (R sessions "
+        "decoding at once; 48 and more: a prefill chunk) through every linear weight of the default model's shapes, "
+        "each layer's weights distinct so they stream from memory as in the model: kvmemory's kernel "
+        "(`kvmemory/kernels/linear_fp16.cpp`, weights in panels, q/k/v and gate/up fused) against fbgemm's fp16 "
+        f"GEMM (one call per projection); fp32 activations, the kernels taking turns, medians of {d['repeats']} "
+        "rounds." + widths + "\n\n" + md(rows, columns)
+    )
+
+
+def decode_kernel_section(d: dict) -> str:
+    rows = [
+        [
+            r["sessions"],
+            r["kv_dtype"],
+            f"{r['streamed_ms']:.2f}",
+            f"{r['resident_ms']:.2f}",
+            f"{r['reading_share']:.0%}",
+            f"{r['gb_per_s']:.1f}",
+            f"{r['vs_float16']:.2f}×",
+        ]
+        for r in d["rows"]
+    ]
+    columns = ["sessions", "cache", "ms per pass", "caches resident ms", "reading share", "GB/s read", "vs fp16"]
+    return (
+        f"**Decode kernel** (`python -m benchmarks.decode_kernel`{on_cpu(d)}): the CPU decode-attention kernel "
+        "alone (`kvmemory/kernels/decode_attention.cpp`), one decode pass of S sessions through every layer of the "
+        f"default model's shapes, {d['slots']:,} slots per KV head with β, each cache format as the engine stores "
+        "it; *ms per pass* with every layer's caches distinct (read from memory, as in the model), *caches "
+        "resident* with every layer reading the first layer's (they stay in the CPU's caches), *reading share* "
+        "the part of the time reading from memory adds; the formats taking turns, medians of "
+        f"{d['repeats']} rounds.\n\n" + md(rows, columns)
+    )
+
+
+def paired_speedup(row: dict, measured: bool) -> str:
+    """The median of a count's back-to-back ratios against one session, and their range; one session is the
+    reference ("–" for runs saved before pairs were measured)."""
+    ratios = row.get("paired_speedups")
+    if ratios:
+        return f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}-{max(ratios):.2f})"
+    return "1.0×" if measured and row["sessions"] == 1 else "–"
+
+
+def concurrency_section(d: dict, options: str = "") -> str:
+    rows = [
+        [
+            r["sessions"],
+            f"{r['kvmemory_tok_s']:.1f}",
+            f"{r['speedup_vs_one']:.1f}×",
+            paired_speedup(r, "pairs" in d),
+            f"{r['sessions_per_pass']:.1f}",
+            f"{r['pass_ms']:.1f} / {100 * r['engine_idle']:.0f}%" if "pass_ms" in r else "–",
+            f"{r['per_session_tok_s']:.1f}",
+            f"{r['kv32_tok_s']:.1f}",
+            f"{r['kv8_tok_s']:.1f}" if "kv8_tok_s" in r else "–",
+            f"{r['sdpa_tok_s']:.1f}",
+            f"{r['unbatched_tok_s']:.1f}",
+            f"{r['transformers_tok_s']:.1f}",
+            f"{r['ttft_median_s']:.2f} ({r['ttft_max_s']:.2f}) / {r['unbatched_ttft_median_s']:.2f}",
+            f"{r['kv_mb']:.0f} / {r['kv32_kv_mb']:.0f} / {r.get('kv8_kv_mb', float('nan')):.0f} / "
+            f"{r['transformers_kv_mb']:.0f}",
+        ]
+        for r in d["rows"]
+    ]
+    columns = [
+        "sessions",
+        "kvmemory tok/s",
+        "vs 1 session",
+        "paired vs 1 session (range)",
+        "sessions per pass",
+        "ms per pass / engine waiting",
+        "per session tok/s",
+        "fp32 cache tok/s",
+        "8-bit cache tok/s",
+        "sdpa tok/s",
+        "unbatched tok/s",
+        "transformers tok/s",
+        "TTFT s batched median (longest) / unbatched median",
+        "KV MiB kvmemory / fp32 cache / 8-bit cache / transformers",
+    ]
+    warmed = f"; each after an untimed {d['warm_up_tokens']}-token reply" if "warm_up_tokens" in d else ""
+    return (
+        f"**Many agents at once** (`python -m benchmarks.concurrency{options}`{formats_of(d)}{on_cpu(d)}): concurrent "
+        f"agent sessions on the default model, each holding an agent trace (up to {d['context']} tokens of real tool "
+        f"calls and outputs) under the default policy with a cap of {d['cap']} slots (its method then: "
+        f"`{d['default_method']}`), decode {d['tokens']} greedy tokens at once (aggregate decode "
+        f"tokens/s, median of {d['repeats']}{warmed}), then append their "
+        "next tool result and stream a reply (time to first token). Side by side: the engine batching the sessions' "
+        "forwards (on CPU attending in kvmemory's decode kernel), the same with the cache stored in fp32 (twice "
+        'the bytes) and in 8-bit rows (`kv_dtype="int8"`, 0.56× the bytes), the same with attention on '
+        "torch's sdpa, the same engine one session per forward, and "
+        "transformers `generate` over the same contexts left-padded into one batch (its decode timed from the "
+        "first generated token to the last). *ms per pass*: the batched engine's time per pass (sampling included; "
+        "`Engine.stats()`'s `busy_seconds` over its passes), *engine waiting*: the share of the decode phase's wall "
+        "time between passes, while the sessions do their bookkeeping between two tokens (– for runs saved before "
+        "they were measured)." + paired_note(d) + "\n\n" + md(rows, columns)
+    )
+
+
+def paired_note(d: dict) -> str:
+    if "pairs" not in d:
+        return ""
+    return (
+        f" *Paired*: the median over {d['pairs']} pairs of batched decode phases run back to back, one session's "
+        "and the count's, of the ratio of their aggregate tokens/s (this machine's speed drifts by tens of percent "
+        "within a minute, and a round puts a minute between two counts' phases)."
+    )
+
+
+def compaction_stall_section(d: dict) -> str:
+    paired = {}
+    for r in d["rows"]:
+        paired.setdefault((r["decoders"], r["method"]), {})[r["condition"]] = r
+    rows = [
+        [
+            decoders,
+            f"`{method}`",
+            f"{runs['pauses']['gap_ms']:.0f}",
+            f"{runs['pauses']['longest_gap_ms']:.0f}",
+            f"{runs['no pauses']['longest_gap_ms']:.0f}",
+            f"{runs['pauses']['compaction_s']:.2f} / {runs['no pauses']['compaction_s']:.2f}",
+            f"{runs['pauses']['alone_s']:.2f}",
+        ]
+        for (decoders, method), runs in paired.items()
+    ]
+    columns = [
+        "decoding sessions",
+        "method",
+        "their median gap ms",
+        "longest gap ms, pauses",
+        "longest gap ms, no pauses",
+        "compaction s, pauses / no pauses",
+        "compaction s alone",
+    ]
+    return (
+        f"**Compaction beside decoding** (`python -m benchmarks.compaction_stall`{on_cpu(d)}): sessions holding "
+        f"agent traces of up to {d['context']} tokens stream greedy tokens while one more, holding "
+        f"{d['compacted_tokens']}, compacts all but its first 4 and last 256 at {d['ratio']:g} tokens per slot; the "
+        "decoders' longest gap between tokens overlapping the compaction, with the compaction pausing between "
+        f"layers for the queued passes once it has run {1e3 * d['slice_seconds']:.0f} ms (`pauses`, the default) "
+        f"and running start to end (`no pauses`); medians of {d['repeats']} rounds.\n\n" + md(rows, columns)
+    )
+
+
+def prefill_stall_section(d: dict) -> str:
+    rows = [
+        [
+            r["chunk"] if r["chunk"] != d["default_chunk"] else f"{r['chunk']} (the default)",
+            r["pass_tokens"],
+            f"{r['prefill_tok_s']:.0f}",
+            f"{r['gap_ms']:.0f}",
+            f"{r['median_gap_ms']:.0f} / {r['longest_gap_ms']:.0f}",
+        ]
+        for r in d["rows"]
+    ]
+    columns = ["prefill chunk", "pass bound", "prefill tok/s", "decoder's gap ms alone", "during: median / longest"]
+    return (
+        f"**Prefill beside decoding** (`python -m benchmarks.prefill_stall`{on_cpu(d)}): one session decodes (an "
+        f"agent trace of up to {d['context']} tokens) while another appends {d['prefill']} tokens of log text with "
+        "each prefill chunk size (the engine's pass bound the chunk plus 128 tokens, as its CPU default is): the "
+        "prefill's speed and the decoder's gaps between tokens while it runs (one token per pass, and a pass "
+        f"holds one chunk); medians of {d['repeats']} rounds.\n\n" + md(rows, columns)
+    )
