@@ -38,7 +38,8 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvmemory import Engine, KVMemoryError, MemoryManager, SessionFileError, SessionStore
-from kvmemory.integrations.server import MB, ResponseLog, http_app, serving_policy
+from kvmemory.integrations.response_log import ResponseLog
+from kvmemory.integrations.server import MB, http_app, serving_policy
 from kvmemory.integrations.serving import APIError, AsyncCore, ServingCore, Turn
 from kvmemory.runtime.named_models import model_title
 

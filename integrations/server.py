@@ -22,20 +22,16 @@ undone, a stream keeps exactly the text it sent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,6 +41,7 @@ from starlette.exceptions import HTTPException
 from kvmemory import MemoryPolicy, SessionStore, default_policy
 from kvmemory.defaults import DEFAULT_MAX_SLOTS
 from kvmemory.integrations.dialects import anthropic_messages, openai_chat, openai_responses
+from kvmemory.integrations.response_log import ResponseLog
 from kvmemory.integrations.serving import (
     APIError,
     AsyncCore,
@@ -59,7 +56,7 @@ from kvmemory.integrations.serving import (
     Unauthorized,
     session_key,
 )
-from kvmemory.runtime.persistence import remove_interrupted_writes, writer_tag
+from kvmemory.integrations.strict_json import read_json
 
 log = logging.getLogger("kvmemory.server")
 MB = 2**20  # every "MB" of the command line is a mebibyte
@@ -94,93 +91,6 @@ class LocalBackend:
 
     async def count_tokens(self, turn: Turn) -> int:
         return await self.worker.call(self.core.count_tokens, turn)
-
-
-class ResponseLog:
-    """Stored Responses-API responses: the response body, its owner, its session and the conversation the
-    session holds after it (what ``previous_response_id`` continues). In a directory when one is given
-    (shared by Ray replicas; a folder per API key), else in memory. Each key keeps its newest ``per_owner``
-    responses, and a response older than ``ttl`` seconds is gone: one key cannot fill the disk or memory with
-    them, nor push out another key's."""
-
-    def __init__(self, directory: Path | None = None, per_owner: int = 1000, ttl: float | None = None):
-        self.directory = Path(directory) / "responses" if directory is not None else None
-        self.per_owner, self.ttl, self._swept = per_owner, ttl, 0.0
-        self._memory: dict[str | None, OrderedDict] = {}  # owner -> id -> (time stored, record)
-        self._lock = threading.Lock()
-        if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            remove_interrupted_writes(self.directory.glob("*/.*.tmp"))
-
-    def folder(self, owner: str | None) -> Path:
-        return self.directory / (owner or "open")
-
-    def put(self, record: dict) -> None:
-        if self.ttl is not None and time.monotonic() - self._swept > 60:
-            self._swept = time.monotonic()
-            self.expire(self.ttl)
-        owner = record["owner"]
-        if self.directory is None:
-            with self._lock:
-                mine = self._memory.setdefault(owner, OrderedDict())
-                mine[record["id"]] = (time.time(), record)
-                while len(mine) > self.per_owner:
-                    mine.popitem(last=False)
-            return
-        folder = self.folder(owner)
-        folder.mkdir(exist_ok=True)
-        handle, tmp = tempfile.mkstemp(prefix=f".{record['id']}.{writer_tag()}", suffix=".tmp", dir=folder)
-        with os.fdopen(handle, "w") as out:
-            out.write(json.dumps(record))
-        os.replace(tmp, folder / f"{record['id']}.json")
-        with contextlib.suppress(FileNotFoundError):  # (another replica pruning at the same time)
-            stored = sorted(folder.glob("*.json"), key=modified)
-            for old in stored[: max(0, len(stored) - self.per_owner)]:
-                old.unlink(missing_ok=True)
-
-    def get(self, ident: str, owner: str | None) -> dict:
-        record, stored = None, None
-        if self.directory is None:
-            with self._lock:
-                stored, record = self._memory.get(owner, {}).get(ident, (None, None))
-        elif openai_responses_id(ident):
-            path = self.folder(owner) / f"{ident}.json"
-            with contextlib.suppress(FileNotFoundError):
-                stored, record = modified(path), json.loads(path.read_text())
-        expired = stored is not None and self.ttl is not None and time.time() - stored > self.ttl
-        if record is None or record["owner"] != owner or expired:
-            raise NotFound(f"no response {ident!r}", code="response_not_found", param="response_id")
-        return record
-
-    def delete(self, ident: str, owner: str | None) -> None:
-        self.get(ident, owner)
-        if self.directory is None:
-            with self._lock:
-                self._memory.get(owner, {}).pop(ident, None)
-        else:
-            (self.folder(owner) / f"{ident}.json").unlink(missing_ok=True)
-
-    def expire(self, max_age: float) -> None:
-        """Forget the stored responses older than ``max_age`` seconds."""
-        now = time.time()
-        if self.directory is None:
-            with self._lock:
-                for mine in self._memory.values():
-                    for ident in [i for i, (stored, _) in mine.items() if now - stored > max_age]:
-                        mine.pop(ident)
-            return
-        for path in self.directory.glob("*/*.json"):
-            with contextlib.suppress(FileNotFoundError):
-                if now - modified(path) > max_age:
-                    path.unlink()
-
-
-def modified(path: Path) -> float:
-    return path.stat().st_mtime
-
-
-def openai_responses_id(ident: str) -> bool:
-    return ident.startswith("resp_") and ident[5:].isalnum()
 
 
 # ---- the HTTP app --------------------------------------------------------------------------------
@@ -253,51 +163,8 @@ class Gate:
         return replay
 
 
-MAX_JSON_DEPTH = 64  # deeper than any request a dialect defines; 5,000 deep would overflow the parser's stack
-
-
 async def json_body(request: Request):
     return read_json(await request.body())
-
-
-def read_json(raw: bytes):
-    """A request body as JSON, or a BadRequest saying what is wrong with it: not UTF-8, not JSON, nested past
-    ``MAX_JSON_DEPTH``, a number too long to convert, NaN or Infinity (not JSON), a lone UTF-16 surrogate (not
-    text: no tokenizer can read it)."""
-
-    def no_constant(name: str):
-        raise BadRequest(f"the body is not JSON: {name} is not a JSON value")
-
-    try:
-        value = json.loads(raw or b"null", parse_constant=no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadRequest(f"the body is not JSON: {err}") from None
-    except RecursionError:
-        raise BadRequest(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as err:  # Python's limit on the digits of an integer
-        raise BadRequest(f"the body holds a number kvmemory will not read: {err}") from None
-    check_json_text(value)
-    return value
-
-
-def check_json_text(value) -> None:
-    """Walk ``value`` (without recursion): at most ``MAX_JSON_DEPTH`` deep, every string and key valid text."""
-    pending = [(value, "body", 0)]
-    while pending:
-        item, where, depth = pending.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise BadRequest(f"the body nests deeper than {MAX_JSON_DEPTH} levels (at {where})", param=where)
-        if isinstance(item, str):
-            if not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise BadRequest(f"{where} holds a lone UTF-16 surrogate, which is not text", param=where) from None
-        elif isinstance(item, dict):
-            for key, inner in item.items():
-                pending += [(key, where, depth + 1), (inner, f"{where}.{key}" if where != "body" else key, depth + 1)]
-        elif isinstance(item, list):
-            pending += [(inner, f"{where}[{i}]", depth + 1) for i, inner in enumerate(item)]
 
 
 async def unless_disconnected(request: Request, work):

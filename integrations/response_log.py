@@ -1,0 +1,103 @@
+"""Stored Responses-API responses (what ``previous_response_id`` continues), per API key, with a cap and an
+age limit."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from kvmemory.integrations.serving import NotFound
+from kvmemory.runtime.persistence import remove_interrupted_writes, writer_tag
+
+
+class ResponseLog:
+    """Stored Responses-API responses: the response body, its owner, its session and the conversation the
+    session holds after it (what ``previous_response_id`` continues). In a directory when one is given
+    (shared by Ray replicas; a folder per API key), else in memory. Each key keeps its newest ``per_owner``
+    responses, and a response older than ``ttl`` seconds is gone: one key cannot fill the disk or memory with
+    them, nor push out another key's."""
+
+    def __init__(self, directory: Path | None = None, per_owner: int = 1000, ttl: float | None = None):
+        self.directory = Path(directory) / "responses" if directory is not None else None
+        self.per_owner, self.ttl, self._swept = per_owner, ttl, 0.0
+        self._memory: dict[str | None, OrderedDict] = {}  # owner -> id -> (time stored, record)
+        self._lock = threading.Lock()
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            remove_interrupted_writes(self.directory.glob("*/.*.tmp"))
+
+    def folder(self, owner: str | None) -> Path:
+        return self.directory / (owner or "open")
+
+    def put(self, record: dict) -> None:
+        if self.ttl is not None and time.monotonic() - self._swept > 60:
+            self._swept = time.monotonic()
+            self.expire(self.ttl)
+        owner = record["owner"]
+        if self.directory is None:
+            with self._lock:
+                mine = self._memory.setdefault(owner, OrderedDict())
+                mine[record["id"]] = (time.time(), record)
+                while len(mine) > self.per_owner:
+                    mine.popitem(last=False)
+            return
+        folder = self.folder(owner)
+        folder.mkdir(exist_ok=True)
+        handle, tmp = tempfile.mkstemp(prefix=f".{record['id']}.{writer_tag()}", suffix=".tmp", dir=folder)
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps(record))
+        os.replace(tmp, folder / f"{record['id']}.json")
+        with contextlib.suppress(FileNotFoundError):  # (another replica pruning at the same time)
+            stored = sorted(folder.glob("*.json"), key=modified)
+            for old in stored[: max(0, len(stored) - self.per_owner)]:
+                old.unlink(missing_ok=True)
+
+    def get(self, ident: str, owner: str | None) -> dict:
+        record, stored = None, None
+        if self.directory is None:
+            with self._lock:
+                stored, record = self._memory.get(owner, {}).get(ident, (None, None))
+        elif openai_responses_id(ident):
+            path = self.folder(owner) / f"{ident}.json"
+            with contextlib.suppress(FileNotFoundError):
+                stored, record = modified(path), json.loads(path.read_text())
+        expired = stored is not None and self.ttl is not None and time.time() - stored > self.ttl
+        if record is None or record["owner"] != owner or expired:
+            raise NotFound(f"no response {ident!r}", code="response_not_found", param="response_id")
+        return record
+
+    def delete(self, ident: str, owner: str | None) -> None:
+        self.get(ident, owner)
+        if self.directory is None:
+            with self._lock:
+                self._memory.get(owner, {}).pop(ident, None)
+        else:
+            (self.folder(owner) / f"{ident}.json").unlink(missing_ok=True)
+
+    def expire(self, max_age: float) -> None:
+        """Forget the stored responses older than ``max_age`` seconds."""
+        now = time.time()
+        if self.directory is None:
+            with self._lock:
+                for mine in self._memory.values():
+                    for ident in [i for i, (stored, _) in mine.items() if now - stored > max_age]:
+                        mine.pop(ident)
+            return
+        for path in self.directory.glob("*/*.json"):
+            with contextlib.suppress(FileNotFoundError):
+                if now - modified(path) > max_age:
+                    path.unlink()
+
+
+def modified(path: Path) -> float:
+    return path.stat().st_mtime
+
+
+def openai_responses_id(ident: str) -> bool:
+    return ident.startswith("resp_") and ident[5:].isalnum()
