@@ -1,5 +1,6 @@
-"""Stored Responses-API responses (what ``previous_response_id`` continues), per API key, with a cap and an
-age limit."""
+"""Stored Responses-API responses (what ``previous_response_id`` continues) and compaction marks (the
+conversation a compaction block or item stands for: ``integrations/context_edits.py``), per API key, with a cap
+and an age limit."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class ResponseLog:
         if self.directory is None:
             with self._lock:
                 stored, record = self._memory.get(owner, {}).get(ident, (None, None))
-        elif openai_responses_id(ident):
+        elif stored_id(ident):
             path = self.folder(owner) / f"{ident}.json"
             with contextlib.suppress(FileNotFoundError):
                 stored, record = modified(path), json.loads(path.read_text())
@@ -99,5 +100,6 @@ def modified(path: Path) -> float:
     return path.stat().st_mtime
 
 
-def openai_responses_id(ident: str) -> bool:
-    return ident.startswith("resp_") and ident[5:].isalnum()
+def stored_id(ident: str) -> bool:
+    """An id this log may have made (a response's ``resp_``, a mark's ``mark_``): safe as a file name."""
+    return ident.startswith(("resp_", "mark_")) and ident[5:].isalnum()

@@ -46,6 +46,7 @@ from kvmemory import (
     StoreFullError,
     ToolCallParseError,
 )
+from kvmemory.integrations.context_edits import AppliedEdit, CompactContext, ContextEdit, EditsApplied, apply_edits
 from kvmemory.runtime.chat import RequiredToolCall, parse_tool_calls, visible_content
 
 log = logging.getLogger("kvmemory.server")
@@ -153,6 +154,7 @@ class Turn:
     session: str | None = None
     policy: dict | None = None
     tool_choice: str | None = None  # None or "auto"; "required": some tool must be called; else that tool's name
+    context_edits: list[ContextEdit] = field(default_factory=list)  # the client's context management
 
     def required_tools(self) -> list[str]:
         """The tools the reply must call one of (empty: the model may answer in text)."""
@@ -185,6 +187,7 @@ class Reply:
     conversation: list[dict]
     tool_call_error: str | None = None  # why text in <tool_call> tags is no valid call (it stays in content)
     invalid_tool_call: str | None = None  # that text
+    applied_edits: list[AppliedEdit] = field(default_factory=list)  # the turn's context edits that ran
 
     @classmethod
     def read(
@@ -422,6 +425,13 @@ class ServingCore:
     def _turn(self, session, turn: Turn, cancel: threading.Event | None, before) -> Iterator[str | Reply]:
         try:
             prompt, cached = prefill(session, turn, cancel)
+            applied = apply_edits(session, turn.context_edits, prompt)
+            if applied:
+                yield EditsApplied(applied)
+            if any(isinstance(e, CompactContext) and e.pause for e in turn.context_edits) and applied:
+                self.after_turn(turn.session)  # paused after compacting: the mark is the answer
+                yield Reply("", "", [], "compaction", None, prompt, cached, 0, session.messages, applied_edits=applied)
+                return
             sampling = dict(turn.sampling)
             if required := turn.required_tools():
                 end = session.engine.eos_token_ids
@@ -441,7 +451,9 @@ class ServingCore:
             session.restore(before)
             raise
         self.after_turn(turn.session)
-        yield reply_of(generation, prompt, cached, session.messages, turn.tools)
+        reply = reply_of(generation, prompt, cached, session.messages, turn.tools)
+        reply.applied_edits = applied
+        yield reply
 
     def reply_limit(self, asked: int) -> int:
         """The longest reply a turn may write: what the client asked, at most the server's ``max_new_tokens`` and

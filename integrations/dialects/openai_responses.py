@@ -9,6 +9,10 @@ as Codex does) the session is the one ``prompt_cache_key`` or the ``x-session-id
 the conversation's first messages lead to. Only function tools reach the model: hosted tools (``web_search``,
 namespaces) are left out of the prompt, since this server cannot run them. Streaming sends the Responses event
 stream (``response.created`` … ``response.completed``).
+
+Compaction is answered in latent space (``integrations/context_edits.py``): ``context_management`` entries of type
+``compaction`` and ``POST /v1/responses/compact`` compact the session's cache and return a ``compaction`` item
+that stands for the conversation so far; sent back in place of it, it costs no prefill.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvmemory.integrations.context_edits import AppliedEdit, CompactContext, EditsApplied, mark_content
 from kvmemory.integrations.dialects.common import (
     MAX_SEED,
     KVMemoryOptions,
@@ -72,11 +77,58 @@ class Request(BaseModel):
     service_tier: str | None = None
     stream_options: dict | None = None
     client_metadata: dict | None = None
+    context_management: list[dict] | None = None
     kvmemory: KVMemoryOptions | None = None
+
+
+class CompactRequest(BaseModel):
+    """``POST /v1/responses/compact``: the conversation to compact, as ``POST /v1/responses`` takes it."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None
+    input: str | Annotated[list[dict], Field(min_length=1)] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    image: dict | None = None
+    kvmemory: KVMemoryOptions | None = None
+
+
+class Compaction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["compaction"]
+    compact_threshold: int | None = Field(None, ge=0)
+
+
+class CompactionItem(Open):
+    type: Literal["compaction"]
+    encrypted_content: str
+    id: str | None = None
+
+
+def compact_request(body) -> CompactRequest:
+    return parse(CompactRequest, body)
+
+
+def context_edits(req: Request) -> list[CompactContext]:
+    """``context_management`` as the core's edits: ``compaction`` entries (another type is refused)."""
+    edits = []
+    for i, raw in enumerate(req.context_management or []):
+        at = f"context_management[{i}]"
+        if not isinstance(raw, dict) or raw.get("type") != "compaction":
+            raise BadRequest(f"{at}.type {type_named(raw)!r} is not supported: only 'compaction'", param=f"{at}.type")
+        entry = parse(Compaction, raw, at)
+        edits.append(CompactContext(entry.compact_threshold if entry.compact_threshold is not None else 150_000))
+    return edits
 
 
 def request(body) -> Request:
     req = parse(Request, body)
+    context_edits(req)  # a bad entry fails before anything runs
     tool_choice(req.tool_choice, function_names(req))
     if (req.text or {}).get("format", {"type": "text"}) != {"type": "text"}:
         raise unsupported("text.format", "only text replies")
@@ -115,13 +167,21 @@ class FunctionCallOutputItem(Open):
     output: str | list[dict]
 
 
-ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+ITEMS = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+    "compaction": CompactionItem,
+}
 
 
-def input_messages(req: Request) -> list[dict]:
-    """The request's input items as chat dicts (``function_call`` items become the assistant's tool calls)."""
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+def input_messages(req, expand=None) -> tuple[list[dict], bool]:
+    """The request's input items as chat dicts (``function_call`` items become the assistant's tool calls),
+    and whether a ``compaction`` item stood in for everything before it (``expand(its content, where)``: the
+    conversation its mark holds, or None for another server's compaction, which this server cannot read)."""
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input or []
     out: list[dict] = []
+    expanded = False
     for i, raw in enumerate(items):
         where = f"input[{i}]"
         kind = raw.get("type", "message")
@@ -130,7 +190,14 @@ def input_messages(req: Request) -> list[dict]:
         if not isinstance(kind, str) or kind not in ITEMS:
             raise unsupported(f"{where}.type", f"input items of type {type_named(raw)!r}")
         item = parse(ITEMS[kind], raw, where)
-        if isinstance(item, MessageItem):
+        if isinstance(item, CompactionItem):
+            marked = expand(item.encrypted_content, where) if expand is not None else None
+            if marked is None:
+                raise BadRequest(
+                    f"{where} was made by another server: its encrypted content is not readable here", param=where
+                )
+            out, expanded = list(marked), True
+        elif isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             out.append({"role": role, "content": text_of(item.content, f"{where}.content")})
         elif isinstance(item, FunctionCallItem):
@@ -145,7 +212,7 @@ def input_messages(req: Request) -> list[dict]:
         else:
             output = text_of(item.output, f"{where}.output")
             out.append({"role": "tool", "content": output, "tool_call_id": item.call_id})
-    return out
+    return out, expanded
 
 
 def text_of(content: str | list[dict], where: str) -> str:
@@ -174,11 +241,17 @@ def name_tool_outputs(messages: list[dict], calls: dict[str, str]) -> None:
             msg["name"] = name
 
 
-def turn(req: Request, session: str | None, earlier: list[dict], calls: dict[str, str]) -> Turn:
-    """The turn: ``earlier`` is the conversation a stored previous response left (empty without one)."""
-    new = input_messages(req)
-    name_tool_outputs(new, dict(calls))
+def turn(req, session: str | None, earlier: list[dict], calls: dict[str, str], expand=None) -> Turn:
+    """The turn: ``earlier`` is the conversation a stored previous response left (empty without one; a
+    compaction item in the input stands in for it)."""
+    new, expanded = input_messages(req, expand)
+    if expanded:
+        earlier = []
+    name_tool_outputs(earlier + new, dict(calls))
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    if isinstance(req, CompactRequest):  # compact now, write nothing
+        policy = req.kvmemory.policy if req.kvmemory else None
+        return Turn(system + earlier + new, None, {}, session, policy, None, [CompactContext(0, pause=True)])
     tools = [
         {"type": "function", "function": {k: v for k, v in t.items() if k not in ("type", "strict")}}
         for t in req.tools or []
@@ -192,6 +265,7 @@ def turn(req: Request, session: str | None, earlier: list[dict], calls: dict[str
         session,
         req.kvmemory.policy if req.kvmemory else None,
         tool_choice(req.tool_choice, function_names(req)),
+        context_edits(req),
     )
 
 
@@ -199,8 +273,41 @@ def function_names(req) -> list[str]:
     return [t.get("name") for t in req.tools or [] if t.get("type") == "function"]
 
 
-def output_items(reply: Reply) -> list[dict]:
-    items = []
+def compaction_items(edits: list[AppliedEdit]) -> list[dict]:
+    """A compaction item for each compaction the turn ran, naming the mark the server keeps."""
+    return [
+        {
+            "type": "compaction",
+            "id": new_id("cmp_"),
+            "encrypted_content": mark_content(e.mark),
+            "created_by": "kvmemory",
+        }
+        for e in edits
+        if e.kind == "compaction" and e.mark is not None
+    ]
+
+
+def compacted(ident: str, messages: list[dict], reply: Reply) -> dict:
+    """``POST /v1/responses/compact``'s answer: the conversation's user messages, then one compaction item."""
+    users = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": m["content"]}]}
+        for m in messages
+        if m["role"] == "user"
+    ]
+    return {
+        "id": ident,
+        "object": "response.compaction",
+        "created_at": int(time.time()),
+        "output": users + compaction_items(reply.applied_edits),
+        "usage": usage(reply),
+    }
+
+
+def output_items(reply: Reply, compactions: list[dict] | None = None) -> list[dict]:
+    """The reply as output items, after the compactions it ran (``compactions``: as already streamed)."""
+    items = compaction_items(reply.applied_edits) if compactions is None else list(compactions)
+    if reply.finish_reason == "compaction":
+        return items
     if reply.content or not reply.tool_calls:
         text = {"type": "output_text", "text": reply.content, "annotations": [], "logprobs": []}
         items.append(
@@ -230,8 +337,10 @@ def usage(reply: Reply) -> dict:
     }
 
 
-def response(req: Request, ident: str, model: str, reply: Reply | None, created: int | None = None) -> dict:
-    """The response object (``reply`` None: one still in progress)."""
+def response(
+    req: Request, ident: str, model: str, reply: Reply | None, created: int | None = None, compactions=None
+) -> dict:
+    """The response object (``reply`` None: one still in progress; ``compactions``: as already streamed)."""
     incomplete = reply is not None and reply.finish_reason == "length"
     return {
         "id": ident,
@@ -243,7 +352,7 @@ def response(req: Request, ident: str, model: str, reply: Reply | None, created:
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
         "model": model,
-        "output": [] if reply is None else output_items(reply),
+        "output": [] if reply is None else output_items(reply, compactions),
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
         "previous_response_id": req.previous_response_id,
         "store": req.store,
@@ -258,10 +367,9 @@ def response(req: Request, ident: str, model: str, reply: Reply | None, created:
     }
 
 
-async def events(
-    req: Request, ident: str, model: str, items: AsyncIterator[str | Reply], done=None
-) -> AsyncIterator[str]:
-    """The Responses event stream; ``done(reply, body)`` runs before ``response.completed`` (to store it)."""
+async def events(req: Request, ident: str, model: str, items: AsyncIterator, done=None) -> AsyncIterator[str]:
+    """The Responses event stream; a compaction item first for each compaction the turn ran (its edits come
+    before the reply's text); ``done(reply, body)`` runs before ``response.completed`` (to store it)."""
     created, number = int(time.time()), 0
 
     def event(kind: str, **fields) -> str:
@@ -271,49 +379,56 @@ async def events(
 
     yield event("response.created", response=response(req, ident, model, None, created))
     yield event("response.in_progress", response=response(req, ident, model, None, created))
-    message_id, text, opened = new_id("msg_"), "", False
+    message_id, text, opened, compactions = new_id("msg_"), "", False, []
     part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
     reply = None
     async for item in items:
         if isinstance(item, Reply):
             reply = item
             break
+        if isinstance(item, EditsApplied):
+            for compaction in compaction_items(item.edits):
+                yield event("response.output_item.added", output_index=len(compactions), item=compaction)
+                yield event("response.output_item.done", output_index=len(compactions), item=compaction)
+                compactions.append(compaction)
+            continue
+        at = len(compactions)
         if not opened:
             opened = True
-            yield event("response.output_item.added", output_index=0, item=message_item(message_id, [], "in_progress"))
-            yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0, part=part)
+            yield event("response.output_item.added", output_index=at, item=message_item(message_id, [], "in_progress"))
+            yield event("response.content_part.added", item_id=message_id, output_index=at, content_index=0, part=part)
         text += item
         yield event(
-            "response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=item, logprobs=[]
+            "response.output_text.delta", item_id=message_id, output_index=at, content_index=0, delta=item, logprobs=[]
         )
-    final = response(req, ident, model, reply, created)
-    output = final["output"]
-    if output and output[0]["type"] == "message":
-        output[0]["id"] = message_id
+    final = response(req, ident, model, reply, created, compactions)
+    output, at = final["output"], len(compactions)
+    if len(output) > at and output[at]["type"] == "message":
+        output[at]["id"] = message_id
         if not opened:
-            yield event("response.output_item.added", output_index=0, item=message_item(message_id, [], "in_progress"))
-            yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0, part=part)
+            yield event("response.output_item.added", output_index=at, item=message_item(message_id, [], "in_progress"))
+            yield event("response.content_part.added", item_id=message_id, output_index=at, content_index=0, part=part)
         rest = reply.content[len(text) :] if reply.content.startswith(text) else ""
         if rest:
             yield event(
                 "response.output_text.delta",
                 item_id=message_id,
-                output_index=0,
+                output_index=at,
                 content_index=0,
                 delta=rest,
                 logprobs=[],
             )
-        done_part = output[0]["content"][0]
+        done_part = output[at]["content"][0]
         yield event(
             "response.output_text.done",
             item_id=message_id,
-            output_index=0,
+            output_index=at,
             content_index=0,
             text=done_part["text"],
             logprobs=[],
         )
-        yield event("response.content_part.done", item_id=message_id, output_index=0, content_index=0, part=done_part)
-        yield event("response.output_item.done", output_index=0, item=output[0])
+        yield event("response.content_part.done", item_id=message_id, output_index=at, content_index=0, part=done_part)
+        yield event("response.output_item.done", output_index=at, item=output[at])
     for index, item in enumerate(output):
         if item["type"] != "function_call":
             continue

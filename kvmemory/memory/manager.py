@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -204,9 +205,33 @@ class MemoryManager:
             finally:
                 self._busy = False
 
+    def clear(self, segment_ids: Iterable[int], trigger: str = "client") -> dict[int, float]:
+        """Compact these segments to their rules' floors now, each with its rule's method: what a client's
+        "clear these old tool results" becomes in latent space (the text stays in the transcript; ``recall``
+        brings it back). Protected segments, the sinks and the recent window stay as they are; a segment at its
+        floor already is skipped. One transaction. Returns the slots per head each segment gave up."""
+        if self.session is None:
+            raise InvalidArgumentError("this MemoryManager is not attached to a session")
+        wanted = set(segment_ids)
+        spans = [s for s in self._spans() if s.segments[0].id in wanted and s.current > s.floor + 0.5]
+        if self._busy or not spans:
+            return {}
+        before = self.session.segment_slots()
+        with self.session.edit() as edit:
+            self._busy = True
+            try:
+                self._run_budgets(edit, [(span, span.floor, False) for span in spans], trigger)
+            finally:
+                self._busy = False
+        after = self.session.segment_slots()
+        return {s.segments[0].id: before[s.segments[0].id] - after.get(s.segments[0].id, 0.0) for s in spans}
+
     def _compact(self, edit, trigger: str, goal_slots: int | None) -> list[CompactionRecord]:
+        return self._run_budgets(edit, self._budgets(goal_slots), trigger)
+
+    def _run_budgets(self, edit, items: list[tuple[_Span, int, bool]], trigger: str) -> list[CompactionRecord]:
+        """Compact each span to its slots per head, one cache rebuild for the pass."""
         started = time.perf_counter()
-        items = self._budgets(goal_slots)
         jobs, head_ratio, frames = [], self.max_head_ratio(), self._recent_frames()
         for span, slots, _ in items:
             method = self._method(span.rule)
