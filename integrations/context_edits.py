@@ -80,12 +80,19 @@ def apply_edits(session, edits: list[ContextEdit], prompt_tokens: int) -> list[A
         return []
     applied = []
     for edit in edits:
-        done = clear_tool_results(session, memory, edit, prompt_tokens) if isinstance(edit, ClearToolResults) else None
-        if isinstance(edit, CompactContext) and prompt_tokens >= edit.trigger_tokens:
-            done = compact_context(session, memory, edit)
+        if isinstance(edit, ClearToolResults):
+            done = clear_tool_results(session, memory, edit, prompt_tokens)
+        else:
+            done = compact_context(session, memory, edit) if prompt_tokens >= edit.trigger_tokens else None
         if done is not None:
             applied.append(done)
     return applied
+
+
+def paused(edits: list[ContextEdit], applied: list[AppliedEdit]) -> bool:
+    """Whether the turn ends at its compaction (``CompactContext.pause``), with no reply."""
+    compacted = any(a.kind == "compaction" for a in applied)
+    return compacted and any(isinstance(e, CompactContext) and e.pause for e in edits)
 
 
 def tool_uses(session) -> list[list]:

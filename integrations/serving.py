@@ -46,7 +46,7 @@ from kvmemory import (
     StoreFullError,
     ToolCallParseError,
 )
-from kvmemory.integrations.context_edits import AppliedEdit, CompactContext, ContextEdit, EditsApplied, apply_edits
+from kvmemory.integrations.context_edits import AppliedEdit, ContextEdit, EditsApplied, apply_edits, paused
 from kvmemory.runtime.chat import RequiredToolCall, parse_tool_calls, visible_content
 
 log = logging.getLogger("kvmemory.server")
@@ -428,7 +428,7 @@ class ServingCore:
             applied = apply_edits(session, turn.context_edits, prompt)
             if applied:
                 yield EditsApplied(applied)
-            if any(isinstance(e, CompactContext) and e.pause for e in turn.context_edits) and applied:
+            if paused(turn.context_edits, applied):
                 self.after_turn(turn.session)  # paused after compacting: the mark is the answer
                 yield Reply("", "", [], "compaction", None, prompt, cached, 0, session.messages, applied_edits=applied)
                 return

@@ -209,6 +209,31 @@ def test_scripted_session_runs_real_tools(workspace):
 
 
 @pytest.mark.sandbox
+def test_a_repeated_call_is_answered_without_running_it():
+    """A read repeated with nothing written since, or the last write again, gets a message instead of running;
+    a read after a write, or a different write, runs."""
+    from langchain.agents.middleware import ToolCallRequest
+
+    from kvmemory.agents.coding_agent.agent import RepeatedCallGuard
+
+    def call(name: str, **args) -> dict:
+        return {"name": name, "args": args, "id": f"c{len(args)}", "type": "tool_call"}
+
+    def outcome(history: list, made: dict) -> str:
+        messages = [AIMessage("", tool_calls=[c]) for c in history] + [AIMessage("", tool_calls=[made])]
+        request = ToolCallRequest(tool_call=made, tool=None, state={"messages": messages}, runtime=None)
+        answer = RepeatedCallGuard().wrap_tool_call(request, lambda _: ToolMessage("ran", tool_call_id="x"))
+        return "ran" if answer.content == "ran" else "refused"
+
+    read, write = call("read_file", path="a.py"), call("write_file", path="a.py", content="x = 1")
+    assert outcome([read], read) == "refused"
+    assert outcome([read, write], read) == "ran"  # the file may have changed
+    assert outcome([write], write) == "refused"  # the file holds it already
+    assert outcome([write, read], write) == "refused"
+    assert outcome([write], call("write_file", path="a.py", content="x = 2")) == "ran"
+    assert outcome([write, call("patch_file", path="a.py", old="1", new="2")], write) == "ran"
+
+
 def test_recall_tool_and_agent_graph(small_engine, workspace):
     chat = ChatKVMemory(engine=small_engine, max_new_tokens=8, policy=default_policy(max_slots=4096))
     session = chat.session_for("recall")

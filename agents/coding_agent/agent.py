@@ -86,30 +86,34 @@ class WorkspacePaths(AgentMiddleware):
 
 
 class RepeatedCallGuard(AgentMiddleware):
-    """Answers a tool call that repeats an earlier one exactly, with nothing written since, without running it:
-    its output would be the same, and small models under greedy decoding loop on such calls. The answer says
-    so, which is what breaks the loop (SWE-agent tells its model the same about a repeated command)."""
+    """Answers a tool call that repeats an earlier one exactly without running it: a read with nothing written
+    since (its output would be the same), or a write identical to the last write (the file holds it already).
+    Small models under greedy decoding loop on such calls; the answer says so, which is what breaks the loop
+    (SWE-agent tells its model the same about a repeated command)."""
 
     WRITES = ("write_file", "patch_file")
 
     def wrap_tool_call(self, request, handler):
         call = request.tool_call
-        if call["name"] not in self.WRITES and self._seen_since_last_write(request.state["messages"][:-1], call):
+        if self.repeats(request.state["messages"][:-1], call):
+            done = "its output is above" if call["name"] not in self.WRITES else "the file holds it already"
             return ToolMessage(
-                f"You already called {call['name']} with these arguments and nothing has changed since: its output "
-                "is above. Do not repeat it; take the next step (read the file the failure points to, patch it, "
-                "or run the tests after a patch).",
+                f"You already called {call['name']} with these arguments and nothing has changed since: {done}. "
+                "Do not repeat it; take the next step (read the file the failure points to, patch it, or run the "
+                "tests after a patch).",
                 tool_call_id=call["id"],
                 name=call["name"],
             )
         return handler(request)
 
-    def _seen_since_last_write(self, messages, call) -> bool:
+    def repeats(self, messages, call) -> bool:
+        """Whether ``call`` repeats a read made since the last write, or is the last write again."""
         for message in reversed(messages):
-            for earlier in message.tool_calls if isinstance(message, AIMessage) else []:
+            for earlier in reversed(message.tool_calls) if isinstance(message, AIMessage) else []:
+                same = (earlier["name"], earlier["args"]) == (call["name"], call["args"])
                 if earlier["name"] in self.WRITES:
-                    return False
-                if (earlier["name"], earlier["args"]) == (call["name"], call["args"]):
+                    return same and call["name"] in self.WRITES
+                if same:
                     return True
         return False
 
