@@ -8,8 +8,8 @@ cache instead, so the conversation stays what the client sent and nothing is pre
 
 * clearing a tool result compacts its segment to its rule's floor with its rule's method
   (``MemoryManager.clear``); its text stays in the transcript, and ``recall`` brings it back;
-* compacting the conversation runs the session's policy now, down to half the trigger (or the policy's
-  target, if lower), and stands a *mark* for the conversation held at that point: a compaction block or item
+* compacting the conversation runs the session's policy now, down to its target (a cap-forced compaction's)
+  and below half the trigger, and stands a *mark* for the conversation held at that point: a compaction block or item
   the client sends back in place of the messages before it, which the server expands to those messages, so
   the session's cache still matches them and only what follows is prefilled.
 
@@ -42,8 +42,8 @@ class ClearToolResults:
 
 @dataclass(frozen=True)
 class CompactContext:
-    """Compact the session once the prompt reaches ``trigger_tokens``; ``pause``: answer with the mark alone,
-    no reply (the client continues with another request)."""
+    """Compact the session once the prompt reaches ``trigger_tokens`` (0: now); ``pause``: answer with the mark
+    alone, no reply (the client continues with another request)."""
 
     trigger_tokens: int = 150_000
     pause: bool = False
@@ -137,8 +137,11 @@ def clear_tool_results(session, memory: MemoryManager, edit: ClearToolResults, p
 
 
 def compact_context(session, memory: MemoryManager, edit: CompactContext) -> AppliedEdit:
+    """Compact to the policy's target (a cap-forced compaction's), and below half the trigger, if it has one."""
     held = session.cache.slots_per_head
-    goal = min(edit.trigger_tokens // 2, int(memory.slot_cap() * memory.policy.budget.target_fraction))
+    goal = int(memory.slot_cap() * memory.policy.budget.target_fraction)
+    if edit.trigger_tokens > 0:
+        goal = min(goal, edit.trigger_tokens // 2)
     if held > goal:
         memory.compact(trigger="client", goal_slots=max(goal, 1))
     return AppliedEdit("compaction", cleared_tokens=held - session.cache.slots_per_head, conversation=session.messages)
