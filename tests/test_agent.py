@@ -234,6 +234,32 @@ def test_a_repeated_call_is_answered_without_running_it():
     assert outcome([write, call("patch_file", path="a.py", old="1", new="2")], write) == "ran"
 
 
+def test_a_malformed_call_is_shown_to_the_model_and_asked_again():
+    from langchain.agents.middleware import ModelRequest, ModelResponse
+
+    from kvmemory.agents.coding_agent.agent import ToolCallsOnly
+
+    cut = AIMessage(
+        "",
+        invalid_tool_calls=[
+            {"type": "invalid_tool_call", "name": None, "args": '{"na', "id": None, "error": "not valid JSON"}
+        ],
+    )
+    good = AIMessage("", tool_calls=[{"name": "finish", "args": {"summary": "done"}, "id": "c1", "type": "tool_call"}])
+    seen = []
+
+    def handler(request):
+        seen.append(request)
+        return ModelResponse(result=[cut if len(seen) == 1 else good])
+
+    request = ModelRequest(model=None, messages=[HumanMessage("fix it")], tool_choice=None, tools=[], state={})
+    assert ToolCallsOnly().wrap_model_call(request, handler).result == [good]
+    assert [r.tool_choice for r in seen] == ["required", "required"]
+    assert seen[1].messages[1] is cut and "not valid JSON" in seen[1].messages[2].content
+    always_cut = ToolCallsOnly(retries=2).wrap_model_call(request, lambda r: ModelResponse(result=[cut]))
+    assert always_cut.result == [cut]  # after its retries the malformed reply stands (the run then ends)
+
+
 def test_recall_tool_and_agent_graph(small_engine, workspace):
     chat = ChatKVMemory(engine=small_engine, max_new_tokens=8, policy=default_policy(max_slots=4096))
     session = chat.session_for("recall")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware
-from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import StructuredTool
 
 from kvmemory.agents.coding_agent.workspace import Workspace
@@ -64,10 +64,25 @@ def finish_tool() -> StructuredTool:
 class ToolCallsOnly(AgentMiddleware):
     """Every model call must call a tool (``tool_choice="required"``: ``ChatKVMemory`` then makes the reply open
     with the model's own tool-call format and name one of the tools). A small model left free drifts into
-    prose plans or invented tool names and stops; the run ends through the ``finish`` tool instead."""
+    prose plans or invented tool names and stops; the run ends through the ``finish`` tool instead. A call that
+    still comes out malformed (cut at the reply's token limit) is shown to the model with its error, and the
+    model asked again, up to ``retries`` times: an agent that stopped there would end the run unfinished."""
+
+    def __init__(self, retries: int = 2):
+        super().__init__()
+        self.retries = retries
 
     def wrap_model_call(self, request, handler):
-        return handler(request.override(tool_choice="required"))
+        request = request.override(tool_choice="required")
+        response = handler(request)
+        for _ in range(self.retries):
+            reply = response.result[-1] if response.result else None
+            if not isinstance(reply, AIMessage) or reply.tool_calls or not reply.invalid_tool_calls:
+                break
+            error = reply.invalid_tool_calls[0].get("error") or "it is not a complete tool call"
+            hint = HumanMessage(f"That tool call is not valid: {error}. Reply with one complete, shorter tool call.")
+            response = handler(request.override(messages=[*request.messages, reply, hint]))
+        return response
 
 
 class WorkspacePaths(AgentMiddleware):

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="default", help="HF id, local directory, .gguf file or 'default'")
     parser.add_argument("--max-slots", type=int, default=DEFAULT_MAX_SLOTS, help="KV memory cap (slots per head)")
     parser.add_argument("--max-steps", type=int, default=12, help="model calls before the agent is stopped")
-    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--max-new-tokens", type=int, default=384, help="the longest reply (a patch is a long call)")
     parser.add_argument("--record", default=None, help="write the run (every call and output, the tests after) as JSON")
     args = parser.parse_args(argv)
     try:
