@@ -19,7 +19,12 @@ from benchmarks.report.memory import (
     quality_section,
     seed_methods_section,
 )
-from benchmarks.report.serving import persistence_section, serve_section, serve_soak_section
+from benchmarks.report.serving import (
+    context_management_section,
+    persistence_section,
+    serve_section,
+    serve_soak_section,
+)
 from benchmarks.report.speed import (
     capacity_section,
     compaction_stall_section,
@@ -62,6 +67,7 @@ def render() -> str:
         ("persistence", persistence_section),
         ("serve", serve_section),
         ("serve_soak", serve_soak_section),
+        ("context_management", context_management_section),
         ("capacity", capacity_section),
         ("fp16_linear", fp16_linear_section),
         ("decode_kernel", decode_kernel_section),

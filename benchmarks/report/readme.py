@@ -256,7 +256,29 @@ def serving_rows() -> list[list]:
                 "`python -m benchmarks.kv_dtype`",
             ]
         )
+    if (d := load("context_management")) is not None:
+        by = {s["condition"]: s for s in d["summary"]}
+        ours, text = by["latent"], by["text-summary"]
+        rows.append(
+            [
+                f"a client's compaction (`POST /v1/responses/compact`) of {ours['traces']} agent traces",
+                f"{ours['facts_answered']} of {ours['facts']} facts answered after it; the compaction turn "
+                f"{ours['cost_vs_reprefill']:.0%} of a full re-prefill, {ours['held_slots']:,} slots held",
+                f"text summary: {text['facts_answered']} of {text['facts']}, {text['cost_vs_reprefill']:.0%}, "
+                f"{text['held_slots']:,} slots held; latent at the summary's bytes: {equal_bytes(by)}; full "
+                f"history: {by['full']['facts_answered']} of {by['full']['facts']}",
+                where(d, d["model"].removesuffix("-Instruct")),
+                "`python -m benchmarks.context_management`",
+            ]
+        )
     return rows
+
+
+def equal_bytes(by: dict) -> str:
+    same = by.get("latent-equal-bytes")
+    if same is None:
+        return "refused (the protected prompt did not fit)"
+    return f"{same['facts_answered']} of {same['facts']} ({same['traces']} trace(s) fit)"
 
 
 def results_table() -> str:

@@ -57,3 +57,42 @@ def serve_soak_section(d: dict) -> str:
         f"{s['peak_disk_bytes'] / 2**20:.0f} MiB; SIGTERM stopped it in {s['sigterm_stop_s']:.1f} s. "
         "![soak](results/serve_soak.png)"
     )
+
+
+def context_management_section(d: dict) -> str:
+    columns = [
+        "condition",
+        "facts answered after",
+        "compaction turn s",
+        "of a full re-prefill",
+        "tokens prefilled",
+        "slots held",
+    ]
+    rows = [
+        [
+            s["condition"],
+            f"{s['facts_answered']} of {s['facts']}",
+            f"{s['compaction_s']:.1f}",
+            f"{s['cost_vs_reprefill']:.1%}",
+            s["compaction_prefill"],
+            s["held_slots"],
+        ]
+        for s in d["summary"]
+    ]
+    refused = sorted({r["trace"] for r in d["rows"] if "refused" in r})
+    note = (
+        f" At the summary's bytes the protected prompt did not fit for {', '.join(refused)} (refused with a 400)."
+        if refused
+        else ""
+    )
+    return (
+        f"**A client's compaction** (`python -m benchmarks.context_management`, {d['model']}{on_cpu(d)}): agent "
+        "traces sent to `kvmemory serve` through the `openai` client, then compacted: `POST /v1/responses/compact` "
+        "on the resident session (latent; its compaction item sent back in place of the history), or the history "
+        f"with a summarise prompt and a new conversation from the summary (up to {d['summary_tokens']} tokens), as "
+        "Codex and Claude Code do; then every fact the trace read once, early, asked (greedy, exact match). The "
+        "compaction turn is timed against re-prefilling the whole history in a fresh session."
+        + note
+        + "\n\n"
+        + md(rows, columns)
+    )
