@@ -234,6 +234,27 @@ def test_a_repeated_call_is_answered_without_running_it():
     assert outcome([write, call("patch_file", path="a.py", old="1", new="2")], write) == "ran"
 
 
+def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
+    from kvmemory.agents.coding_agent.agent import WorkspacePaths
+
+    def call(name: str, **args) -> AIMessage:
+        return AIMessage("", tool_calls=[{"name": name, "args": args, "id": "c", "type": "tool_call"}])
+
+    def read_choices(messages) -> list[str]:
+        tools = {
+            t.name: t for t in workspace.tools(paths_as_choices=True, seen=WorkspacePaths(workspace).seen(messages))
+        }
+        return tools["read_file"].args["path"]["enum"]
+
+    assert "inventory/models.py" in read_choices([])
+    read = call("read_file", path="inventory/models.py")
+    assert "inventory/models.py" not in read_choices([read]) and "README.md" in read_choices([read])
+    patched = call("patch_file", path="inventory/models.py", old="a", new="b")
+    assert "inventory/models.py" in read_choices([read, patched])  # written since: worth reading again
+    everything = [call("read_file", path=p) for p in workspace.files()]
+    assert read_choices(everything) == workspace.files()  # all read: every path is offered again
+
+
 def test_a_malformed_call_is_shown_to_the_model_and_asked_again():
     from langchain.agents.middleware import ModelRequest, ModelResponse
 

@@ -185,11 +185,12 @@ class Workspace:
     }
     EXISTING = {"read_file": "files", "patch_file": "files", "list_files": "directories", "grep": "directories"}
 
-    def tools(self, paths_as_choices: bool = False) -> list[StructuredTool]:
+    def tools(self, paths_as_choices: bool = False, seen: dict[str, set[str]] | None = None) -> list[StructuredTool]:
         """The workspace operations as LangChain tools, each with the kvmemory policy its output deserves.
         ``paths_as_choices``: the tools that read an existing path name the workspace's paths in their schema
         (an enum, while there are at most ``MAX_PATH_CHOICES``), so that a model whose arguments are held to
-        the schema picks a real path instead of inventing one."""
+        the schema picks a real path instead of inventing one; ``seen``: per tool, paths left out of its
+        choices (those whose output the model has already, unless that leaves none)."""
         from kvmemory.integrations.middleware import kv_policy
 
         out = []
@@ -198,6 +199,7 @@ class Workspace:
             tool = StructuredTool.from_function(fn, name=name, description=fn.__doc__, handle_tool_error=_tool_error)
             if paths_as_choices and name in self.EXISTING:
                 choices = getattr(self, self.EXISTING[name])()
+                choices = [c for c in choices if c not in (seen or {}).get(name, ())] or choices
                 if len(choices) <= MAX_PATH_CHOICES:
                     schema = tool.tool_call_schema.model_json_schema()
                     schema["properties"]["path"] = {**schema["properties"]["path"], "enum": choices}
