@@ -363,6 +363,21 @@ def openai_chat_routes(served: Served) -> APIRouter:
     return router
 
 
+def responses_turn(served: Served, request: Request, req) -> tuple[Turn, dict[str, str]]:
+    """A Responses request's turn (create or compact) and the tool calls its conversation made so far: it
+    continues ``previous_response_id``'s conversation and session, else the one its key or first messages name."""
+    who = served.owner(request)
+    earlier, calls, session = [], {}, served.key(request, req.prompt_cache_key, "prompt_cache_key")
+    if req.previous_response_id is not None:
+        previous = served.responses.get(req.previous_response_id, who)
+        earlier, calls = previous["conversation"], previous["calls"]
+        session = session or previous["session"]
+    turn = openai_responses.turn(req, session, earlier, calls, served.expander(who))
+    if turn.session is None:
+        turn.session = conversation_key(who, turn.messages)
+    return turn, calls
+
+
 def openai_responses_routes(served: Served) -> APIRouter:
     router, backend, model, log_ = APIRouter(), served.backend, served.model, served.responses
 
@@ -371,14 +386,7 @@ def openai_responses_routes(served: Served) -> APIRouter:
         req = openai_responses.request(await json_body(request))
         served.check_model(req.model)
         who = served.owner(request)
-        earlier, calls, session = [], {}, served.key(request, req.prompt_cache_key, "prompt_cache_key")
-        if req.previous_response_id is not None:
-            previous = log_.get(req.previous_response_id, who)
-            earlier, calls = previous["conversation"], previous["calls"]
-            session = session or previous["session"]
-        turn = openai_responses.turn(req, session, earlier, calls, served.expander(who))
-        if turn.session is None:
-            turn.session = conversation_key(who, turn.messages)
+        turn, calls = responses_turn(served, request, req)
         ident = "resp_" + os.urandom(16).hex()
 
         def store(reply: Reply, body: dict) -> None:
@@ -412,14 +420,7 @@ def openai_responses_routes(served: Served) -> APIRouter:
         req = openai_responses.compact_request(await json_body(request))
         served.check_model(req.model)
         who = served.owner(request)
-        earlier, calls, session = [], {}, served.key(request, req.prompt_cache_key, "prompt_cache_key")
-        if req.previous_response_id is not None:
-            previous = log_.get(req.previous_response_id, who)
-            earlier, calls = previous["conversation"], previous["calls"]
-            session = session or previous["session"]
-        turn = openai_responses.turn(req, session, earlier, calls, served.expander(who))
-        if turn.session is None:
-            turn.session = conversation_key(who, turn.messages)
+        turn, _ = responses_turn(served, request, req)
         reply = await unless_disconnected(request, backend.run(turn))
         served.store_marks(reply.applied_edits, who, turn.session)
         return openai_responses.compacted("resp_" + os.urandom(16).hex(), turn.messages, reply)

@@ -45,6 +45,20 @@ TOOLS = [
 ]
 
 
+def request(live, messages: list[dict], session: str, management: dict | None = None) -> dict:
+    """The keywords of an Anthropic beta Messages call on ``session``."""
+    extra = {"context_management": management} if management else {}
+    return dict(
+        model=live.model,
+        max_tokens=4,
+        messages=messages,
+        tools=TOOLS,
+        betas=BETA,
+        extra_headers={"x-session-id": session},
+        **extra,
+    )
+
+
 def clear_edit(**fields) -> dict:
     edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 100}}
     return {"edits": [{**edit, **fields}]}
@@ -55,15 +69,7 @@ def test_clearing_old_tool_results_compacts_them_in_the_cache_and_reports_it(liv
     messages = tool_conversation(5, tools=("read_file", "keep_me"))
 
     def send(history: list[dict], management: dict):
-        return client.beta.messages.create(
-            model=live.model,
-            max_tokens=4,
-            messages=history,
-            tools=TOOLS,
-            betas=BETA,
-            context_management=management,
-            extra_headers={"x-session-id": session},
-        )
+        return client.beta.messages.create(**request(live, history, session, management))
 
     before = live.stats(session) if live.get(f"/v1/sessions/{session}").status_code == 200 else None
     assert before is None
@@ -93,46 +99,21 @@ def test_compaction_answers_with_a_block_that_stands_for_the_conversation(live):
     client, session = live.anthropic(), f"compact-{live.kind}"
     messages = tool_conversation(3)
     edit = {"edits": [{"type": "compact_20260112", "trigger": {"type": "input_tokens", "value": 100}}]}
-    first = client.beta.messages.create(
-        model=live.model,
-        max_tokens=4,
-        messages=messages,
-        tools=TOOLS,
-        betas=BETA,
-        context_management=edit,
-        extra_headers={"x-session-id": session},
-    )
+    first = client.beta.messages.create(**request(live, messages, session, edit))
     assert first.content[0].type == "compaction" and first.content[0].encrypted_content.startswith("kvmemory-mark:")
     prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
 
     # the client drops everything before the block: the server expands it, the session's cache still holds it
     then = [{"role": "assistant", "content": first.content}, {"role": "user", "content": "And now?"}]
-    second = client.beta.messages.create(
-        model=live.model, max_tokens=4, messages=then, tools=TOOLS, betas=BETA, extra_headers={"x-session-id": session}
-    )
+    second = client.beta.messages.create(**request(live, then, session))
     assert second.usage.cache_read_input_tokens >= prompt
     assert second.usage.input_tokens < 40  # only the reply and the new question were prefilled
 
-    paused = client.beta.messages.create(
-        model=live.model,
-        max_tokens=4,
-        messages=messages,
-        tools=TOOLS,
-        betas=BETA,
-        context_management={"edits": [{**edit["edits"][0], "pause_after_compaction": True}]},
-        extra_headers={"x-session-id": f"{session}-paused"},
-    )
+    pause = {"edits": [{**edit["edits"][0], "pause_after_compaction": True}]}
+    paused = client.beta.messages.create(**request(live, messages, f"{session}-paused", pause))
     assert paused.stop_reason == "compaction" and [b.type for b in paused.content] == ["compaction"]
 
-    with client.beta.messages.stream(
-        model=live.model,
-        max_tokens=4,
-        messages=messages,
-        tools=TOOLS,
-        betas=BETA,
-        context_management=edit,
-        extra_headers={"x-session-id": f"{session}-streamed"},
-    ) as stream:
+    with client.beta.messages.stream(**request(live, messages, f"{session}-streamed", edit)) as stream:
         streamed = stream.get_final_message()
     assert streamed.content[0].type == "compaction" and streamed.content[0].encrypted_content.startswith("kvmemory")
 
