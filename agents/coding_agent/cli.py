@@ -44,6 +44,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-slots", type=int, default=DEFAULT_MAX_SLOTS, help="KV memory cap (slots per head)")
     parser.add_argument("--max-steps", type=int, default=12, help="model calls before the agent is stopped")
     parser.add_argument("--max-new-tokens", type=int, default=384, help="the longest reply (a patch is a long call)")
+    parser.add_argument(
+        "--start-with",
+        default="pytest -q",
+        help="a command run before the model's first call, its output the first thing the model reads (the tests' "
+        "failures ground a small model); '' to start from the task alone",
+    )
     parser.add_argument("--record", default=None, help="write the run (every call and output, the tests after) as JSON")
     args = parser.parse_args(argv)
     try:
@@ -89,8 +95,17 @@ def main(argv: list[str] | None = None) -> None:
         )
     config = {"configurable": {"thread_id": "cli"}, "recursion_limit": 2 * args.max_steps + 1}
     started, steps, ended = time.perf_counter(), [], "finished"
+    opening = [HumanMessage(args.task)] + first_step(workspace, args.start_with)
+    for msg in opening[1:]:  # (the first call is the harness's, not the model's: recorded as "start")
+        kind = "start" if msg.type == "ai" else msg.type
+        steps.append({"type": kind, "content": str(msg.content), **call_fields(msg)})
+        print(
+            f"→ {short(msg.tool_calls[0]['args'], 100)} (run before the model's first call)"
+            if msg.type == "ai"
+            else f"← {short(msg.content)}"
+        )
     try:
-        for update in agent.stream({"messages": [HumanMessage(args.task)]}, config=config, stream_mode="updates"):
+        for update in agent.stream({"messages": opening}, config=config, stream_mode="updates"):
             for delta in update.values():
                 for msg in (delta or {}).get("messages", []):
                     steps.append({"type": msg.type, "content": str(msg.content), **call_fields(msg)})
@@ -134,6 +149,17 @@ def main(argv: list[str] | None = None) -> None:
             "steps": steps,
         }
         Path(args.record).write_text(json.dumps(run, indent=1, ensure_ascii=False))
+
+
+def first_step(workspace, command: str) -> list:
+    """The run of ``command`` as the conversation's first tool call and its output ([] for no command)."""
+    from langchain_core.messages import AIMessage, ToolMessage
+
+    if not command:
+        return []
+    call = {"name": "run_command", "args": {"command": command}, "id": "call_start", "type": "tool_call"}
+    output = workspace.run_command(command)
+    return [AIMessage("", tool_calls=[call]), ToolMessage(output, tool_call_id="call_start", name="run_command")]
 
 
 def model_calls(steps: list[dict]) -> int:
