@@ -193,6 +193,16 @@ def test_tools_do_real_work(workspace):
 
 
 @pytest.mark.sandbox
+def test_the_agent_starts_from_a_real_run_of_the_tests(workspace):
+    from kvmemory.agents.coding_agent.cli import first_step
+
+    call, output = first_step(workspace, "pytest -q")
+    assert call.tool_calls[0]["args"] == {"command": "pytest -q"} and output.tool_call_id == call.tool_calls[0]["id"]
+    assert "2 failed, 7 passed" in output.content and "restocking WX-4471 by 10 from 8 gave 10" in output.content
+    assert first_step(workspace, "") == []
+
+
+@pytest.mark.sandbox
 def test_scripted_session_runs_real_tools(workspace):
     seen = []
 
