@@ -112,6 +112,24 @@ def test_arguments_written_under_the_schema_are_a_valid_object_whatever_the_mode
         assert isinstance(value, kinds[schema["type"]]) and value in schema.get("enum", [value])
 
 
+@settings(max_examples=10, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_string_with_a_max_length_closes_within_it(renderer, seed):
+    """A walk that never chooses to close a ``maxLength`` string still ends: past the room left only shorter
+    tokens are allowed, then only the quote (a small model's command otherwise runs to the token limit)."""
+    schema = {"type": "object", "properties": {"command": {"type": "string", "maxLength": 24}}, "required": ["command"]}
+    grammar, rng = ToolArguments(schema, renderer.tokenizer), random.Random(seed)
+    quote = renderer.tokenizer.encode('"', add_special_tokens=False)[0]
+    text, steps = "", 0
+    while (allowed := grammar.allowed(text)) is not None:
+        free = allowed[allowed != quote]
+        choices = free if len(free) and text.count('"') == 3 else allowed  # inside the string: never close
+        text += renderer.tokenizer.decode([int(choices[rng.randrange(len(choices))])])
+        steps += 1
+        assert steps < 200, text
+    assert len(json.loads(text)["command"]) <= 24
+
+
 def test_a_required_call_holds_its_arguments_to_the_tools_schema(renderer):
     """Greedy on noise: the one call the reply makes names a real tool, and its arguments are that tool's."""
     schemas = {"read_file": READ_FILE, "run_command": {"type": "object", "properties": {"command": {"type": "string"}}}}

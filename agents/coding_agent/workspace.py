@@ -13,8 +13,10 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Annotated
 
 from langchain_core.tools import StructuredTool
+from pydantic import Field
 
 from kvmemory.agents.coding_agent.sandbox import Limits, Sandbox, SandboxError, SandboxUnavailableError
 
@@ -39,6 +41,7 @@ GREP_SECONDS = 10.0
 __all__ = ["SandboxError", "SandboxUnavailableError", "Workspace"]
 
 
+MAX_ARGUMENT_CHARS = 200  # a command or a pattern: a small model's otherwise runs on to the reply's token limit
 MAX_PATH_CHOICES = 64  # a workspace with more files than this names them in no schema (the prompt would swell)
 
 
@@ -119,7 +122,7 @@ class Workspace:
         )
         return self._cap(f"{path}:\n{body}{more}")
 
-    def grep(self, pattern: str, path: str = ".") -> str:
+    def grep(self, pattern: Annotated[str, Field(max_length=MAX_ARGUMENT_CHARS)], path: str = ".") -> str:
         """Search the workspace's text files for a (Perl-style) regular expression; returns file:line: text."""
         base = self.resolve(path)
         excludes = [f"--exclude-dir={d}" for d in sorted(SKIP_DIRS)]
@@ -149,7 +152,7 @@ class Workspace:
         self.resolve(path).write_text(text.replace(old, new, 1))
         return f"patched {path}"
 
-    def run_command(self, command: str) -> str:
+    def run_command(self, command: Annotated[str, Field(max_length=MAX_ARGUMENT_CHARS)]) -> str:
         """Run a command (no shell) in the workspace; returns exit code and output."""
         try:
             argv = shlex.split(command)

@@ -4,7 +4,9 @@ A small model asked for a tool call writes arguments of its own invention: the s
 (``"type": "object"``, ``"required": [...]``), keys the tool does not take, a string where a number goes. Where a
 call is required (``RequiredToolCall``), the arguments object is written under this grammar instead, as
 llama.cpp's JSON-schema grammars and vLLM's guided decoding do: only the schema's property names as keys,
-each at most once, every required one before the object closes; strings (text that needs no escape), integers,
+each at most once, every required one before the object closes; strings (text that needs no escape, at most
+``maxLength`` characters where the schema sets one: a small model's string otherwise runs on to the reply's
+token limit and the call is lost), integers,
 numbers, booleans and enumerated strings where the schema says so. A property of another type (an array, an
 object) leaves the rest of the object to the model.
 
@@ -27,6 +29,7 @@ class Vocabulary:
     """Token ids by what their text may stand for inside a JSON value (found once per tokenizer)."""
 
     in_string: torch.Tensor  # text that fits in a string as it is: no quote, backslash or control character
+    in_string_lengths: torch.Tensor  # the characters of each of those tokens' text
     digits: torch.Tensor  # ASCII digits only
     leading_digits: torch.Tensor  # digits not starting with 0 (JSON numbers have no leading zeros)
 
@@ -48,7 +51,8 @@ def vocabulary(tokenizer) -> Vocabulary:
                 digits.append(i)
                 if text[0] != "0":
                     leading.append(i)
-        made = Vocabulary(*(torch.tensor(ids, dtype=torch.long) for ids in (in_string, digits, leading)))
+        lengths = [len(texts[i]) for i in in_string]
+        made = Vocabulary(*(torch.tensor(ids, dtype=torch.long) for ids in (in_string, lengths, digits, leading)))
         _VOCABULARIES[tokenizer] = made
     return _VOCABULARIES[tokenizer]
 
@@ -143,17 +147,21 @@ class _Reader:
         if kind == "boolean":
             return self.literal(["true", "false"])
         if kind == "string":
-            return self.string()
+            return self.string(schema.get("maxLength"))
         if kind in ("integer", "number"):
             return self.number(kind)
         raise _Free
 
-    def string(self) -> torch.Tensor | None:
+    def string(self, max_length: int | None = None) -> torch.Tensor | None:
         if (need := self.literal(['"'])) is not None:
             return need
         end = self.text.find('"', self.at)
-        if end < 0:  # inside: any text that needs no escape, or the closing quote
-            return self.tokens(['"'], vocabulary(self.grammar.tokenizer).in_string)
+        if end < 0:  # inside: any text that needs no escape (within maxLength), or the closing quote
+            words = vocabulary(self.grammar.tokenizer)
+            if not isinstance(max_length, int):
+                return self.tokens(['"'], words.in_string)
+            room = max_length - (len(self.text) - self.at)
+            return self.tokens(['"'], words.in_string[words.in_string_lengths <= room])
         self.at = end + 1
         return None
 
