@@ -89,6 +89,7 @@ class ChatKVMemory(BaseChatModel):
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
+    frequency_penalty: float = 0.0  # OpenAI's meaning: each token the reply wrote, lowered by its count times this
     seed: int | None = None
 
     store: Any = Field(None, exclude=True, description="a SessionStore; by default one that keeps threads in memory")
@@ -207,6 +208,7 @@ class ChatKVMemory(BaseChatModel):
                 "max_new_tokens": kwargs.get("max_new_tokens", self.max_new_tokens),
                 "temperature": kwargs.get("temperature", self.temperature),
                 "top_p": kwargs.get("top_p", self.top_p),
+                "frequency_penalty": kwargs.get("frequency_penalty", self.frequency_penalty),
                 "stop": stop,
                 "seed": kwargs.get("seed", self.seed),
             },

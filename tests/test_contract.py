@@ -276,6 +276,21 @@ def test_stop_strings_keep_only_the_text_returned(small_engine):
     s.generate(max_new_tokens=2)  # the session goes on from the kept text
 
 
+def test_penalties_lower_the_tokens_the_reply_wrote_by_their_count():
+    from kvmemory.runtime.sampling import SamplingParams
+
+    logits = torch.tensor([5.0, 4.5, 4.0, 0.0])
+    greedy = SamplingParams()
+    assert greedy.pick(logits, None, written=[0, 0, 0]) == 0  # no penalty: the written token still wins
+    assert SamplingParams(frequency_penalty=0.2).pick(logits, None, written=[0, 0, 0]) == 1  # 5 - 0.6 < 4.5
+    assert SamplingParams(frequency_penalty=0.2).pick(logits, None, written=[0]) == 0  # 5 - 0.2 > 4.5
+    assert SamplingParams(presence_penalty=1.5).pick(logits, None, written=[0, 1]) == 2  # 3.5, 3 and 4
+    assert SamplingParams(frequency_penalty=2).pick(logits, None, [0, 3], written=[0, 0]) == 0  # only what is allowed
+    for bad in (dict(frequency_penalty=3), dict(presence_penalty=float("inf"))):
+        with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
 @pytest.mark.small_model
 @pytest.mark.parametrize(
     "bad, error",

@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=12, help="model calls before the agent is stopped")
     parser.add_argument("--max-new-tokens", type=int, default=384, help="the longest reply (a patch is a long call)")
     parser.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.5,
+        help="lower each token a reply wrote by this times its count (greedy small models loop on a phrase)",
+    )
+    parser.add_argument(
         "--start-with",
         default="pytest -q",
         help="a command run before the model's first call, its output the first thing the model reads (the tests' "
@@ -81,7 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"workspace: {root}")
     try:
         chat = ChatKVMemory.from_pretrained(
-            args.model, policy=default_policy(max_slots=args.max_slots), max_new_tokens=args.max_new_tokens
+            args.model,
+            policy=default_policy(max_slots=args.max_slots),
+            max_new_tokens=args.max_new_tokens,
+            frequency_penalty=args.frequency_penalty,
         )
     except KVMemoryError as err:
         parser.error(f"--model {args.model}: {err}")

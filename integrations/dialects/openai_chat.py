@@ -108,8 +108,8 @@ def request(body) -> Request:
     if req.response_format not in (None, {"type": "text"}):
         raise unsupported("response_format", "only text replies")
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise unsupported(name)
+        if getattr(req, name) is not None and not -2 <= getattr(req, name) <= 2:
+            raise BadRequest(f"{name} must be between -2 and 2, got {getattr(req, name)}", param=name)
     if req.logit_bias:
         raise unsupported("logit_bias")
     tool_choice(req.tool_choice, [tool.function.name for tool in req.tools or []])
@@ -173,7 +173,11 @@ def turn(req: Request, session: str | None) -> Turn:
     return Turn(
         chat_messages(req.messages),
         tools or None,
-        sampling(req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.stop, req.seed),
+        {
+            **sampling(req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.stop, req.seed),
+            "frequency_penalty": req.frequency_penalty,
+            "presence_penalty": req.presence_penalty,
+        },
         session,
         req.kvmemory.policy if req.kvmemory else None,
         tool_choice(req.tool_choice, [tool.function.name for tool in req.tools or []]),

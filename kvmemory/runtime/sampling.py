@@ -21,7 +21,10 @@ class SamplingParams:
     part of it; ``ignore_eos`` keeps sampling past end-of-turn tokens (fixed-length runs for benchmarks, as
     in vLLM and llama.cpp). Every field is checked when the value is made, so a bad one fails before
     anything runs. ``allowed``, given the reply's tokens so far, names the tokens the next one may be (None: any):
-    a constraint such as a required tool call (``runtime/chat.py``, ``RequiredToolCall``)."""
+    a constraint such as a required tool call (``runtime/chat.py``, ``RequiredToolCall``).
+    ``frequency_penalty`` and ``presence_penalty`` lower the logit of each token the reply has written, by the
+    first times its count and by the second once, as OpenAI's parameters do: under greedy decoding a small
+    model otherwise loops on a phrase until its token limit."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -30,6 +33,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     seed: int | None = None
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     allowed: Callable[[list[int]], Sequence[int] | torch.Tensor | None] | None = None
 
     def __post_init__(self):
@@ -45,6 +50,10 @@ class SamplingParams:
         whole("top_k", self.top_k, 0)
         real("temperature", self.temperature)
         real("top_p", self.top_p)
+        for name in ("frequency_penalty", "presence_penalty"):
+            real(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidArgumentError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
         if self.temperature < 0:
             raise InvalidArgumentError(f"temperature must be ≥ 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -83,8 +92,14 @@ class SamplingParams:
         logits: torch.Tensor,
         generator: torch.Generator | None,
         allowed: Sequence[int] | torch.Tensor | None = None,
+        written: Sequence[int] = (),
     ) -> int:
-        """The next token from ``logits`` (one row), among ``allowed`` where that is given."""
+        """The next token from ``logits`` (one row), among ``allowed`` where that is given; ``written``: the
+        reply's tokens so far (what the penalties count)."""
+        if written and (self.frequency_penalty or self.presence_penalty):
+            ids, counts = torch.as_tensor(list(written), dtype=torch.long).unique(return_counts=True)
+            penalty = self.frequency_penalty * counts.float() + self.presence_penalty
+            logits = logits.float().view(-1).clone().index_add_(0, ids.to(logits.device), -penalty.to(logits.device))
         if allowed is not None:
             index = allowed if isinstance(allowed, torch.Tensor) else torch.as_tensor(list(allowed), dtype=torch.long)
             index = index.to(logits.device)

@@ -98,10 +98,11 @@ class SessionGeneration:
 
     def _sample_next(self, params: SamplingParams, generator, generation: Generation) -> int:
         """Run pending tokens, sample the next one and append it (pending until the next step runs it)."""
-        allowed = params.allowed(list(generation.generated)) if params.allowed is not None else None
-        token = self._flush_pending(lambda logits: params.pick(logits, generator, allowed))
+        written = list(generation.generated)
+        allowed = params.allowed(written) if params.allowed is not None else None
+        token = self._flush_pending(lambda logits: params.pick(logits, generator, allowed, written))
         if token is None:  # nothing was pending: the prompt's logits are at hand
-            token = self.engine.batcher.execute(params.pick, self._last_logits, generator, allowed)
+            token = self.engine.batcher.execute(params.pick, self._last_logits, generator, allowed, written)
         segment = self._reply_segment()
         self.tokens.append(token)
         self._pending.append(token)
