@@ -245,6 +245,8 @@ def test_a_repeated_call_is_answered_without_running_it():
 
 
 def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
+    from langchain.agents.middleware import ModelRequest
+
     from kvmemory.agents.coding_agent.agent import WorkspacePaths
 
     def call(name: str, **args) -> AIMessage:
@@ -263,6 +265,18 @@ def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
     assert "inventory/models.py" in read_choices([read, patched])  # written since: worth reading again
     everything = [call("read_file", path=p) for p in workspace.files()]
     assert read_choices(everything) == workspace.files()  # all read: every path is offered again
+
+    def offered(messages) -> list[str]:
+        seen = []
+        WorkspacePaths(workspace).wrap_model_call(
+            ModelRequest(model=None, messages=messages, tools=workspace.tools(), state={}),
+            lambda request: seen.extend(t.name for t in request.tools),
+        )
+        return seen
+
+    tests = call("run_command", command="pytest -q")
+    assert "run_command" in offered([]) and "run_command" not in offered([tests])  # nothing can have changed
+    assert "run_command" in offered([tests, patched])  # a patch since: worth running again
 
 
 def test_a_malformed_call_is_shown_to_the_model_and_asked_again():

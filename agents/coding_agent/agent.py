@@ -90,28 +90,33 @@ class WorkspacePaths(AgentMiddleware):
     their schema (``Workspace.tools(paths_as_choices=True)``): under ``ToolCallsOnly`` the arguments are held
     to the schema, so the model picks one of the real paths where a small model would invent
     ``/path/to/project``. A path whose output the model already has (read or listed since the last write) is
-    not offered again: under greedy decoding a small model otherwise asks for the same file over and over.
+    not offered again, and neither is ``run_command`` once it ran since the last write (nothing it runs can
+    have changed): under greedy decoding a small model otherwise asks for the same output over and over.
     The tools that run keep their plain schemas (a file written later is readable)."""
 
-    READS = ("read_file", "list_files")
+    READS = ("read_file", "list_files", "run_command")
 
     def __init__(self, workspace: Workspace):
         super().__init__()
         self.workspace = workspace
 
     def wrap_model_call(self, request, handler):
-        fresh = {t.name: t for t in self.workspace.tools(paths_as_choices=True, seen=self.seen(request.messages))}
-        return handler(request.override(tools=[fresh.get(getattr(t, "name", None), t) for t in request.tools]))
+        seen = self.seen(request.messages)
+        fresh = {t.name: t for t in self.workspace.tools(paths_as_choices=True, seen=seen)}
+        tools = [fresh.get(getattr(t, "name", None), t) for t in request.tools]
+        if seen["run_command"]:
+            tools = [t for t in tools if getattr(t, "name", None) != "run_command"]
+        return handler(request.override(tools=tools))
 
     def seen(self, messages) -> dict[str, set[str]]:
-        """Per read tool, the paths it was called on since the last write."""
+        """Per read tool (and ``run_command``), the paths (commands) it was called on since the last write."""
         seen: dict[str, set[str]] = {name: set() for name in self.READS}
         for message in reversed(messages):
             for call in reversed(message.tool_calls) if isinstance(message, AIMessage) else []:
                 if call["name"] in RepeatedCallGuard.WRITES:
                     return seen
-                if call["name"] in seen and isinstance(call["args"].get("path", "."), str):
-                    seen[call["name"]].add(call["args"].get("path", "."))
+                if call["name"] in seen:
+                    seen[call["name"]].add(str(call["args"].get("path", call["args"].get("command", "."))))
         return seen
 
 
