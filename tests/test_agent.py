@@ -247,7 +247,7 @@ def test_a_repeated_call_is_answered_without_running_it():
 def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
     from langchain.agents.middleware import ModelRequest
 
-    from kvmemory.agents.coding_agent.agent import WorkspacePaths
+    from kvmemory.agents.coding_agent.agent import WorkspacePaths, finish_tool
 
     def call(name: str, **args) -> AIMessage:
         return AIMessage("", tool_calls=[{"name": name, "args": args, "id": "c", "type": "tool_call"}])
@@ -269,7 +269,7 @@ def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
     def offered(messages) -> list[str]:
         seen = []
         WorkspacePaths(workspace).wrap_model_call(
-            ModelRequest(model=None, messages=messages, tools=workspace.tools(), state={}),
+            ModelRequest(model=None, messages=messages, tools=[*workspace.tools(), finish_tool()], state={}),
             lambda request: seen.extend(t.name for t in request.tools),
         )
         return seen
@@ -277,6 +277,7 @@ def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
     tests = call("run_command", command="pytest -q")
     assert "run_command" in offered([]) and "run_command" not in offered([tests])  # nothing can have changed
     assert "run_command" in offered([tests, patched])  # a patch since: worth running again
+    assert "finish" not in offered([tests]) and "finish" in offered([tests, patched])  # done only after a change
 
 
 def test_a_malformed_call_is_shown_to_the_model_and_asked_again():

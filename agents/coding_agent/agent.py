@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import StructuredTool
+from pydantic import Field
 
 from kvmemory.agents.coding_agent.workspace import Workspace
 from kvmemory.integrations import ChatKVMemory, KVMemoryMiddleware
@@ -54,7 +57,7 @@ def recall_tool(chat: ChatKVMemory) -> StructuredTool:
 def finish_tool() -> StructuredTool:
     """The tool that ends the agent's run: every reply calls a tool (``ToolCallsOnly``), so finishing is one."""
 
-    def finish(summary: str) -> str:
+    def finish(summary: Annotated[str, Field(max_length=400)]) -> str:
         """Call when the task is done (every test passes): summary says what you changed and why."""
         return summary
 
@@ -92,6 +95,7 @@ class WorkspacePaths(AgentMiddleware):
     ``/path/to/project``. A path whose output the model already has (read or listed since the last write) is
     not offered again, and neither is ``run_command`` once it ran since the last write (nothing it runs can
     have changed): under greedy decoding a small model otherwise asks for the same output over and over.
+    ``finish`` is offered once the agent has written something (a small model otherwise stops at once).
     The tools that run keep their plain schemas (a file written later is readable)."""
 
     READS = ("read_file", "list_files", "run_command")
@@ -104,9 +108,12 @@ class WorkspacePaths(AgentMiddleware):
         seen = self.seen(request.messages)
         fresh = {t.name: t for t in self.workspace.tools(paths_as_choices=True, seen=seen)}
         tools = [fresh.get(getattr(t, "name", None), t) for t in request.tools]
-        if seen["run_command"]:
-            tools = [t for t in tools if getattr(t, "name", None) != "run_command"]
-        return handler(request.override(tools=tools))
+        hidden = {"run_command"} if seen["run_command"] else set()
+        if not any(
+            c["name"] in RepeatedCallGuard.WRITES for m in request.messages for c in getattr(m, "tool_calls", [])
+        ):
+            hidden.add("finish")  # nothing changed yet: a fix is not done
+        return handler(request.override(tools=[t for t in tools if getattr(t, "name", None) not in hidden]))
 
     def seen(self, messages) -> dict[str, set[str]]:
         """Per read tool (and ``run_command``), the paths (commands) it was called on since the last write."""
