@@ -261,6 +261,8 @@ def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
     assert "inventory/models.py" in read_choices([])
     read = call("read_file", path="inventory/models.py")
     assert "inventory/models.py" not in read_choices([read]) and "README.md" in read_choices([read])
+    tools = {t.name: t for t in workspace.tools(paths_as_choices=True, seen=WorkspacePaths(workspace).seen([read]))}
+    assert tools["patch_file"].args["path"]["enum"] == ["inventory/models.py"]  # patched as it was read
     patched = call("patch_file", path="inventory/models.py", old="a", new="b")
     assert "inventory/models.py" in read_choices([read, patched])  # written since: worth reading again
     everything = [call("read_file", path=p) for p in workspace.files()]

@@ -42,6 +42,7 @@ __all__ = ["SandboxError", "SandboxUnavailableError", "Workspace"]
 
 
 MAX_ARGUMENT_CHARS = 200  # a command or a pattern: a small model's otherwise runs on to the reply's token limit
+MAX_PATCH_CHARS = 600  # a patch's old or new text: a few lines
 MAX_PATH_CHOICES = 64  # a workspace with more files than this names them in no schema (the prompt would swell)
 
 
@@ -143,7 +144,12 @@ class Workspace:
         target.write_text(content)
         return f"wrote {len(content)} characters to {path}"
 
-    def patch_file(self, path: str, old: str, new: str) -> str:
+    def patch_file(
+        self,
+        path: str,
+        old: Annotated[str, Field(max_length=MAX_PATCH_CHARS)],
+        new: Annotated[str, Field(max_length=MAX_PATCH_CHARS)],
+    ) -> str:
         """Replace one exact occurrence of ``old`` with ``new`` in a file."""
         text = self._read_text(path)
         count = text.count(old)
@@ -193,7 +199,8 @@ class Workspace:
         ``paths_as_choices``: the tools that read an existing path name the workspace's paths in their schema
         (an enum, while there are at most ``MAX_PATH_CHOICES``), so that a model whose arguments are held to
         the schema picks a real path instead of inventing one; ``seen``: per tool, paths left out of its
-        choices (those whose output the model has already, unless that leaves none)."""
+        choices (those whose output the model has already, unless that leaves none); and ``patch_file`` is
+        offered the files read (``seen["read_file"]``), where there are any: a file is patched as it was read."""
         from kvmemory.integrations.middleware import kv_policy
 
         out = []
@@ -202,7 +209,10 @@ class Workspace:
             tool = StructuredTool.from_function(fn, name=name, description=fn.__doc__, handle_tool_error=_tool_error)
             if paths_as_choices and name in self.EXISTING:
                 choices = getattr(self, self.EXISTING[name])()
-                choices = [c for c in choices if c not in (seen or {}).get(name, ())] or choices
+                if name == "patch_file":
+                    choices = [c for c in choices if c in (seen or {}).get("read_file", ())] or choices
+                else:
+                    choices = [c for c in choices if c not in (seen or {}).get(name, ())] or choices
                 if len(choices) <= MAX_PATH_CHOICES:
                     schema = tool.tool_call_schema.model_json_schema()
                     schema["properties"]["path"] = {**schema["properties"]["path"], "enum": choices}
