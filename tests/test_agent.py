@@ -280,6 +280,9 @@ def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
     assert "run_command" in offered([]) and "run_command" not in offered([tests])  # nothing can have changed
     assert "run_command" in offered([tests, patched])  # a patch since: worth running again
     assert "finish" not in offered([tests]) and "finish" in offered([tests, patched])  # done only after a change
+    assert "patch_file" not in offered([tests]) and "patch_file" in offered([tests, read])  # patched as read
+    failed = ToolMessage("error: expected exactly one occurrence", tool_call_id="c")  # (the calls' id)
+    assert "run_command" not in offered([tests, patched, failed])  # a failed patch changed nothing
 
 
 def test_a_malformed_call_is_shown_to_the_model_and_asked_again():

@@ -95,7 +95,9 @@ class WorkspacePaths(AgentMiddleware):
     ``/path/to/project``. A path whose output the model already has (read or listed since the last write) is
     not offered again, and neither is ``run_command`` once it ran since the last write (nothing it runs can
     have changed): under greedy decoding a small model otherwise asks for the same output over and over.
-    ``finish`` is offered once the agent has written something (a small model otherwise stops at once).
+    ``patch_file`` is offered once a file was read since the last write (a file is patched as it was read), and
+    ``finish`` once the agent has written something (a small model otherwise stops at once). A write that
+    failed changed nothing and counts as none.
     The tools that run keep their plain schemas (a file written later is readable)."""
 
     READS = ("read_file", "list_files", "run_command")
@@ -109,22 +111,33 @@ class WorkspacePaths(AgentMiddleware):
         fresh = {t.name: t for t in self.workspace.tools(paths_as_choices=True, seen=seen)}
         tools = [fresh.get(getattr(t, "name", None), t) for t in request.tools]
         hidden = {"run_command"} if seen["run_command"] else set()
-        if not any(
-            c["name"] in RepeatedCallGuard.WRITES for m in request.messages for c in getattr(m, "tool_calls", [])
-        ):
+        if not seen["read_file"]:
+            hidden.add("patch_file")  # a file is patched as it was read
+        if not written(request.messages):
             hidden.add("finish")  # nothing changed yet: a fix is not done
         return handler(request.override(tools=[t for t in tools if getattr(t, "name", None) not in hidden]))
 
     def seen(self, messages) -> dict[str, set[str]]:
         """Per read tool (and ``run_command``), the paths (commands) it was called on since the last write."""
         seen: dict[str, set[str]] = {name: set() for name in self.READS}
-        for message in reversed(messages):
-            for call in reversed(message.tool_calls) if isinstance(message, AIMessage) else []:
-                if call["name"] in RepeatedCallGuard.WRITES:
-                    return seen
-                if call["name"] in seen:
-                    seen[call["name"]].add(str(call["args"].get("path", call["args"].get("command", "."))))
+        for call in reversed(calls_made(messages)):
+            if call["name"] in RepeatedCallGuard.WRITES:
+                return seen
+            if call["name"] in seen:
+                seen[call["name"]].add(str(call["args"].get("path", call["args"].get("command", "."))))
         return seen
+
+
+def calls_made(messages) -> list[dict]:
+    """The tool calls of ``messages`` that ran, in order: a write whose tool answered with an error changed
+    nothing, and is left out."""
+    failed = {m.tool_call_id for m in messages if isinstance(m, ToolMessage) and str(m.content).startswith("error:")}
+    calls = [c for m in messages if isinstance(m, AIMessage) for c in m.tool_calls]
+    return [c for c in calls if not (c["name"] in RepeatedCallGuard.WRITES and c["id"] in failed)]
+
+
+def written(messages) -> bool:
+    return any(c["name"] in RepeatedCallGuard.WRITES for c in calls_made(messages))
 
 
 class RepeatedCallGuard(AgentMiddleware):
