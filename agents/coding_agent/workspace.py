@@ -137,7 +137,7 @@ class Workspace:
         hits = [f"{f}:{n}: {text.strip()}" for f, n, text in (h.split(":", 2) for h in hits if h.count(":") >= 2)]
         return self._cap("\n".join(hits) or "no matches")
 
-    def write_file(self, path: str, content: str) -> str:
+    def write_file(self, path: Annotated[str, Field(max_length=MAX_ARGUMENT_CHARS)], content: str) -> str:
         """Create or overwrite a file of the workspace."""
         target = self.resolve(path)
         target.parent.mkdir(parents=True, exist_ok=True)
