@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
             raise
         ended = "step limit"
         print(f"stopped at the step limit, after {model_calls(steps)} model calls")
+    last = next((step for step in reversed(steps) if step["type"] == "ai"), None)
+    if ended == "finished" and last is not None and not last.get("tool_calls"):
+        ended = "no valid tool call"  # the model's last reply called nothing (a malformed call, after retries)
     tests = workspace.run_command("pytest -q")
     print(f"after the agent, pytest -q: {tests.splitlines()[-1] if tests.strip() else '(no output)'}")
     if args.record:
