@@ -182,7 +182,7 @@ def test_a_step_whose_sampling_fails_inside_the_pass_leaves_the_session_bit_iden
     generation.step()  # picked from the prompt's logits; the token waits to run with the next step's pass
     before = state_of(session)
 
-    def fails(params, logits, generator, allowed=None):
+    def fails(params, logits, generator, allowed=None, written=()):
         raise RuntimeError("sampler failed")
 
     monkeypatch.setattr(SamplingParams, "pick", fails)
