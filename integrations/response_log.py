@@ -11,9 +11,11 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from kvmemory.integrations.serving import NotFound
+from kvmemory.integrations.context_edits import AppliedEdit, EditsApplied, mark_of
+from kvmemory.integrations.serving import BadRequest, NotFound
 from kvmemory.runtime.persistence import remove_interrupted_writes, writer_tag
 
 
@@ -103,3 +105,47 @@ def modified(path: Path) -> float:
 def stored_id(ident: str) -> bool:
     """An id this log may have made (a response's ``resp_``, a mark's ``mark_``): safe as a file name."""
     return ident.startswith(("resp_", "mark_")) and ident[5:].isalnum()
+
+
+class Marks:
+    """What compactions stand for (``integrations/context_edits.py``): each compaction a client asked for leaves
+    a mark in the response log, the conversation the session held when it ran, per API key; the compaction
+    block or item the client sends back expands to it."""
+
+    def __init__(self, log: ResponseLog):
+        self.log = log
+
+    def expander(self, owner: str | None) -> Callable[[str | None, str], list[dict] | None]:
+        """What a compaction block or item a client sent back stands for: the conversation its mark holds (None
+        for another server's compaction)."""
+
+        def expand(content: str | None, where: str) -> list[dict] | None:
+            mark = mark_of(content)
+            if mark is None:
+                return None
+            try:
+                return self.log.get(mark, owner)["conversation"]
+            except NotFound:
+                raise BadRequest(
+                    f"{where} stands for a conversation this server no longer holds (mark {mark!r} expired, or was "
+                    "made for another key): send the conversation itself",
+                    param=where,
+                ) from None
+
+        return expand
+
+    def store(self, edits: list[AppliedEdit], owner: str | None, session: str | None) -> None:
+        """Keep the conversation each compaction stands for, under a new mark (what its block or item names)."""
+        for edit in edits:
+            if edit.kind == "compaction" and edit.mark is None:
+                held = edit.conversation
+                edit.mark = "mark_" + os.urandom(16).hex()
+                record = {"id": edit.mark, "owner": owner, "session": session}
+                self.log.put({**record, "conversation": held[1:] if held[:1] and held[0]["role"] == "system" else held})
+
+    async def passing(self, items: AsyncIterator, owner: str | None, session: str | None) -> AsyncIterator:
+        """A turn's stream with its compactions' marks stored as they pass (before the client sees them)."""
+        async for item in items:
+            if isinstance(item, EditsApplied):
+                self.store(item.edits, owner, session)
+            yield item

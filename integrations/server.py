@@ -40,9 +40,8 @@ from starlette.exceptions import HTTPException
 
 from kvmemory import MemoryPolicy, SessionStore, default_policy
 from kvmemory.defaults import DEFAULT_MAX_SLOTS
-from kvmemory.integrations.context_edits import AppliedEdit, EditsApplied, mark_of
 from kvmemory.integrations.dialects import anthropic_messages, openai_chat, openai_responses
-from kvmemory.integrations.response_log import ResponseLog
+from kvmemory.integrations.response_log import Marks, ResponseLog
 from kvmemory.integrations.serving import (
     APIError,
     AsyncCore,
@@ -232,6 +231,7 @@ class Served:
 
     def __init__(self, backend, model: str, model_aliases: tuple[str, ...], responses: ResponseLog):
         self.backend, self.model, self.responses = backend, model, responses
+        self.marks = Marks(responses)
         self.names = (model, "default", *model_aliases)  # "default": whatever model the server was started with
 
     def check_model(self, name: str | None) -> None:
@@ -247,43 +247,6 @@ class Served:
     @staticmethod
     def owner(request: Request) -> str | None:
         return request.state.owner
-
-    def expander(self, owner: str | None) -> Callable[[str | None, str], list[dict] | None]:
-        """What a compaction block or item a client sent back stands for: the conversation its mark holds (None
-        for another server's compaction)."""
-
-        def expand(content: str | None, where: str) -> list[dict] | None:
-            mark = mark_of(content)
-            if mark is None:
-                return None
-            try:
-                return self.responses.get(mark, owner)["conversation"]
-            except NotFound:
-                raise BadRequest(
-                    f"{where} stands for a conversation this server no longer holds (mark {mark!r} expired, or was "
-                    "made for another key): send the conversation itself",
-                    param=where,
-                ) from None
-
-        return expand
-
-    def store_marks(self, edits: list[AppliedEdit], owner: str | None, session: str | None) -> None:
-        """Keep the conversation each compaction stands for, under a new mark (what its block or item names)."""
-        for edit in edits:
-            if edit.kind == "compaction" and edit.mark is None:
-                held = edit.conversation
-                edit.mark = "mark_" + os.urandom(16).hex()
-                record = {"id": edit.mark, "owner": owner, "session": session}
-                self.responses.put(
-                    {**record, "conversation": held[1:] if held[:1] and held[0]["role"] == "system" else held}
-                )
-
-    async def marked(self, items: AsyncIterator, owner: str | None, session: str | None) -> AsyncIterator:
-        """A turn's stream with its compactions' marks stored as they pass (before the client sees them)."""
-        async for item in items:
-            if isinstance(item, EditsApplied):
-                self.store_marks(item.edits, owner, session)
-            yield item
 
     def key(self, request: Request, body_id: str | None = None, param: str = "x-session-id") -> str | None:
         given = request.headers.get("x-session-id") or body_id
@@ -372,7 +335,7 @@ def responses_turn(served: Served, request: Request, req) -> tuple[Turn, dict[st
         previous = served.responses.get(req.previous_response_id, who)
         earlier, calls = previous["conversation"], previous["calls"]
         session = session or previous["session"]
-    turn = openai_responses.turn(req, session, earlier, calls, served.expander(who))
+    turn = openai_responses.turn(req, session, earlier, calls, served.marks.expander(who))
     if turn.session is None:
         turn.session = conversation_key(who, turn.messages)
     return turn, calls
@@ -404,11 +367,11 @@ def openai_responses_routes(served: Served) -> APIRouter:
                 log_.put(record)
 
         if req.stream:
-            items = await first_then_rest(request, served.marked(backend.stream(turn), who, turn.session))
+            items = await first_then_rest(request, served.marks.passing(backend.stream(turn), who, turn.session))
             events = openai_responses.events(req, ident, model, items, store)
             return event_stream(events, lambda err: responses_error_event(ident, err))
         reply = await unless_disconnected(request, backend.run(turn))
-        served.store_marks(reply.applied_edits, who, turn.session)
+        served.marks.store(reply.applied_edits, who, turn.session)
         body = openai_responses.response(req, ident, model, reply)
         store(reply, body)
         return body
@@ -422,7 +385,7 @@ def openai_responses_routes(served: Served) -> APIRouter:
         who = served.owner(request)
         turn, _ = responses_turn(served, request, req)
         reply = await unless_disconnected(request, backend.run(turn))
-        served.store_marks(reply.applied_edits, who, turn.session)
+        served.marks.store(reply.applied_edits, who, turn.session)
         return openai_responses.compacted("resp_" + os.urandom(16).hex(), turn.messages, reply)
 
     @router.get("/v1/responses/{response_id}")
@@ -445,14 +408,14 @@ def anthropic_routes(served: Served) -> APIRouter:
         req = anthropic_messages.request(await json_body(request))
         served.check_model(req.model)
         who, managed = served.owner(request), req.context_management is not None
-        turn = anthropic_messages.turn(req, served.key(request), served.expander(who))
+        turn = anthropic_messages.turn(req, served.key(request), served.marks.expander(who))
         if turn.session is None:
             turn.session = conversation_key(who, turn.messages)
         if req.stream:
-            items = await first_then_rest(request, served.marked(backend.stream(turn), who, turn.session))
+            items = await first_then_rest(request, served.marks.passing(backend.stream(turn), who, turn.session))
             return event_stream(anthropic_messages.events(model, items, managed), anthropic_messages.error_event)
         reply = await unless_disconnected(request, backend.run(turn))
-        served.store_marks(reply.applied_edits, who, turn.session)
+        served.marks.store(reply.applied_edits, who, turn.session)
         return anthropic_messages.answer(reply, model, managed)
 
     @router.post("/v1/messages/count_tokens")
