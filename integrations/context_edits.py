@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from kvmemory.memory import MemoryManager
 
 MARK_PREFIX = "kvmemory-mark:"  # a mark's opaque content, as a client round-trips it: the prefix, then its id
+# Anthropic's documented defaults, which the Responses API's compaction shares
+CLEAR_TRIGGER_TOKENS, CLEAR_KEEP, COMPACT_TRIGGER_TOKENS = 100_000, 3, 150_000
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,9 @@ class ClearToolResults:
     tokens. ``exclude_tools`` are never cleared; ``clear_inputs`` clears the calls too (the assistant turns
     whose every result is cleared)."""
 
-    trigger_tokens: int | None = 100_000
+    trigger_tokens: int | None = CLEAR_TRIGGER_TOKENS
     trigger_tool_uses: int | None = None
-    keep: int = 3
+    keep: int = CLEAR_KEEP
     exclude_tools: tuple[str, ...] = ()
     clear_at_least: int = 0
     clear_inputs: bool = False
@@ -45,7 +47,7 @@ class CompactContext:
     """Compact the session once the prompt reaches ``trigger_tokens`` (0: now); ``pause``: answer with the mark
     alone, no reply (the client continues with another request)."""
 
-    trigger_tokens: int = 150_000
+    trigger_tokens: int = COMPACT_TRIGGER_TOKENS
     pause: bool = False
 
 
@@ -126,14 +128,10 @@ def clear_tool_results(session, memory: MemoryManager, edit: ClearToolResults, p
     if edit.clear_inputs:
         gone = set(ids)
         ids += [call.id for call, *outputs in uses if call is not None and all(o.id in gone for o in outputs)]
-    held = session.segment_slots()
-    floor_room = sum(max(0.0, held.get(i, 0.0) - memory.rule_for(session.segment(i)).min_slots) for i in ids)
-    if not ids or floor_room < edit.clear_at_least:
-        return None
-    freed = memory.clear(ids)
+    freed = memory.clear(ids, at_least=edit.clear_at_least)
     if not freed:
         return None
-    return AppliedEdit("clear_tool_uses", sum(i in freed for i in (s.id for s in cleared)), round(sum(freed.values())))
+    return AppliedEdit("clear_tool_uses", sum(s.id in freed for s in cleared), round(sum(freed.values())))
 
 
 def compact_context(session, memory: MemoryManager, edit: CompactContext) -> AppliedEdit:

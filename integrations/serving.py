@@ -202,24 +202,16 @@ class Reply:
         tools: list[dict] | None,
     ) -> Reply:
         """The reply of the model's ``text``: its tool calls parsed (text that is no valid call stays text)."""
+        error = None
         try:
             content, calls = parse_tool_calls(text, tools)
         except ToolCallParseError as err:
-            return cls(
-                text,
-                text,
-                [],
-                finish_reason,
-                stop_sequence,
-                prompt,
-                cached,
-                completion,
-                conversation,
-                str(err),
-                err.call_text,
-            )
+            content, calls, error = text, [], err
         finish = "tool_calls" if calls else finish_reason
-        return cls(text, content, calls, finish, stop_sequence, prompt, cached, completion, conversation)
+        reply = cls(text, content, calls, finish, stop_sequence, prompt, cached, completion, conversation)
+        if error is not None:
+            reply.tool_call_error, reply.invalid_tool_call = str(error), error.call_text
+        return reply
 
 
 def reply_of(generation, prompt: int, cached: int, conversation: list[dict], tools: list[dict] | None) -> Reply:

@@ -162,14 +162,14 @@ class RepeatedCallGuard(AgentMiddleware):
         return handler(request)
 
     def repeats(self, messages, call) -> bool:
-        """Whether ``call`` repeats a read made since the last write, or is the last write again."""
-        for message in reversed(messages):
-            for earlier in reversed(message.tool_calls) if isinstance(message, AIMessage) else []:
-                same = (earlier["name"], earlier["args"]) == (call["name"], call["args"])
-                if earlier["name"] in self.WRITES:
-                    return same and call["name"] in self.WRITES
-                if same:
-                    return True
+        """Whether ``call`` repeats a read made since the last write, or is the last write again (a write that
+        failed counts as none)."""
+        for earlier in reversed(calls_made(messages)):
+            same = (earlier["name"], earlier["args"]) == (call["name"], call["args"])
+            if earlier["name"] in self.WRITES:
+                return same and call["name"] in self.WRITES
+            if same:
+                return True
         return False
 
 

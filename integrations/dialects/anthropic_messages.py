@@ -23,6 +23,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmemory.integrations.context_edits import (
+    CLEAR_KEEP,
+    CLEAR_TRIGGER_TOKENS,
+    COMPACT_TRIGGER_TOKENS,
     AppliedEdit,
     ClearToolResults,
     CompactContext,
@@ -129,8 +132,11 @@ class ContextManagement(Strict):
     edits: list[dict] = Field(default_factory=list)
 
 
-EDITS = {"clear_tool_uses_20250919": ClearToolUsesEdit, "clear_thinking_20251015": ClearThinkingEdit}
-EDITS["compact_20260112"] = CompactEdit
+EDITS = {
+    "clear_tool_uses_20250919": ClearToolUsesEdit,
+    "clear_thinking_20251015": ClearThinkingEdit,
+    "compact_20260112": CompactEdit,
+}
 
 
 class Message(BaseModel):
@@ -216,12 +222,12 @@ def context_edits(req) -> list[ContextEdit]:
             least = threshold(edit.clear_at_least, ("input_tokens",), f"{at}.clear_at_least")
             if isinstance(edit.clear_tool_inputs, list):
                 raise unsupported(f"{at}.clear_tool_inputs", "a list of tools (true clears every cleared use's input)")
-            by_tokens = trigger is None or trigger.type == "input_tokens"  # (the default: 100k input tokens)
+            by_tokens = trigger is None or trigger.type == "input_tokens"
             edits.append(
                 ClearToolResults(
-                    trigger_tokens=(trigger.value if trigger else 100_000) if by_tokens else None,
+                    trigger_tokens=(trigger.value if trigger else CLEAR_TRIGGER_TOKENS) if by_tokens else None,
                     trigger_tool_uses=None if by_tokens else trigger.value,
-                    keep=keep.value if keep else 3,
+                    keep=keep.value if keep else CLEAR_KEEP,
                     exclude_tools=tuple(edit.exclude_tools or ()),
                     clear_at_least=least.value if least else 0,
                     clear_inputs=bool(edit.clear_tool_inputs),
@@ -229,7 +235,9 @@ def context_edits(req) -> list[ContextEdit]:
             )
         elif isinstance(edit, CompactEdit):
             trigger = threshold(edit.trigger, ("input_tokens",), f"{at}.trigger")
-            edits.append(CompactContext(trigger.value if trigger else 150_000, edit.pause_after_compaction))
+            edits.append(
+                CompactContext(trigger.value if trigger else COMPACT_TRIGGER_TOKENS, edit.pause_after_compaction)
+            )
     return edits
 
 

@@ -24,7 +24,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvmemory.integrations.context_edits import AppliedEdit, CompactContext, EditsApplied, mark_content
+from kvmemory.integrations.context_edits import (
+    COMPACT_TRIGGER_TOKENS,
+    AppliedEdit,
+    CompactContext,
+    EditsApplied,
+    mark_content,
+)
 from kvmemory.integrations.dialects.common import (
     MAX_SEED,
     KVMemoryOptions,
@@ -122,7 +128,8 @@ def context_edits(req: Request) -> list[CompactContext]:
         if not isinstance(raw, dict) or raw.get("type") != "compaction":
             raise BadRequest(f"{at}.type {type_named(raw)!r} is not supported: only 'compaction'", param=f"{at}.type")
         entry = parse(Compaction, raw, at)
-        edits.append(CompactContext(entry.compact_threshold if entry.compact_threshold is not None else 150_000))
+        threshold = entry.compact_threshold
+        edits.append(CompactContext(threshold if threshold is not None else COMPACT_TRIGGER_TOKENS))
     return edits
 
 

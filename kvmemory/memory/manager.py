@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -198,36 +199,37 @@ class MemoryManager:
             raise InvalidArgumentError("this MemoryManager is not attached to a session")
         if self._busy:
             return []
-        with self.session.edit() as edit:
-            self._busy = True
-            try:
-                return self._compact(edit, trigger, goal_slots)
-            finally:
-                self._busy = False
+        with self._pass() as edit:
+            return self._run_budgets(edit, self._budgets(goal_slots), trigger)
 
-    def clear(self, segment_ids: Iterable[int], trigger: str = "client") -> dict[int, float]:
+    def clear(self, segment_ids: Iterable[int], at_least: float = 0.0, trigger: str = "client") -> dict[int, float]:
         """Compact these segments to their rules' floors now, each with its rule's method: what a client's
         "clear these old tool results" becomes in latent space (the text stays in the transcript; ``recall``
         brings it back). Protected segments, the sinks and the recent window stay as they are; a segment at its
-        floor already is skipped. One transaction. Returns the slots per head each segment gave up."""
+        floor already is skipped, and nothing is done if that would free fewer than ``at_least`` slots a head.
+        One transaction. Returns the slots per head each segment gave up."""
         if self.session is None:
             raise InvalidArgumentError("this MemoryManager is not attached to a session")
         wanted = set(segment_ids)
         spans = [s for s in self._spans() if s.segments[0].id in wanted and s.current > s.floor + 0.5]
-        if self._busy or not spans:
+        if self._busy or not spans or sum(s.current - s.floor for s in spans) < at_least:
             return {}
         before = self.session.segment_slots()
-        with self.session.edit() as edit:
-            self._busy = True
-            try:
-                self._run_budgets(edit, [(span, span.floor, False) for span in spans], trigger)
-            finally:
-                self._busy = False
+        with self._pass() as edit:
+            self._run_budgets(edit, [(span, span.floor, False) for span in spans], trigger)
         after = self.session.segment_slots()
         return {s.segments[0].id: before[s.segments[0].id] - after.get(s.segments[0].id, 0.0) for s in spans}
 
-    def _compact(self, edit, trigger: str, goal_slots: int | None) -> list[CompactionRecord]:
-        return self._run_budgets(edit, self._budgets(goal_slots), trigger)
+    @contextmanager
+    def _pass(self) -> Iterator:
+        """One compaction pass: a session edit (undone whole if anything in it fails), during which the
+        manager's own hooks stand aside (a compaction makes no room for itself)."""
+        with self.session.edit() as edit:
+            self._busy = True
+            try:
+                yield edit
+            finally:
+                self._busy = False
 
     def _run_budgets(self, edit, items: list[tuple[_Span, int, bool]], trigger: str) -> list[CompactionRecord]:
         """Compact each span to its slots per head, one cache rebuild for the pass."""

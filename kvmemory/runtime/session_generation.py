@@ -98,8 +98,8 @@ class SessionGeneration:
 
     def _sample_next(self, params: SamplingParams, generator, generation: Generation) -> int:
         """Run pending tokens, sample the next one and append it (pending until the next step runs it)."""
-        written = list(generation.generated)
-        allowed = params.allowed(written) if params.allowed is not None else None
+        written = generation.generated  # (read, never changed, by the constraint and the penalties)
+        allowed = params.allowed(list(written)) if params.allowed is not None else None
         token = self._flush_pending(lambda logits: params.pick(logits, generator, allowed, written))
         if token is None:  # nothing was pending: the prompt's logits are at hand
             token = self.engine.batcher.execute(params.pick, self._last_logits, generator, allowed, written)
