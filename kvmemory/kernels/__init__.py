@@ -6,6 +6,8 @@
   ``PackedFp16Linear``);
 * ``linear_int4.cpp``: linear layers with 4-bit weights (GGUF Q4_1's groups) on fp32 activations
   (``PackedInt4Linear``);
+* ``linear_gguf.cpp``: linear layers whose weights stay in a GGUF file's quantized blocks (Q4_K, Q6_K, Q5_0,
+  Q8_0), integer dot products against 8-bit input rows (``kvmemory.runtime.gguf_weights``, ``GgufLinear``);
 * ``logits.cpp``: the argmax and the log-sum-exp of each row of logits (``kvmemory.runtime.logits``);
 * ``rms_norm.cpp``: RMSNorm of fp32 rows (``kvmemory.runtime.forward``, ``rms_norm``);
 * ``gated_mlp.cpp``: the gated MLP's silu(gate)·up (``kvmemory.runtime.forward``, ``gated_activation``);
@@ -39,6 +41,7 @@ KERNELS = (
     "decode_attention.cpp",
     "linear_fp16.cpp",
     "linear_int4.cpp",
+    "linear_gguf.cpp",
     "logits.cpp",
     "rms_norm.cpp",
     "gated_mlp.cpp",
