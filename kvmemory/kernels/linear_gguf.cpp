@@ -2,26 +2,29 @@
 // Q8_0), for the CPU (AVX2). See kvmemory/runtime/gguf_weights.py (GgufLinear) for why it exists and when it runs.
 //
 // The weight is the file's bytes, row after row (one output feature's blocks each), so loading copies them
-// and a decoded token reads 4.5-8.5 bits a weight, as llama.cpp does. The input rows are quantized first,
-// per group of 32 inputs, to 8-bit levels and a float scale (round to nearest, the group's largest |x| to
-// 127), the way llama.cpp quantizes activations for its integer dot products. The product then runs on
-// integers: every format's levels are unsigned bytes (4, 5 or 6 bits; Q8_0's signed levels go through
-// their absolute value, the input taking their sign), `maddubs` multiplies 32 of them by 32 input levels
-// and sums pairs, `madd` sums those to eight 32-bit sums, and three horizontal adds leave one 32-bit dot
-// per half-group of 16 for four groups in one vector. A half-group's weight is w = step · level + low with
-// a float step and low from the block (Q4_K: d·sc and −dmin·m; Q6_K, whose scales are per 16: d·sc and
-// −32·d·sc; Q4_1, Q5_1: d and m; Q4_0, Q5_0: d and −8·d, −16·d; Q8_0: d and 0), so
-// y = Σ step·xscale·dot + low·(xscale·Σ input levels): one multiply-add for the dots and one for the lows
-// per 128 inputs. A weight is read and unpacked once per pass for every input row of a tile that shares
-// it (up to 4 rows against it in registers).
+// and a decoded token reads 4.5-8.5 bits a weight, as llama.cpp does. The input rows are quantized first to
+// 8-bit levels, the way llama.cpp quantizes activations for its integer dot products (round to nearest, a
+// block's largest |x| to 127): per 256 inputs, with each 16's and 32's sum of levels, for the K-quants; per
+// 32 for the formats of 32-input blocks. The product then runs on integers: every format's levels are
+// unsigned bytes (4, 5 or 6 bits; Q8_0's signed levels go through their absolute value, the input taking
+// their sign), and `maddubs` multiplies 32 of them by 32 input levels and sums pairs.
 //
-// Outputs are the sum over 128-input chunks in a fixed order per (row, output), so a row's result does
-// not depend on the other rows of its pass nor on the thread count (bit for bit).
+// K-quants (`Q4K`, `Q6K`): one input scale per 256 inputs, so a block's sub-scales multiply in integers:
+// `madd` scales each group's pair sums by its 6- or 8-bit scale and sums them to eight 32-bit lanes, a block's
+// groups add up there, and one float multiply-add per block applies d · (input scale). The mins (Q4_K:
+// dmin · m per 32) and Q6_K's offset of 32 come from the input's sums of levels: one more `madd` per block.
+// Formats of 32-input blocks: the input scale changes every 32, so `madd` sums each group's pairs, three
+// horizontal adds leave a dot per half-group for four groups in one vector, and w = step · level + low per
+// half-group (Q4_1, Q5_1: d and m; Q4_0, Q5_0: d and −8·d, −16·d; Q8_0: d and 0) gives
+// y = Σ step·xscale·dot + low·(xscale·Σ input levels): two float multiply-adds per 128 inputs.
+//
+// A weight row is read and unpacked once per tile of input rows, up to 4 of them against it in registers.
+// Outputs are sums in a fixed order per (row, output), so a row's result does not depend on the other rows
+// of its pass nor on the thread count (bit for bit).
 
 #include <ATen/Parallel.h>  // at::get_num_threads
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -37,71 +40,153 @@
 
 namespace {
 
-constexpr int64_t CHUNK = 128;  // inputs per step of the product: four groups of 32
-constexpr int64_t GROUP = 32;   // inputs per scale of the quantized input rows
-constexpr int64_t LANES = 16;   // floats per chunk of an input row: 8 scales, 8 scaled sums of levels
+constexpr int64_t BLOCK = 256;  // inputs per scale of the quantized input rows for the K-quants
+constexpr int64_t CHUNK = 128;  // inputs per step of the 32-input formats' product: four groups of 32
+constexpr int64_t GROUP = 32;   // inputs per scale of the quantized input rows for the 32-input formats
+constexpr int64_t LANES = 16;   // floats per chunk of such a row: 8 scales, 8 scaled sums of levels
 constexpr int64_t TILE_BYTES = 192 << 10;  // the input rows walked against each weight row: they stay in L2
 constexpr int MAX_ROWS = 4;     // input rows against one weight row in registers
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
+  return _cvtsh_ss(bits);
 }
 
-// Four floats, then the same four again: one value per group of a chunk, in the lane order of the dots
-inline __m256 twice(float a, float b, float c, float d) {
-  const __m128 v = _mm_set_ps(d, c, b, a);
-  return _mm256_set_m128(v, v);
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// ---- the formats: each gives, for chunk c of a weight row, its four groups' levels as 32 unsigned bytes
-// each (in input order) and the step and low of each half-group in the dots' lane order
-// [g0 0-15, g1 0-15, g2 0-15, g3 0-15, g0 16-31, g1 16-31, g2 16-31, g3 16-31] ------------------------------
+inline float sum_lanes(__m128 s) {
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 
-// Q4_K: blocks of 256 inputs (144 bytes): d, dmin (fp16), 12 bytes of 6-bit scales and mins for 8 groups,
-// 128 bytes of 4-bit levels: 32 bytes per 64 inputs, input i in the low nibble and i + 32 in the high one.
+// 32 floats → 32 levels round(x / d) with d = scale (0 where the scale is 0), and their sums per 16
+inline void levels_of(const float* x, float inverse, int8_t* q, int32_t& first16, int32_t& second16) {
+  const __m256 inv = _mm256_set1_ps(inverse);
+  __m256i l[4];
+  for (int i = 0; i < 4; ++i) l[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), inv));  // to nearest
+  int32_t sums[2][8];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0]), _mm256_add_epi32(l[0], l[1]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[1]), _mm256_add_epi32(l[2], l[3]));
+  first16 = second16 = 0;
+  for (int i = 0; i < 8; ++i) first16 += sums[0][i], second16 += sums[1][i];
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(l[0], l[1]), _mm256_packs_epi32(l[2], l[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+inline float largest_magnitude(const float* x, int64_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+// ---- input rows quantized per 256 (the K-quants): per row K levels, and per block its scale and sums ----
+struct BlockSums {
+  float scale;
+  int32_t unused[3];
+  int16_t per16[16];  // each 16 inputs' sum of levels
+  int16_t per32[8];   // each 32's
+  int16_t padding[8];
+};
+static_assert(sizeof(BlockSums) == 80, "one block's sums");
+
+struct PerBlock {
+  int64_t K;
+  std::vector<int8_t> levels;
+  std::vector<BlockSums> sums;
+  PerBlock(int64_t M, int64_t K) : K(K), levels(M * K), sums(M * (K / BLOCK)) {}
+  void quantize(const float* x, int64_t r) {
+    for (int64_t b = 0; b < K / BLOCK; ++b) {
+      const float* xb = x + b * BLOCK;
+      BlockSums& s = sums[r * (K / BLOCK) + b];
+      s.scale = largest_magnitude(xb, BLOCK) / 127.0f;
+      const float inverse = s.scale > 0.0f ? 1.0f / s.scale : 0.0f;
+      for (int g = 0; g < 8; ++g) {
+        int32_t first, second;
+        levels_of(xb + g * GROUP, inverse, &levels[r * K + b * BLOCK + g * GROUP], first, second);
+        s.per16[2 * g] = static_cast<int16_t>(first);
+        s.per16[2 * g + 1] = static_cast<int16_t>(second);
+        s.per32[g] = static_cast<int16_t>(first + second);
+      }
+    }
+  }
+};
+
+// Q4_K: blocks of 256 inputs (144 bytes): d, dmin (fp16), 12 bytes of 6-bit scales and mins of 8 groups of 32,
+// 128 bytes of 4-bit levels, 32 bytes per 64 inputs: input i in the low nibble and i + 32 in the high one.
+// The weight d · sc · level − dmin · m.
 struct Q4K {
   static constexpr int64_t kInputs = 256, kBytes = 144;
-  static void scale_and_min(const uint8_t* s, int g, int& sc, int& m) {
-    if (g < 4) {
-      sc = s[g] & 63;
-      m = s[g + 4] & 63;
-    } else {
-      sc = (s[g + 4] & 0xF) | ((s[g - 4] >> 6) << 4);
-      m = (s[g + 4] >> 4) | ((s[g] >> 6) << 4);
-    }
+  using Input = PerBlock;
+  // the 8 scales (bytes 0-7) and 8 mins (bytes 8-15) from their 12 bytes: scales and mins 0-3 are the low 6
+  // bits of bytes 0-3 and 4-7; 4-7 take their low 4 bits from the nibbles of bytes 8-11, the top 2 from the
+  // top bits of bytes 0-3 (scales) and 4-7 (mins)
+  static __m128i scales_and_mins(const uint8_t* s) {
+    uint32_t w[3];
+    std::memcpy(w, s, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x30303030;
+    return _mm_setr_epi32(static_cast<int>(w[0] & low6), static_cast<int>((w[2] & low4) | ((w[0] >> 2) & top2)),
+                          static_cast<int>(w[1] & low6),
+                          static_cast<int>(((w[2] >> 4) & low4) | ((w[1] >> 2) & top2)));
   }
-  static void chunk(const uint8_t* row, int64_t c, int, __m256i u[4], __m256& step, __m256& low) {
-    const uint8_t* block = row + (c / 2) * kBytes;
-    const int half = static_cast<int>(c % 2);
-    const float d = half_to_float(block), dmin = half_to_float(block + 2);
-    float steps[4], lows[4];
-    for (int g = 0; g < 4; ++g) {
-      int sc, m;
-      scale_and_min(block + 4, 4 * half + g, sc, m);
-      steps[g] = d * static_cast<float>(sc);
-      lows[g] = -dmin * static_cast<float>(m);
-    }
-    step = twice(steps[0], steps[1], steps[2], steps[3]);
-    low = twice(lows[0], lows[1], lows[2], lows[3]);
-    const uint8_t* qs = block + 16 + half * 64;
+  template <int R>
+  static void dot(const uint8_t* row, const PerBlock& in, int64_t r0, float bias, float* y, int64_t N) {
+    const int64_t K = in.K, blocks = K / BLOCK;
     const __m256i nibble = _mm256_set1_epi8(0xF);
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32));
-    u[0] = _mm256_and_si256(a, nibble);
-    u[1] = _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble);
-    u[2] = _mm256_and_si256(b, nibble);
-    u[3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+    __m256 acc[R];
+    __m128 mins_acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins_acc[r] = _mm_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = row + b * kBytes;
+      const float d = half_to_float(block), dmin = half_to_float(block + 2);
+      const __m256i both = _mm256_cvtepu8_epi16(scales_and_mins(block + 4));  // scales 0-7, mins 0-7 as int16
+      const __m256i scales = _mm256_permute2x128_si256(both, both, 0x00);
+      const __m128i mins = _mm256_extracti128_si256(both, 1);
+      __m256i sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + half * 64));
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 48 + half * 64));
+        const __m256i u[4] = {_mm256_and_si256(a, nibble), _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble),
+                              _mm256_and_si256(c, nibble), _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble)};
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = in.levels.data() + (r0 + r) * K + b * BLOCK + half * 128;
+#pragma GCC unroll 4
+          for (int g = 0; g < 4; ++g) {
+            const int group = 4 * half + g;  // its scale, as an int16 in every lane
+            const __m256i scale = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<short>(((2 * group + 1) << 8) | (2 * group))));
+            const __m256i pairs = _mm256_maddubs_epi16(u[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + g * GROUP)));
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, scale));
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const BlockSums& s = in.sums[(r0 + r) * blocks + b];
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * s.scale), _mm256_cvtepi32_ps(sums[r]), acc[r]);
+        const __m128i m = _mm_madd_epi16(mins, _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.per32)));
+        mins_acc[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * s.scale), _mm_cvtepi32_ps(m), mins_acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * N] = sum_lanes(acc[r]) - sum_lanes(mins_acc[r]) + bias;
   }
-  static __m256i pairs(__m256i u, __m256i x) { return _mm256_maddubs_epi16(u, x); }
   static float value(const uint8_t* block, int64_t i) {
-    int sc, m;
+    alignas(16) uint8_t sm[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(sm), scales_and_mins(block + 4));
     const int64_t part = i / 64, within = i % 64;
-    scale_and_min(block + 4, static_cast<int>(i / 32), sc, m);
     const uint8_t byte = block[16 + part * 32 + within % 32];
     const int q = within < 32 ? byte & 0xF : byte >> 4;
-    return half_to_float(block) * sc * q - half_to_float(block + 2) * m;
+    return half_to_float(block) * sm[i / 32] * q - half_to_float(block + 2) * sm[8 + i / 32];
   }
 };
 
@@ -112,27 +197,60 @@ struct Q4K {
 // Levels are 0..63, the weight d · scale · (level − 32).
 struct Q6K {
   static constexpr int64_t kInputs = 256, kBytes = 210;
-  static void chunk(const uint8_t* row, int64_t c, int, __m256i u[4], __m256& step, __m256& low) {
-    const uint8_t* block = row + (c / 2) * kBytes;
-    const int64_t half = c % 2;
-    const uint8_t* ql = block + half * 64;
-    const uint8_t* qh = block + 128 + half * 32;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192) + half * 8;
-    const float d = half_to_float(block + 208);
-    // lane order: group g's first 16 inputs take scale 2g, its last 16 scale 2g + 1
-    step = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_setr_ps(sc[0], sc[2], sc[4], sc[6], sc[1], sc[3], sc[5], sc[7]));
-    low = _mm256_mul_ps(step, _mm256_set1_ps(-32.0f));
+  using Input = PerBlock;
+  template <int R>
+  static void dot(const uint8_t* row, const PerBlock& in, int64_t r0, float bias, float* y, int64_t N) {
+    const int64_t K = in.K, blocks = K / BLOCK;
     const __m256i nibble = _mm256_set1_epi8(0xF), top = _mm256_set1_epi8(0x30);
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-    u[0] = _mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
-    u[1] = _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
-    u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), _mm256_and_si256(h, top));
-    u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble),
-                           _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = row + b * kBytes;
+      const float d = half_to_float(block + 208);
+      const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
+      __m256i sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t* ql = block + half * 64;
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + half * 32));
+        const __m256i u[4] = {
+            _mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 4), top)),
+            _mm256_or_si256(_mm256_and_si256(c, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 2), top)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), _mm256_and_si256(h, top)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), nibble),
+                            _mm256_and_si256(_mm256_srli_epi16(h, 2), top))};
+        // this half's 8 scales in both lanes; group g's first 16 inputs take scale 2g, its last 16 scale 2g + 1
+        const __m256i eight = half ? _mm256_permute2x128_si256(scales16, scales16, 0x11)
+                                   : _mm256_permute2x128_si256(scales16, scales16, 0x00);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = in.levels.data() + (r0 + r) * K + b * BLOCK + half * 128;
+#pragma GCC unroll 4
+          for (int g = 0; g < 4; ++g) {
+            const short first = static_cast<short>(((4 * g + 1) << 8) | (4 * g));
+            const short second = static_cast<short>(((4 * g + 3) << 8) | (4 * g + 2));
+            const __m256i scale = _mm256_shuffle_epi8(
+                eight, _mm256_setr_epi16(first, first, first, first, first, first, first, first, second, second,
+                                         second, second, second, second, second, second));
+            const __m256i pairs = _mm256_maddubs_epi16(u[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + g * GROUP)));
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, scale));
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const BlockSums& s = in.sums[(r0 + r) * blocks + b];
+        // the levels' offset: 32 · Σ scale · (sum of the 16 inputs' levels)
+        const __m256i offset = _mm256_madd_epi16(scales16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.per16)));
+        const __m256i dots = _mm256_sub_epi32(sums[r], _mm256_slli_epi32(offset, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * s.scale), _mm256_cvtepi32_ps(dots), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * N] = sum_lanes(acc[r]) + bias;
   }
-  static __m256i pairs(__m256i u, __m256i x) { return _mm256_maddubs_epi16(u, x); }
   static float value(const uint8_t* block, int64_t i) {
     const int64_t half = i / 128, within = i % 128, quarter = within / 32, l = within % 32;
     const uint8_t lowbyte = block[half * 64 + (quarter % 2) * 32 + l];
@@ -142,6 +260,67 @@ struct Q6K {
     return half_to_float(block + 208) * scale * ((lo | (hi << 4)) - 32);
   }
 };
+
+// ---- input rows quantized per 32 (the formats of 32-input blocks): per row its levels in chunks of 128 (a
+// last chunk of fewer groups padded with zeros), and per chunk 16 floats: the four groups' scales twice, then
+// each half-group's scale · its sum of levels, in the dots' lane order
+// [g0 0-15, g1 0-15, g2 0-15, g3 0-15, g0 16-31, g1 16-31, g2 16-31, g3 16-31] (a padded group's all zero) -----
+inline int64_t chunks_of(int64_t K) { return (K + CHUNK - 1) / CHUNK; }
+
+struct PerGroup {
+  int64_t K, chunks, stride;  // stride: a row's levels, padded to whole chunks
+  std::vector<int8_t> levels;
+  std::vector<float> lanes;
+  PerGroup(int64_t M, int64_t K)
+      : K(K), chunks(chunks_of(K)), stride(chunks_of(K) * CHUNK), levels(M * stride, 0), lanes(M * chunks * LANES, 0.0f) {}
+  void quantize(const float* x, int64_t r) {
+    for (int64_t group = 0; group < K / GROUP; ++group) {
+      float* out = &lanes[(r * chunks + group / 4) * LANES];
+      const int64_t g = group % 4;
+      const float d = largest_magnitude(x + group * GROUP, GROUP) / 127.0f;
+      int32_t first, second;
+      levels_of(x + group * GROUP, d > 0.0f ? 1.0f / d : 0.0f, &levels[r * stride + group * GROUP], first, second);
+      out[g] = out[4 + g] = d;
+      out[8 + g] = d * static_cast<float>(first);
+      out[12 + g] = d * static_cast<float>(second);
+    }
+  }
+};
+
+// Four floats, then the same four again: one value per group of a chunk, in the lane order of the dots
+inline __m256 twice(float a, float b, float c, float d) {
+  const __m128 v = _mm_set_ps(d, c, b, a);
+  return _mm256_set_m128(v, v);
+}
+
+// The dot of R input rows with one weight row of a 32-input format F, whose `chunk` gives chunk c's four
+// groups' levels as 32 unsigned bytes each and each half-group's step and low in the dots' lane order
+template <typename F, int R>
+void group_dot(const uint8_t* w, const PerGroup& in, int64_t r0, float bias, float* y, int64_t N) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t groups = in.K / GROUP;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < in.chunks; ++c) {
+    __m256i u[4];
+    __m256 step, low;
+    F::chunk(w, c, static_cast<int>(std::min<int64_t>(4, groups - 4 * c)), u, step, low);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = in.levels.data() + (r0 + r) * in.stride + c * CHUNK;
+      __m256i v[4];
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g)
+        v[g] = _mm256_madd_epi16(
+            F::pairs(u[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + g * GROUP))), ones);
+      const __m256i dots = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+      const float* lanes = in.lanes.data() + ((r0 + r) * in.chunks + c) * LANES;
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(step, _mm256_loadu_ps(lanes)), _mm256_cvtepi32_ps(dots), acc[r]);
+      acc[r] = _mm256_fmadd_ps(low, _mm256_loadu_ps(lanes + 8), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * N] = sum_lanes(acc[r]) + bias;
+}
 
 // 32 bytes, byte i 0x10 where bit i of `bits` is set (Q5_0's and Q5_1's fifth bits)
 inline __m256i fifth_bits(uint32_t bits) {
@@ -157,6 +336,11 @@ inline __m256i fifth_bits(uint32_t bits) {
 // one). The weight is d · level + m, or without a min d · (level − 8) (Q4_0) or d · (level − 16) (Q5_0).
 template <bool kMin, bool kFifth>
 struct Small {
+  using Input = PerGroup;
+  template <int R>
+  static void dot(const uint8_t* row, const PerGroup& in, int64_t r0, float bias, float* y, int64_t N) {
+    group_dot<Small, R>(row, in, r0, bias, y, N);
+  }
   static constexpr int64_t kInputs = 32, kBytes = 18 + (kMin ? 2 : 0) + (kFifth ? 4 : 0);
   static constexpr int64_t kLevels = 2 + (kMin ? 2 : 0) + (kFifth ? 4 : 0);  // offset of the 16 level bytes
   static constexpr float kCentre = kFifth ? 16.0f : 8.0f;
@@ -196,6 +380,11 @@ using Q51 = Small<true, true>;
 // Q8_0: blocks of 32 inputs (34 bytes): d (fp16), 32 signed levels; the weight d · level. maddubs multiplies an
 // unsigned byte by a signed one, so each pair is |level| times the input level carrying the weight's sign.
 struct Q80 {
+  using Input = PerGroup;
+  template <int R>
+  static void dot(const uint8_t* row, const PerGroup& in, int64_t r0, float bias, float* y, int64_t N) {
+    group_dot<Q80, R>(row, in, r0, bias, y, N);
+  }
   static constexpr int64_t kInputs = 32, kBytes = 34;
   static void chunk(const uint8_t* row, int64_t c, int groups, __m256i u[4], __m256& step, __m256& low) {
     float d[4] = {};
@@ -216,93 +405,17 @@ struct Q80 {
   }
 };
 
-// ---- the input rows, quantized: per row its levels, in chunks of 128 (a last chunk of fewer groups padded
-// with zeros), and per chunk 16 floats: the four groups' scales twice, then each half-group's scale · its sum
-// of levels, in the dots' lane order (a padded group's all zero) ------------------------------------------
-inline int64_t chunks_of(int64_t K) { return (K + CHUNK - 1) / CHUNK; }
-
-void quantize_row(const float* x, int64_t K, int8_t* q, float* lanes) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  std::memset(lanes, 0, chunks_of(K) * LANES * sizeof(float));
-  for (int64_t group = 0; group < K / GROUP; ++group) {
-    float* out = lanes + group / 4 * LANES;
-    const int64_t g = group % 4;
-    const float* xg = x + group * GROUP;
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xg + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float d = _mm_cvtss_f32(m4) / 127.0f;
-    const __m256 inverse = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-    __m256i levels[4];
-    for (int i = 0; i < 4; ++i) levels[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // to nearest
-    int32_t sums[2][8];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[0]), _mm256_add_epi32(levels[0], levels[1]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[1]), _mm256_add_epi32(levels[2], levels[3]));
-    int32_t first = 0, second = 0;
-    for (int i = 0; i < 8; ++i) first += sums[0][i], second += sums[1][i];
-    const __m256i packed =
-        _mm256_packs_epi16(_mm256_packs_epi32(levels[0], levels[1]), _mm256_packs_epi32(levels[2], levels[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + group * GROUP), _mm256_permutevar8x32_epi32(packed, order));
-    out[g] = out[4 + g] = d;
-    out[8 + g] = d * static_cast<float>(first);
-    out[12 + g] = d * static_cast<float>(second);
-  }
-}
-
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// y[r * N] for R input rows (their levels `stride` apart) against one weight row of `groups` groups of 32:
-// each chunk of it unpacked once and used for every row
-template <typename F, int R>
-void dot_rows(const uint8_t* w, int64_t groups, const int8_t* xq, const float* xl, int64_t stride, float bias,
-              float* y, int64_t N) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t chunks = chunks_of(groups * GROUP);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m256i u[4];
-    __m256 step, low;
-    F::chunk(w, c, static_cast<int>(std::min<int64_t>(4, groups - 4 * c)), u, step, low);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const int8_t* x = xq + r * stride + c * CHUNK;
-      __m256i v[4];
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g)
-        v[g] = _mm256_madd_epi16(
-            F::pairs(u[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + g * GROUP))), ones);
-      const __m256i dots = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-      const float* lanes = xl + r * chunks * LANES + c * LANES;
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(step, _mm256_loadu_ps(lanes)), _mm256_cvtepi32_ps(dots), acc[r]);
-      acc[r] = _mm256_fmadd_ps(low, _mm256_loadu_ps(lanes + 8), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * N] = sum_lanes(acc[r]) + bias;
-}
-
+// y (M, N) = x (M, K) against the weight rows (+ bias): the input rows quantized as F takes them, then each
+// thread's share of the weight rows walked once per tile of input rows, 4 rows at a time against each
 template <typename F>
 void product(const float* xs, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N,
              const float* b, float* ys) {
-  const int64_t chunks = chunks_of(K), stride = chunks * CHUNK;  // a row's levels, padded to whole chunks
-  std::vector<int8_t> xq(M * stride, 0);
-  std::vector<float> xl(M * chunks * LANES);
-  kvmemory_simd::each_row(M, 8, [&](int64_t r) { quantize_row(xs + r * K, K, &xq[r * stride], &xl[r * chunks * LANES]); });
-  const int64_t tile = std::max<int64_t>(MAX_ROWS, TILE_BYTES / stride / MAX_ROWS * MAX_ROWS);
+  typename F::Input in(M, K);
+  kvmemory_simd::each_row(M, 8, [&](int64_t r) { in.quantize(xs + r * K, r); });
+  const int64_t tile = std::max<int64_t>(MAX_ROWS, TILE_BYTES / K / MAX_ROWS * MAX_ROWS);
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 16)));
 #pragma omp parallel num_threads(threads)
   {
-    // each thread a contiguous share of the weight rows, walked once per tile of input rows
     const int64_t t = omp_get_thread_num(), n_threads = omp_get_num_threads();
     const int64_t n0 = N * t / n_threads, n1 = N * (t + 1) / n_threads;
     for (int64_t m0 = 0; m0 < M; m0 += tile) {
@@ -311,14 +424,12 @@ void product(const float* xs, int64_t M, int64_t K, const uint8_t* w, int64_t ro
         const uint8_t* row = w + n * row_bytes;
         const float bias = b ? b[n] : 0.0f;
         for (int64_t r = m0; r < m1; r += MAX_ROWS) {
-          const int8_t* x = &xq[r * stride];
-          const float* l = &xl[r * chunks * LANES];
           float* y = ys + r * N + n;
           switch (std::min<int64_t>(MAX_ROWS, m1 - r)) {
-            case 4: dot_rows<F, 4>(row, K / GROUP, x, l, stride, bias, y, N); break;
-            case 3: dot_rows<F, 3>(row, K / GROUP, x, l, stride, bias, y, N); break;
-            case 2: dot_rows<F, 2>(row, K / GROUP, x, l, stride, bias, y, N); break;
-            default: dot_rows<F, 1>(row, K / GROUP, x, l, stride, bias, y, N); break;
+            case 4: F::template dot<4>(row, in, r, bias, y, N); break;
+            case 3: F::template dot<3>(row, in, r, bias, y, N); break;
+            case 2: F::template dot<2>(row, in, r, bias, y, N); break;
+            default: F::template dot<1>(row, in, r, bias, y, N); break;
           }
         }
       }

@@ -19,6 +19,7 @@ from kvmemory.runtime.chat import ChatRenderer
 from kvmemory.runtime.dtypes import KV_DTYPE_NAMES
 from kvmemory.runtime.loading import (
     check_architecture,
+    is_gguf_source,
     keep_every_token,
     load_model_and_tokenizer,
     pick_device_and_dtype,
@@ -133,17 +134,19 @@ class Engine:
         cls, name_or_path: str = DEFAULT_MODEL, device=None, dtype=None, weights: str | None = None, **limits
     ) -> Engine:
         """``dtype``: activations (fp32 on CPU, bf16 on CUDA); ``kv_dtype``: the KV cache's (see the class);
-        ``weights``: how the linear layers' weights are stored ("fp32", "bf16", "fp16", "int4",
-        or "auto": int4 for weights that are 4-bit already, such as the default model's, fp16 for the rest; the
-        default under fp32 activations on a CPU with bf16 dot products, else fp16 there: see
-        ``kvmemory.runtime.weights``)."""
+        ``weights``: how the linear layers' weights are stored ("gguf": a GGUF file's own blocks, the CPU default
+        for one; "fp32", "bf16", "fp16", "int4", or "auto": int4 for weights that are 4-bit already, fp16 for the
+        rest; see ``kvmemory.runtime.weights``)."""
         device, dtype = pick_device_and_dtype(device, dtype)
-        weights = weights or default_weights(device, dtype)
+        gguf = is_gguf_source(name_or_path)
+        weights = weights or default_weights(device, dtype, gguf)
         if weights is not None:
-            check_weights(weights)  # a bad name fails before anything loads
+            check_weights(weights, gguf, device, dtype)  # a bad choice fails before anything loads
 
         def load():
-            model, tokenizer, digest = load_model_and_tokenizer(name_or_path, device, dtype, ATTENTION_NAME)
+            model, tokenizer, digest = load_model_and_tokenizer(
+                name_or_path, device, dtype, ATTENTION_NAME, keep_blocks=weights == "gguf"
+            )
             return model if weights is None else store_linear_weights(model, weights), tokenizer, digest
 
         model, tokenizer, digest = compute.run_on(device, load)  # see kvmemory.runtime.compute

@@ -57,11 +57,12 @@ from torch import nn
 from kvmemory.errors import InvalidArgumentError
 from kvmemory.hardware import cpu_has_fbgemm, cpu_has_native_bf16
 from kvmemory.kernels import cpu_ops
+from kvmemory.runtime.gguf_weights import GgufLinear
 
 log = logging.getLogger("kvmemory.weights")
 SIXTEEN_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FORMAT_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-WEIGHT_FORMATS = ("fp32", *SIXTEEN_BIT, "int4", "auto")
+WEIGHT_FORMATS = ("gguf", "fp32", *SIXTEEN_BIT, "int4", "auto")
 INT4_GROUP = 32  # inputs per scale and zero: GGUF Q4_1's block, so that file's weights are kept as they are
 PANEL_COLUMNS = 16  # output columns per panel of kvmemory's fp16 and int4 kernels: fused parts fill whole panels
 INT4_PACK_ROWS = 64  # the CPU kernel packs output rows in blocks of 64: fused weights split there
@@ -343,6 +344,8 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
     their fp16 views.)"""
     if all(type(p) is Int4Linear for p in parts):
         return _fuse_int4(parts)
+    if all(type(p) is GgufLinear for p in parts):
+        return GgufLinear.side_by_side(parts)
     if len({type(p) for p in parts}) == 1 and type(parts[0]) in (PackedFp16Linear, PackedInt4Linear):
         return _fuse_panels(parts)
     if any(type(p) not in (nn.Linear, SixteenBitLinear) for p in parts):
@@ -388,26 +391,40 @@ def _fuse_int4(parts: list[Int4Linear]) -> Int4Linear | None:
     return Int4Linear(packed, scales_and_zeros, parts[0].in_features, bias)
 
 
-def default_weights(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Under fp32 activations on CPU: "auto" where the CPU has bf16 dot products (int4 for every layer whose
-    weight is 4-bit already, as a Q4_1 GGUF's are: nothing lost, a quarter of fp16's bytes to read per
-    token; fp16 for the rest), else fp16 (half the bytes of fp32; the fastest kernel there, see the module
-    docstring). Otherwise the model's dtype (None for a dtype no format names: left as loaded)."""
+def default_weights(device: torch.device, dtype: torch.dtype, gguf: bool = False) -> str | None:
+    """Under fp32 activations on CPU: a GGUF file's own blocks where kvmemory's kernels are built
+    (``gguf_weights``: the file's bytes per weight, integer dot products); for other models, or without the
+    kernels, "auto" where the CPU has bf16 dot products (int4 for every layer whose weight is 4-bit already:
+    nothing lost, a quarter of fp16's bytes to read per token; fp16 for the rest), else fp16 (half the bytes
+    of fp32; the fastest kernel there, see the module docstring). Otherwise the model's dtype (None for a
+    dtype no format names: left as loaded)."""
     if device.type == "cpu" and dtype == torch.float32:
+        if gguf and cpu_ops() is not None:
+            return "gguf"
         return "auto" if cpu_has_native_bf16() else "fp16"
     return FORMAT_OF_DTYPE.get(dtype)
 
 
-def check_weights(weights: str) -> str:
+def check_weights(weights: str, gguf: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """``weights`` if the model can be stored so, else an ``InvalidArgumentError`` that says why."""
     if weights not in WEIGHT_FORMATS:
         raise InvalidArgumentError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    if weights == "gguf":
+        if not gguf:
+            raise InvalidArgumentError("weights='gguf' keeps a GGUF file's blocks: load a .gguf file or a named model")
+        if device.type != "cpu" or dtype != torch.float32:
+            raise InvalidArgumentError(f"weights='gguf' runs on a CPU under float32 activations, not {device} {dtype}")
+        if cpu_ops() is None:
+            raise InvalidArgumentError("weights='gguf' needs kvmemory's CPU kernels (x86-64 with AVX2, a C++ compiler)")
     return weights
 
 
 def weight_format(model: nn.Module) -> str:
-    """How ``model``'s decoder linear layers store their weights ("int4", "fp16", ...)."""
+    """How ``model``'s decoder linear layers store their weights ("gguf", "int4", "fp16", ...)."""
     head = model.get_output_embeddings()
     for module in model.modules():
+        if type(module) is GgufLinear:
+            return "gguf"
         if type(module) in (Int4Linear, PackedInt4Linear):
             return "int4"
         if type(module) is PackedFp16Linear and module is not head:
@@ -423,15 +440,17 @@ def store_linear_weights(model: nn.Module, weights: str) -> nn.Module:
     rounded to steps of 0.06–0.125 in bf16 (8× finer in fp16, far inside its range); a tied head gets its own
     copy. fp16 weights, the head's included, run fbgemm's fp16 GEMM under fp32 activations on an x86 CPU
     (``PackedFp16Linear``: only the weight is rounded). int4 runs on CPU only (``int4_layer``: kvmemory's
-    kernel or torch's CPU one); a layer whose inputs do not split into groups of 32 keeps fp16."""
-    check_weights(weights)
+    kernel or torch's CPU one); a layer whose inputs do not split into groups of 32 keeps fp16. Under "gguf"
+    the layers still ``nn.Linear`` (a GGUF file's weights whose blocks are not kept) get fp16 too."""
+    if weights not in WEIGHT_FORMATS:
+        raise InvalidArgumentError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     activations = next(model.parameters()).dtype
     on_cpu = next(model.parameters()).device.type == "cpu"
     if weights in ("int4", "auto") and not on_cpu:
         raise InvalidArgumentError(
             f"weights={weights!r} runs a CPU int4 kernel (kvmemory's or torch's); on an accelerator: bf16, fp16"
         )
-    dtype = {"fp32": torch.float32, **SIXTEEN_BIT}.get(weights, torch.float16)  # int4, auto: the rest in fp16
+    dtype = {"fp32": torch.float32, **SIXTEEN_BIT}.get(weights, torch.float16)  # gguf, int4, auto: the rest in fp16
     if dtype == activations and weights not in ("int4", "auto"):
         return model
     if dtype.itemsize > activations.itemsize:
