@@ -475,10 +475,10 @@ def tiny_qwen_chat_engine() -> Engine:
     tokenizer and chat template, which renders tools and tool calls natively."""
     from transformers import AutoTokenizer
 
-    from kvmemory.runtime.loading import converted_gguf
+    from kvmemory.runtime.gguf_files import prepared
     from kvmemory.runtime.named_models import DEFAULT_NAMED_MODEL, model_file
 
-    tokenizer = AutoTokenizer.from_pretrained(str(converted_gguf(model_file(DEFAULT_NAMED_MODEL))))
+    tokenizer = AutoTokenizer.from_pretrained(str(prepared(model_file(DEFAULT_NAMED_MODEL))))
     model = tiny_model("qwen2-7to1", vocab_size=len(tokenizer), num_hidden_layers=3, max_position_embeddings=2048)
     return Engine(model, tokenizer)
 

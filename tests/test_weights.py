@@ -115,7 +115,12 @@ def test_weight_format_errors_name_the_problem_before_anything_loads():
 
 
 def test_default_weights_per_device(monkeypatch):
+    monkeypatch.setattr(weights, "cpu_ops", lambda: object())
+    assert default_weights(torch.device("cpu"), torch.float32, gguf=True) == "gguf"
+    assert default_weights(torch.device("cuda"), torch.bfloat16, gguf=True) == "bf16"
+    monkeypatch.setattr(weights, "cpu_ops", lambda: None)  # no kernels: the blocks cannot be multiplied
     monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: True)
+    assert default_weights(torch.device("cpu"), torch.float32, gguf=True) == "auto"
     assert default_weights(torch.device("cpu"), torch.float32) == "auto"
     monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: False)
     assert default_weights(torch.device("cpu"), torch.float32) == "fp16"
@@ -125,7 +130,8 @@ def test_default_weights_per_device(monkeypatch):
 
 
 def test_the_small_model_on_its_default_weights_scores_text_as_fp32_does(small_engine):
-    """The quality bar of the default (int4 or fp16) weights: teacher-forced NLL within 0.01 nats of fp32."""
+    """The quality bar of the default weights (the file's blocks; int4 or fp16 without kvmemory's kernels):
+    teacher-forced NLL within 0.01 nats of fp32."""
     from benchmarks.texts import source_text
 
     fast = Engine.from_pretrained(SMALL_MODEL)
@@ -136,7 +142,7 @@ def test_the_small_model_on_its_default_weights_scores_text_as_fp32_does(small_e
         session.append_tokens(ids[:256])
         nll[name] = float(-session.logprobs(ids[256:]).mean())
     assert abs(nll["default"] - nll["fp32"]) < 0.01
-    assert fast.weights == ("int4" if weights.cpu_has_native_bf16() else "fp16")  # the file is Q4_1: int4 is exact
+    assert fast.weights == ("gguf" if cpu_ops() is not None else "int4" if weights.cpu_has_native_bf16() else "fp16")
     layers = [m for m in small_engine.model.model.layers.modules() if type(m) is nn.Linear]
     assert layers and all(quantize_int4(m.weight.detach())[2] for m in layers[:8])  # 4-bit, up to fp16 rounding
 
