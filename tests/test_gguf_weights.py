@@ -66,7 +66,9 @@ def test_blocks_read_as_the_gguf_package_reads_them(cpu_kernels, kind):
     scale=st.sampled_from([1e-3, 1.0, 300.0]),
     seed=st.integers(0, 2**16),
 )
-def test_the_product_is_the_integer_arithmetic_it_promises(cpu_kernels, kind, rows, blocks_across, outputs, scale, seed):
+def test_the_product_is_the_integer_arithmetic_it_promises(
+    cpu_kernels, kind, rows, blocks_across, outputs, scale, seed
+):  # noqa: E501
     """Against the same arithmetic in float64: inputs quantized per 256 (K-quants) or per 32 (an odd number of
     32-input blocks included), times the file's weights; each row's result the same bits alone or with others."""
     per = 256 if kind in K_QUANTS else 32

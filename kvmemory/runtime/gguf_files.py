@@ -113,8 +113,13 @@ def _prepare(gguf: Path, into: Path) -> None:
     config.save_pretrained(into)
     reader = GGUFReader(gguf)
     table = [
-        dict(name=t.name, type=int(t.tensor_type), shape=[int(n) for n in t.shape], offset=int(t.data_offset),
-             bytes=int(t.n_bytes))
+        dict(
+            name=t.name,
+            type=int(t.tensor_type),
+            shape=[int(n) for n in t.shape],
+            offset=int(t.data_offset),
+            bytes=int(t.n_bytes),
+        )
         for t in reader.tensors
     ]
     architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()

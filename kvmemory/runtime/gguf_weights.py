@@ -96,4 +96,3 @@ class GgufEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={self.ggml_type}"
-
