@@ -62,7 +62,7 @@ def test_blocks_read_as_the_gguf_package_reads_them(cpu_kernels, kind):
     kind=st.sampled_from(SMALL_FORMATS + K_QUANTS),
     rows=st.integers(1, 11),
     blocks_across=st.integers(1, 3),
-    outputs=st.sampled_from([16, 33, 70]),
+    outputs=st.sampled_from([16, 33, 72]),
     scale=st.sampled_from([1e-3, 1.0, 300.0]),
     seed=st.integers(0, 2**16),
 )
@@ -79,12 +79,17 @@ def test_the_product_is_the_integer_arithmetic_it_promises(
     x = torch.randn(rows, columns, generator=generator) * scale
     x[0, :per] = 0  # a block of zeros: its scale 0
     bias = torch.randn(outputs, generator=generator)
-    b = torch.from_numpy(blocks)
-    y = cpu_kernels.linear_gguf(x, b, int(kind), bias)
     expected = input_levels(x, per) @ weight.T + bias.double()
-    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    alone = torch.cat([cpu_kernels.linear_gguf(x[i : i + 1].contiguous(), b, int(kind), bias) for i in range(rows)])
-    assert torch.equal(y, alone)
+    # the file's layout, and Q4_K's interleaved by 8 rows where the rows fill groups of 8
+    file_layout = (torch.from_numpy(blocks), int(kind))
+    layouts = {t: b for b, t in [file_layout, cpu_kernels.repack_gguf(*file_layout, columns)]}
+    assert len(layouts) == (2 if kind == T.Q4_K and outputs % 8 == 0 else 1)
+    for layout, b in layouts.items():
+        assert torch.equal(cpu_kernels.dequantize_gguf(b, layout, columns, torch.arange(outputs)), weight.float())
+        y = cpu_kernels.linear_gguf(x, b, layout, bias)
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        alone = torch.cat([cpu_kernels.linear_gguf(x[i : i + 1].contiguous(), b, layout, bias) for i in range(rows)])
+        assert torch.equal(y, alone)
 
 
 def test_blocks_that_do_not_fit_are_refused_by_name(cpu_kernels):

@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "simd.h"  // checked_rows_and_bias
@@ -124,7 +125,7 @@ struct PerBlock {
 // 128 bytes of 4-bit levels, 32 bytes per 64 inputs: input i in the low nibble and i + 32 in the high one.
 // The weight d · sc · level − dmin · m.
 struct Q4K {
-  static constexpr int64_t kInputs = 256, kBytes = 144;
+  static constexpr int64_t kInputs = 256, kBytes = 144, kRows = 1;
   using Input = PerBlock;
   // the 8 scales (bytes 0-7) and 8 mins (bytes 8-15) from their 12 bytes: scales and mins 0-3 are the low 6
   // bits of bytes 0-3 and 4-7; 4-7 take their low 4 bits from the nibbles of bytes 8-11, the top 2 from the
@@ -138,7 +139,7 @@ struct Q4K {
                           static_cast<int>(((w[2] >> 4) & low4) | ((w[1] >> 2) & top2)));
   }
   template <int R>
-  static void dot(const uint8_t* row, const PerBlock& in, int64_t r0, float bias, float* y, int64_t N) {
+  static void dot(const uint8_t* row, const PerBlock& in, int64_t r0, const float* bias, float* y, int64_t N) {
     const int64_t K = in.K, blocks = K / BLOCK;
     const __m256i nibble = _mm256_set1_epi8(0xF);
     __m256 acc[R];
@@ -178,7 +179,7 @@ struct Q4K {
         mins_acc[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * s.scale), _mm_cvtepi32_ps(m), mins_acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) y[r * N] = sum_lanes(acc[r]) - sum_lanes(mins_acc[r]) + bias;
+    for (int r = 0; r < R; ++r) y[r * N] = sum_lanes(acc[r]) - sum_lanes(mins_acc[r]) + (bias ? *bias : 0.0f);
   }
   static float value(const uint8_t* block, int64_t i) {
     alignas(16) uint8_t sm[16];
@@ -190,16 +191,108 @@ struct Q4K {
   }
 };
 
+// Q4_K interleaved by 8 rows (`repack_gguf`): per 8 weight rows and 256 inputs (1184 bytes, 148 a row), the 8
+// rows' d and dmin (fp16), their scales by group (8 groups × 8 rows), their mins by pair of groups (4 × 8 rows ×
+// 2), then their levels: per 64 inputs and step of 4, each row's 4 bytes of them (low nibbles: inputs 4t..4t+3
+// of the 64, high nibbles: those + 32). A vector then holds 4 inputs of 8 rows, multiplied by the input's 4
+// levels broadcast, so its lanes are the 8 rows' outputs: 8 steps add up in 16 bits (8 · 2 · 15 · 127 fits)
+// before one `madd` applies a group's scales, and no horizontal sums are left.
+struct Q4Kx8 {
+  static constexpr int64_t kInputs = 256, kBytes = 1184, kRows = 8;
+  using Input = PerBlock;
+  static constexpr int64_t kScales = 32, kMins = 96, kLevels = 160;  // offsets in a block
+  template <int R>
+  static void dot(const uint8_t* w, const PerBlock& in, int64_t r0, const float* bias, float* y, int64_t N) {
+    const int64_t K = in.K, blocks = K / BLOCK;
+    const __m256i nibble = _mm256_set1_epi8(0xF);
+    // a row's byte (0-7) into both int16 lanes of that row's pair (rows 0-3 in the low half, 4-7 in the high)
+    const __m256i spread = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, 4, -1, 4, -1, 5,
+                                            -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = w + b * kBytes;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+      __m256i sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+      for (int q = 0; q < 4; ++q) {
+        __m256i low[R], high[R];
+        for (int r = 0; r < R; ++r) low[r] = high[r] = _mm256_setzero_si256();
+        const uint8_t* levels = block + kLevels + q * 256;
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(levels + t * 32));
+          const __m256i u0 = _mm256_and_si256(raw, nibble), u1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const int8_t* x = in.levels.data() + (r0 + r) * K + b * BLOCK + q * 64 + t * 4;
+            int32_t first, second;
+            std::memcpy(&first, x, 4);
+            std::memcpy(&second, x + 32, 4);
+            low[r] = _mm256_add_epi16(low[r], _mm256_maddubs_epi16(u0, _mm256_set1_epi32(first)));
+            high[r] = _mm256_add_epi16(high[r], _mm256_maddubs_epi16(u1, _mm256_set1_epi32(second)));
+          }
+        }
+        int64_t pair_scales[2];
+        std::memcpy(pair_scales, block + kScales + q * 16, 16);
+        const __m256i s0 = _mm256_shuffle_epi8(_mm256_set1_epi64x(pair_scales[0]), spread);
+        const __m256i s1 = _mm256_shuffle_epi8(_mm256_set1_epi64x(pair_scales[1]), spread);
+        for (int r = 0; r < R; ++r)
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(_mm256_madd_epi16(low[r], s0), _mm256_madd_epi16(high[r], s1)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const BlockSums& s = in.sums[(r0 + r) * blocks + b];
+        __m256i mins = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) {
+          int32_t pair;  // the input's sums of levels of groups 2p and 2p + 1, as two int16
+          std::memcpy(&pair, s.per32 + 2 * p, 4);
+          const __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kMins + p * 16)));
+          mins = _mm256_add_epi32(mins, _mm256_madd_epi16(m, _mm256_set1_epi32(pair)));
+        }
+        const __m256 scale = _mm256_set1_ps(s.scale);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, scale), _mm256_cvtepi32_ps(sums[r]), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, scale), _mm256_cvtepi32_ps(mins), acc[r]);
+      }
+    }
+    const __m256 add = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N, _mm256_add_ps(acc[r], add));
+  }
+  static float value(const uint8_t* block, int64_t j, int64_t i) {
+    const int64_t group = i / 32, q = i / 64, within = i % 64, t = (within % 32) / 4;
+    const uint8_t byte = block[kLevels + q * 256 + t * 32 + j * 4 + within % 4];
+    const int level = within < 32 ? byte & 0xF : byte >> 4;
+    const int scale = block[kScales + group * 8 + j], min = block[kMins + (group / 2) * 16 + j * 2 + group % 2];
+    return half_to_float(block + 2 * j) * scale * level - half_to_float(block + 16 + 2 * j) * min;
+  }
+  // 8 rows' Q4_K blocks (each `row_bytes` after the last) at input block b into this layout at `out`
+  static void repack(const uint8_t* rows, int64_t row_bytes, int64_t b, uint8_t* out) {
+    for (int64_t j = 0; j < 8; ++j) {
+      const uint8_t* block = rows + j * row_bytes + b * Q4K::kBytes;
+      std::memcpy(out + 2 * j, block, 2);
+      std::memcpy(out + 16 + 2 * j, block + 2, 2);
+      alignas(16) uint8_t sm[16];
+      _mm_store_si128(reinterpret_cast<__m128i*>(sm), Q4K::scales_and_mins(block + 4));
+      for (int g = 0; g < 8; ++g) {
+        out[kScales + g * 8 + j] = sm[g];
+        out[kMins + (g / 2) * 16 + j * 2 + g % 2] = sm[8 + g];
+      }
+      for (int q = 0; q < 4; ++q)
+        for (int t = 0; t < 8; ++t) std::memcpy(out + kLevels + q * 256 + t * 32 + j * 4, block + 16 + q * 32 + t * 4, 4);
+    }
+  }
+};
+
 // Q6_K: blocks of 256 inputs (210 bytes): 128 bytes of low 4 bits, 64 of high 2 bits, 16 signed 8-bit scales
 // (one per 16 inputs), d (fp16). Per 128 inputs, 64 low bytes and 32 high ones: input l (0-31) takes the low
 // nibble of low byte l and bits 0-1 of high byte l; l + 32 the low nibble of byte l + 32 and bits 2-3;
 // l + 64 the high nibble of byte l and bits 4-5; l + 96 the high nibble of byte l + 32 and bits 6-7.
 // Levels are 0..63, the weight d · scale · (level − 32).
 struct Q6K {
-  static constexpr int64_t kInputs = 256, kBytes = 210;
+  static constexpr int64_t kInputs = 256, kBytes = 210, kRows = 1;
   using Input = PerBlock;
   template <int R>
-  static void dot(const uint8_t* row, const PerBlock& in, int64_t r0, float bias, float* y, int64_t N) {
+  static void dot(const uint8_t* row, const PerBlock& in, int64_t r0, const float* bias, float* y, int64_t N) {
     const int64_t K = in.K, blocks = K / BLOCK;
     const __m256i nibble = _mm256_set1_epi8(0xF), top = _mm256_set1_epi8(0x30);
     __m256 acc[R];
@@ -249,7 +342,7 @@ struct Q6K {
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * s.scale), _mm256_cvtepi32_ps(dots), acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) y[r * N] = sum_lanes(acc[r]) + bias;
+    for (int r = 0; r < R; ++r) y[r * N] = sum_lanes(acc[r]) + (bias ? *bias : 0.0f);
   }
   static float value(const uint8_t* block, int64_t i) {
     const int64_t half = i / 128, within = i % 128, quarter = within / 32, l = within % 32;
@@ -296,7 +389,7 @@ inline __m256 twice(float a, float b, float c, float d) {
 // The dot of R input rows with one weight row of a 32-input format F, whose `chunk` gives chunk c's four
 // groups' levels as 32 unsigned bytes each and each half-group's step and low in the dots' lane order
 template <typename F, int R>
-void group_dot(const uint8_t* w, const PerGroup& in, int64_t r0, float bias, float* y, int64_t N) {
+void group_dot(const uint8_t* w, const PerGroup& in, int64_t r0, const float* bias, float* y, int64_t N) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t groups = in.K / GROUP;
   __m256 acc[R];
@@ -319,7 +412,7 @@ void group_dot(const uint8_t* w, const PerGroup& in, int64_t r0, float bias, flo
       acc[r] = _mm256_fmadd_ps(low, _mm256_loadu_ps(lanes + 8), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) y[r * N] = sum_lanes(acc[r]) + bias;
+  for (int r = 0; r < R; ++r) y[r * N] = sum_lanes(acc[r]) + (bias ? *bias : 0.0f);
 }
 
 // 32 bytes, byte i 0x10 where bit i of `bits` is set (Q5_0's and Q5_1's fifth bits)
@@ -338,10 +431,10 @@ template <bool kMin, bool kFifth>
 struct Small {
   using Input = PerGroup;
   template <int R>
-  static void dot(const uint8_t* row, const PerGroup& in, int64_t r0, float bias, float* y, int64_t N) {
+  static void dot(const uint8_t* row, const PerGroup& in, int64_t r0, const float* bias, float* y, int64_t N) {
     group_dot<Small, R>(row, in, r0, bias, y, N);
   }
-  static constexpr int64_t kInputs = 32, kBytes = 18 + (kMin ? 2 : 0) + (kFifth ? 4 : 0);
+  static constexpr int64_t kInputs = 32, kBytes = 18 + (kMin ? 2 : 0) + (kFifth ? 4 : 0), kRows = 1;
   static constexpr int64_t kLevels = 2 + (kMin ? 2 : 0) + (kFifth ? 4 : 0);  // offset of the 16 level bytes
   static constexpr float kCentre = kFifth ? 16.0f : 8.0f;
   static uint32_t fifths(const uint8_t* block) {
@@ -382,10 +475,10 @@ using Q51 = Small<true, true>;
 struct Q80 {
   using Input = PerGroup;
   template <int R>
-  static void dot(const uint8_t* row, const PerGroup& in, int64_t r0, float bias, float* y, int64_t N) {
+  static void dot(const uint8_t* row, const PerGroup& in, int64_t r0, const float* bias, float* y, int64_t N) {
     group_dot<Q80, R>(row, in, r0, bias, y, N);
   }
-  static constexpr int64_t kInputs = 32, kBytes = 34;
+  static constexpr int64_t kInputs = 32, kBytes = 34, kRows = 1;
   static void chunk(const uint8_t* row, int64_t c, int groups, __m256i u[4], __m256& step, __m256& low) {
     float d[4] = {};
     for (int g = groups; g < 4; ++g) u[g] = _mm256_setzero_si256();
@@ -406,30 +499,31 @@ struct Q80 {
 };
 
 // y (M, N) = x (M, K) against the weight rows (+ bias): the input rows quantized as F takes them, then each
-// thread's share of the weight rows walked once per tile of input rows, 4 rows at a time against each
+// thread's share of the weight rows (in F's groups of kRows) walked once per tile of input rows, up to 4 input
+// rows at a time against each
 template <typename F>
-void product(const float* xs, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N,
+void product(const float* xs, int64_t M, int64_t K, const uint8_t* w, int64_t group_bytes, int64_t N,
              const float* b, float* ys) {
   typename F::Input in(M, K);
   kvmemory_simd::each_row(M, 8, [&](int64_t r) { in.quantize(xs + r * K, r); });
-  const int64_t tile = std::max<int64_t>(MAX_ROWS, TILE_BYTES / K / MAX_ROWS * MAX_ROWS);
+  const int64_t tile = std::max<int64_t>(MAX_ROWS, TILE_BYTES / K / MAX_ROWS * MAX_ROWS), groups = N / F::kRows;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 16)));
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), n_threads = omp_get_num_threads();
-    const int64_t n0 = N * t / n_threads, n1 = N * (t + 1) / n_threads;
+    const int64_t g0 = groups * t / n_threads, g1 = groups * (t + 1) / n_threads;
     for (int64_t m0 = 0; m0 < M; m0 += tile) {
       const int64_t m1 = std::min(M, m0 + tile);
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = w + n * row_bytes;
-        const float bias = b ? b[n] : 0.0f;
+      for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t* rows = w + g * group_bytes;
+        const float* bias = b ? b + g * F::kRows : nullptr;
         for (int64_t r = m0; r < m1; r += MAX_ROWS) {
-          float* y = ys + r * N + n;
+          float* y = ys + r * N + g * F::kRows;
           switch (std::min<int64_t>(MAX_ROWS, m1 - r)) {
-            case 4: F::template dot<4>(row, in, r, bias, y, N); break;
-            case 3: F::template dot<3>(row, in, r, bias, y, N); break;
-            case 2: F::template dot<2>(row, in, r, bias, y, N); break;
-            default: F::template dot<1>(row, in, r, bias, y, N); break;
+            case 4: F::template dot<4>(rows, in, r, bias, y, N); break;
+            case 3: F::template dot<3>(rows, in, r, bias, y, N); break;
+            case 2: F::template dot<2>(rows, in, r, bias, y, N); break;
+            default: F::template dot<1>(rows, in, r, bias, y, N); break;
           }
         }
       }
@@ -437,13 +531,15 @@ void product(const float* xs, int64_t M, int64_t K, const uint8_t* w, int64_t ro
   }
 }
 
-// GGML's type ids of the formats kept
+// GGML's type ids of the formats kept, and this kernel's ids of its interleaved layouts
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+constexpr int64_t kInterleaved = 1000, kQ4_Kx8 = kInterleaved + kQ4_K;
 
 template <typename Body>
 auto by_type(int64_t type, Body body) {
   switch (type) {
     case kQ4_K: return body(Q4K{});
+    case kQ4_Kx8: return body(Q4Kx8{});
     case kQ6_K: return body(Q6K{});
     case kQ4_0: return body(Q40{});
     case kQ4_1: return body(Q41{});
@@ -452,60 +548,77 @@ auto by_type(int64_t type, Body body) {
     case kQ8_0: return body(Q80{});
   }
   TORCH_CHECK(false, "GGML type ", type,
-              " is not kept in blocks (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q6_K 14 are)");
+              " is not kept in blocks (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q6_K 14 are; Q4_K by 8 "
+              "rows 1012)");
 }
 
-void check_blocks(const at::Tensor& blocks, int64_t type, int64_t K) {
+// The output features of `blocks` in the format F takes, checked against the input size K
+template <typename F>
+int64_t checked_features(const at::Tensor& blocks, int64_t type, int64_t K) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "blocks must be a contiguous (out_features, row bytes) uint8 tensor");
-  by_type(type, [&](auto format) {
-    using F = decltype(format);
-    TORCH_CHECK(K > 0 && K % F::kInputs == 0, "in_features ", K, " must be a positive multiple of ", F::kInputs,
-                " for GGML type ", type);
-    TORCH_CHECK(blocks.size(1) == K / F::kInputs * F::kBytes, "a row of ", K, " inputs takes ",
-                K / F::kInputs * F::kBytes, " bytes in GGML type ", type, ", the blocks hold ", blocks.size(1));
-    return 0;
-  });
+              "blocks must be a contiguous (out_features / rows per group, bytes) uint8 tensor");
+  TORCH_CHECK(K > 0 && K % F::kInputs == 0, "in_features ", K, " must be a positive multiple of ", F::kInputs,
+              " for GGML type ", type);
+  TORCH_CHECK(blocks.size(1) == K / F::kInputs * F::kBytes, "a row of ", K, " inputs takes ",
+              K / F::kInputs * F::kBytes, " bytes in GGML type ", type, ", the blocks hold ", blocks.size(1));
+  return blocks.size(0) * F::kRows;
 }
 
 at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
                        const c10::optional<at::Tensor>& bias) {
-  const int64_t N = blocks.size(0), K = x.size(1);
-  const float* b = kvmemory_simd::checked_rows_and_bias(x, bias, N);
-  check_blocks(blocks, type, K);
-  const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  by_type(type, [&](auto format) {
-    product<decltype(format)>(x.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), blocks.size(1), N, b,
-                              y.data_ptr<float>());
-    return 0;
+  return by_type(type, [&](auto format) {
+    using F = decltype(format);
+    const int64_t K = x.dim() == 2 ? x.size(1) : 0, N = checked_features<F>(blocks, type, K);
+    const float* b = kvmemory_simd::checked_rows_and_bias(x, bias, N);
+    const int64_t M = x.size(0);
+    at::Tensor y = at::empty({M, N}, x.options());
+    if (M > 0) product<F>(x.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), blocks.size(1), N, b, y.data_ptr<float>());
+    return y;
   });
-  return y;
 }
 
-// The weights of `rows` (int64 indices into the blocks' rows) as float32 (rows, K): embedding lookups, and
-// the reference the tests check the product against
+// The weights of `rows` (int64 indices of output features) as float32 (rows, K): embedding lookups, and the
+// reference the tests check the product against
 at::Tensor dequantize_gguf(const at::Tensor& blocks, int64_t type, int64_t K, const at::Tensor& rows) {
-  check_blocks(blocks, type, K);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be a vector of int64 indices");
-  const int64_t N = blocks.size(0), count = rows.size(0);
-  at::Tensor ids = rows.contiguous();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "row ", id[i], " is out of 0..", N - 1);
-  at::Tensor out = at::empty({count, K}, blocks.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  const int64_t row_bytes = blocks.size(1);
-  by_type(type, [&](auto format) {
+  return by_type(type, [&](auto format) {
     using F = decltype(format);
+    const int64_t N = checked_features<F>(blocks, type, K), count = rows.size(0);
+    at::Tensor ids = rows.contiguous();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "row ", id[i], " is out of 0..", N - 1);
+    at::Tensor out = at::empty({count, K}, blocks.options().dtype(at::kFloat));
+    float* o = out.data_ptr<float>();
+    const uint8_t* w = blocks.data_ptr<uint8_t>();
+    const int64_t group_bytes = blocks.size(1);
     kvmemory_simd::each_row(count, 16, [&](int64_t i) {
-      const uint8_t* row = w + id[i] * row_bytes;
-      for (int64_t k = 0; k < K; ++k) o[i * K + k] = F::value(row + (k / F::kInputs) * F::kBytes, k % F::kInputs);
+      const uint8_t* group = w + id[i] / F::kRows * group_bytes;
+      for (int64_t k = 0; k < K; ++k) {
+        const uint8_t* block = group + (k / F::kInputs) * F::kBytes;
+        if constexpr (F::kRows == 1)
+          o[i * K + k] = F::value(block, k % F::kInputs);
+        else
+          o[i * K + k] = F::value(block, id[i] % F::kRows, k % F::kInputs);
+      }
     });
-    return 0;
+    return out;
   });
-  return out;
+}
+
+// (blocks of `type` interleaved by 8 rows, their type id), or the blocks as they are where no such layout
+// exists for the type or the rows do not fill groups of 8
+std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& blocks, int64_t type, int64_t K) {
+  by_type(type, [&](auto format) { return checked_features<decltype(format)>(blocks, type, K); });
+  const int64_t N = blocks.size(0);
+  if (type != kQ4_K || N % 8 != 0) return {blocks, type};
+  at::Tensor out = at::empty({N / 8, K / BLOCK * Q4Kx8::kBytes}, blocks.options());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1), group_bytes = out.size(1);
+  kvmemory_simd::each_row(N / 8, 64, [&](int64_t g) {
+    for (int64_t b = 0; b < K / BLOCK; ++b) Q4Kx8::repack(w + g * 8 * row_bytes, row_bytes, b, o + g * group_bytes + b * Q4Kx8::kBytes);
+  });
+  return {out, kQ4_Kx8};
 }
 
 }  // namespace
@@ -515,4 +628,6 @@ TORCH_LIBRARY_FRAGMENT(kvmemory, m) {
   m.def("dequantize_gguf(Tensor blocks, int ggml_type, int in_features, Tensor rows) -> Tensor");
   m.impl("linear_gguf", c10::DispatchKey::CPU, TORCH_FN(linear_gguf));
   m.impl("dequantize_gguf", c10::DispatchKey::CPU, TORCH_FN(dequantize_gguf));
+  m.def("repack_gguf(Tensor blocks, int ggml_type, int in_features) -> (Tensor, int)");
+  m.impl("repack_gguf", c10::DispatchKey::CPU, TORCH_FN(repack_gguf));
 }

@@ -19,6 +19,12 @@ from torch import nn
 # GGML type ids of the blocks the kernel multiplies
 KEPT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 INPUTS_PER_BLOCK = {2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 12: 256, 14: 256}
+INTERLEAVED = 1000  # the kernel's id of a type's layout interleaved by 8 rows: INTERLEAVED + the GGML id
+
+
+def type_name(ggml_type: int) -> str:
+    name = next(k for k, v in KEPT_TYPES.items() if v == ggml_type % INTERLEAVED)
+    return name if ggml_type < INTERLEAVED else f"{name} by 8 rows"
 
 
 def kept(ggml_type: int, in_features: int) -> bool:
@@ -28,13 +34,25 @@ def kept(ggml_type: int, in_features: int) -> bool:
 
 class GgufLinear(nn.Module):
     """A linear layer on a GGUF tensor's blocks (``blocks``: (out_features, bytes of a row) uint8, each row
-    one output feature's blocks as the file stores them), fp32 in and out. Each output is one sum in a fixed
-    order, so a row's result is the same bit for bit whichever rows share its pass, and layers of one type
-    fuse (``side_by_side``)."""
+    one output feature's blocks as the file stores them), fp32 in and out. With ``interleave``, Q4_K blocks
+    are rearranged by groups of 8 rows (``repack_gguf``: the same bytes but 2.8% more, the 12 bytes of a block's
+    packed 6-bit scales spread to one a byte), which the kernel multiplies about twice as fast. Each output is
+    one sum in a fixed order, so a row's result is the same bit for bit whichever rows share its pass, and
+    layers of one type fuse (``side_by_side``)."""
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        ggml_type: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        interleave: bool = True,
+    ):
         super().__init__()
-        self.in_features, self.out_features, self.ggml_type = in_features, blocks.shape[0], ggml_type
+        if interleave and ggml_type < INTERLEAVED:
+            blocks, ggml_type = torch.ops.kvmemory.repack_gguf(blocks, ggml_type, in_features)
+        self.in_features, self.ggml_type = in_features, ggml_type
+        self.out_features = blocks.shape[0] * (8 if ggml_type >= INTERLEAVED else 1)
         self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
@@ -46,13 +64,13 @@ class GgufLinear(nn.Module):
             return None
         blocks = torch.cat([p.blocks for p in parts])
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
-        fused = cls(blocks, parts[0].ggml_type, parts[0].in_features, bias)
-        row = 0
+        fused = cls(blocks, parts[0].ggml_type, parts[0].in_features, bias, interleave=False)
+        row, block_row = 0, 0
         for part in parts:
-            part.blocks = blocks[row : row + part.out_features]
+            part.blocks = blocks[block_row : block_row + part.blocks.shape[0]]
             if bias is not None:
                 part.bias = nn.Parameter(fused.bias[row : row + part.out_features], requires_grad=False)
-            row += part.out_features
+            row, block_row = row + part.out_features, block_row + part.blocks.shape[0]
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,8 +92,7 @@ class GgufLinear(nn.Module):
         return self.blocks.numel()
 
     def extra_repr(self) -> str:
-        name = next(k for k, v in KEPT_TYPES.items() if v == self.ggml_type)
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight={name} blocks"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={type_name(self.ggml_type)}"
 
 
 class GgufEmbedding(nn.Module):
@@ -91,8 +108,8 @@ class GgufEmbedding(nn.Module):
         return rows.view(*ids.shape, self.embedding_dim)
 
     def as_head(self) -> GgufLinear:
-        """The output head tied to this embedding: the same blocks, multiplied."""
-        return GgufLinear(self.blocks, self.ggml_type, self.embedding_dim)
+        """The output head tied to this embedding: the same blocks (not interleaved: they are held once)."""
+        return GgufLinear(self.blocks, self.ggml_type, self.embedding_dim, interleave=False)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={self.ggml_type}"
