@@ -17,9 +17,17 @@ plain transformers, per weight format, and decode after compaction.
 * ``kernels``: one token through every linear weight of a model of the default model's shapes, per kernel,
   and one pass of 8 rows (8 sessions decoding together): why kvmemory offers 16-bit and 4-bit weights and no
   int8.
+* ``engines`` (``--model``, any named model or GGUF file): kvmemory against llama.cpp's own ``llama-bench`` on
+  the same file and threads (``benchmarks.llama_bench``: its settings side by side), prefill of each context
+  from empty and decode after it, and kvmemory's decode after compacting the longest context to 1/8 of its
+  slots. Rows (``engine``, ``model``, ``phase``, ``context_tokens``, ``tokens_per_s``, ``cpu``, ``settings``)
+  go to ``rows`` in the results, replacing the rows of the same model and contexts; the other sections run
+  the bench model.
 
     python -m benchmarks.speed [--repeats 3] [--decode-tokens 32] [--contexts 512 2048 4096]
         [--skip weights kernels] [--only recording]   # --only: rerun sections, keep the rest of the saved run
+    python -m benchmarks.speed --only engines --model qwen2.5-coder-1.5b --contexts 512 2048 8192 \
+        --llama-bench PATH/llama-bench
 """
 
 from __future__ import annotations
@@ -35,16 +43,18 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from benchmarks.common import BENCH_MODEL, RESULTS, decode_once, decode_seconds, median_time, save, table
+from benchmarks import llama_bench
+from benchmarks.common import BENCH_MODEL, RESULTS, cpu_model, decode_once, decode_seconds, median_time, save, table
 from benchmarks.quality import beside_the_first, scored_nll
 from benchmarks.texts import source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams, run_on_compute
 from kvmemory.kernels import cpu_ops
-from kvmemory.runtime.named_models import model_file
+from kvmemory.runtime.loading import gguf_source
+from kvmemory.runtime.named_models import model_file, model_title
 from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, PackedFp16Linear, PackedInt4Linear, quantize_int4
 
 WEIGHT_FORMATS = ["fp32", "bf16", "fp16", "int4"]
-SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted"]
+SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted", "engines"]
 ENGINE_SECTIONS = ["callers", "recording", "contexts", "compacted"]  # run on the default engine's weights
 
 
@@ -280,6 +290,88 @@ def compacted_section(engine, text_ids, ctx, n_dec, repeats):
     return row
 
 
+def engines_section(model: str, contexts: list[int], n_dec: int, repeats: int, binary, settings) -> list[dict]:
+    """kvmemory's rows (prefill from empty, decode after each context, decode after compacting the longest to
+    1/8 of its slots; medians of ``repeats``) and llama-bench's, on ``model``."""
+    engine = Engine.from_pretrained(model)
+    text_ids = engine.tokenizer.encode(source_text(60 * max(contexts)), add_special_tokens=False)
+    cpu, name = cpu_model().get("cpu_model", ""), model_title(model)
+    threads = run_on_compute(torch.get_num_threads)
+    base = {"engine": "kvmemory", "model": name, "cpu": cpu, "threads": threads, "repeats": repeats}
+    rows = []
+    for ctx in contexts:
+        runs = [session_runner(engine)(text_ids[:ctx], n_dec) for _ in range(repeats + 1)][1:]  # one warm-up
+        prefill, decode = (statistics.median(r[i] for r in runs) for i in (0, 1))
+        weights = f"{engine.weights} weights, {str(engine.kv_dtype).removeprefix('torch.')} KV"
+        rows.append(
+            base | {"phase": "prefill", "context_tokens": ctx, "tokens_per_s": ctx / prefill, "settings": weights}
+        )
+        rows.append(
+            base | {"phase": "decode", "context_tokens": ctx, "tokens_per_s": n_dec / decode, "settings": weights}
+        )
+        print(
+            f"kvmemory: prefill at {ctx}: {ctx / prefill:.1f} tok/s, decode after it {n_dec / decode:.1f}", flush=True
+        )
+    ctx = max(contexts)
+    session = engine.session()
+    session.append_tokens(text_ids[:ctx])
+    session.apply_plan(evenly_spaced_plan(session, ctx // 8))
+    seconds = statistics.median(decode_once(session, n_dec) for _ in range(repeats + 1))
+    rows.append(
+        base
+        | {
+            "phase": "decode",
+            "context_tokens": ctx,
+            "tokens_per_s": n_dec / seconds,
+            "settings": f"{weights}, compacted to {ctx // 8} slots per head",
+        }
+    )
+    print(f"kvmemory: decode after compacting {ctx} to {ctx // 8} slots: {n_dec / seconds:.1f} tok/s", flush=True)
+    del session, engine
+    if binary is None:
+        print("no llama-bench found (--llama-bench, LLAMA_BENCH or PATH): the llama.cpp rows are skipped")
+        return rows
+    gguf = gguf_source(model)
+    return rows + llama_bench.rows(binary, gguf, name, contexts, n_dec, threads, repeats, cpu, settings)
+
+
+def plot_engines(rows: list[dict]) -> None:
+    """Per model and phase, kvmemory's tok/s beside llama.cpp's best setting's at each context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.4 * len(models)), squeeze=False)
+    for row_axes, model in zip(axes, models):
+        for ax, phase in zip(row_axes, ("prefill", "decode")):
+            mine = [r for r in rows if r["model"] == model and r["phase"] == phase]
+            contexts = sorted({r["context_tokens"] for r in mine})
+            plain = [r for r in mine if "compacted" not in r["settings"]]
+            for i, engine in enumerate(("kvmemory", "llama.cpp")):
+                best = [
+                    max(
+                        (r["tokens_per_s"] for r in plain if r["engine"] == engine and r["context_tokens"] == c),
+                        default=0,
+                    )
+                    for c in contexts
+                ]
+                ax.bar(
+                    [j + 0.4 * i for j in range(len(contexts))],
+                    best,
+                    0.4,
+                    label=engine if engine == "kvmemory" else "llama.cpp (best setting)",
+                )
+            ax.set_xticks([j + 0.2 for j in range(len(contexts))], [str(c) for c in contexts])
+            ax.set_title(f"{model}: {phase}", fontsize=9)
+            ax.set_xlabel("context tokens")
+            ax.set_ylabel("tokens/s")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "speed_engines.png", dpi=120)
+
+
 def kernels_section(config, repeats):
     """Milliseconds for one token, and for a pass of 8 rows, through every decoder linear layer and the output
     head, per kernel."""
@@ -394,21 +486,21 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="+", choices=SECTIONS, help="run only these sections, keeping the others from the saved run"
     )
+    parser.add_argument("--model", default=BENCH_MODEL, help="the engines section's model (a name or a GGUF file)")
+    parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (else LLAMA_BENCH, else PATH)")
+    parser.add_argument("--llama-settings", nargs="+", default=list(llama_bench.SETTINGS), choices=llama_bench.SETTINGS)
     args = parser.parse_args()
 
-    engine = Engine.from_pretrained(BENCH_MODEL)
-    text_ids = engine.tokenizer.encode(source_text(200_000), add_special_tokens=False)
     n_dec = args.decode_tokens
     run = [name for name in (args.only or SECTIONS) if name not in args.skip]
-    out = {
-        "decode_tokens": n_dec,
-        "repeats": args.repeats,
-        "weights_default": engine.weights,
-    }
-    if args.only:  # the saved run's settings describe its sections; a rerun section records its own repeats
-        out = json.loads((RESULTS / "speed.json").read_text())
+    fresh_run = {"decode_tokens": n_dec, "repeats": args.repeats}
+    out = json.loads((RESULTS / "speed.json").read_text()) if args.only else fresh_run
+    if any(name != "engines" for name in run):  # the bench model's sections
+        engine = Engine.from_pretrained(BENCH_MODEL)
+        text_ids = engine.tokenizer.encode(source_text(200_000), add_special_tokens=False)
+        # the saved run's settings describe its sections; a rerun section records its own repeats
         kept = [name for name in ENGINE_SECTIONS if name in out and name not in run]
-        if out.get("weights_default") != engine.weights and kept:
+        if args.only and out.get("weights_default") != engine.weights and kept:
             parser.error(
                 f"the saved run's sections {kept} used {out.get('weights_default')} weights, this engine "
                 f"{engine.weights}: rerun them too"
@@ -426,9 +518,17 @@ def main() -> None:
         out["contexts"] = contexts_section(engine, text_ids, args.contexts, n_dec, args.repeats)
     if "compacted" in run:
         out["compacted"] = compacted_section(engine, text_ids, max(args.contexts), n_dec, args.repeats)
-    print()
-    print(table(out["contexts"], list(out["contexts"][0])))
-    plot(out)
+    if "engines" in run:
+        binary = llama_bench.find(args.llama_bench)
+        fresh = engines_section(args.model, args.contexts, n_dec, args.repeats, binary, args.llama_settings)
+        replaced = {(r["model"], r["context_tokens"]) for r in fresh}
+        out["rows"] = [r for r in out.get("rows", []) if (r["model"], r["context_tokens"]) not in replaced] + fresh
+        print(table(fresh, ["engine", "phase", "context_tokens", "tokens_per_s", "settings"]))
+        plot_engines(out["rows"])
+    if "contexts" in out:
+        print()
+        print(table(out["contexts"], list(out["contexts"][0])))
+        plot(out)
     print(f"\nsaved {save('speed', out)}")
 
 
