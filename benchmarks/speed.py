@@ -290,12 +290,18 @@ def compacted_section(engine, text_ids, ctx, n_dec, repeats):
     return row
 
 
+def cpu_name() -> str:
+    """The CPU's name and the vector extension the kernels run on, as each engine row records it."""
+    info = cpu_model()
+    return f"{info.get('cpu_model', '')} ({'AVX-512' if 'avx512f' in info.get('cpu_flags', ()) else 'AVX2'})"
+
+
 def engines_section(model: str, contexts: list[int], n_dec: int, repeats: int, binary, settings) -> list[dict]:
     """kvmemory's rows (prefill from empty, decode after each context, decode after compacting the longest to
     1/8 of its slots; medians of ``repeats``) and llama-bench's, on ``model``."""
     engine = Engine.from_pretrained(model)
     text_ids = engine.tokenizer.encode(source_text(60 * max(contexts)), add_special_tokens=False)
-    cpu, name = cpu_model().get("cpu_model", ""), model_title(model)
+    cpu, name = cpu_name(), model_title(model)
     threads = run_on_compute(torch.get_num_threads)
     base = {"engine": "kvmemory", "model": name, "cpu": cpu, "threads": threads, "repeats": repeats}
     rows = []

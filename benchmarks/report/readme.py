@@ -167,6 +167,35 @@ def speed_rows() -> list[list]:
     ]
 
 
+def engine_rows() -> list[list]:
+    """Prefill and decode at 2,048 tokens per coder model, beside llama.cpp's fastest setting."""
+    from benchmarks.report.speed import engine_pairs
+
+    d = load("speed")
+    if d is None or "rows" not in d:
+        return []
+    rows, command = [], "`python -m benchmarks.speed --only engines --model MODEL`"
+    for model, phase, context, ours, theirs in engine_pairs(d["rows"]):
+        if context != 2048 or theirs is None or "compacted" in ours["settings"]:
+            continue
+        rows.append(
+            [
+                f"{phase} at 2,048 tokens ({ours['settings'].split(',')[0]})",
+                f"{ours['tokens_per_s']:.1f} tok/s",
+                f"llama.cpp {theirs['tokens_per_s']:.1f} ({theirs['settings'].split(', ub')[0]})",
+                f"{model.removesuffix('-Instruct')}, {cpu_kind(ours['cpu'])}",
+                command if not rows else "same",
+            ]
+        )
+    return rows
+
+
+def cpu_kind(name: str) -> str:
+    """ "AVX2 EPYC" from a row's "AMD EPYC (AVX2)"."""
+    kind = next((word for word in ("EPYC", "Xeon") if word in name), name)
+    return f"{'AVX-512' if 'AVX-512' in name else 'AVX2'} {kind}"
+
+
 def concurrency_rows() -> list[list]:
     d = load("concurrency")
     if d is None:
@@ -288,6 +317,7 @@ def results_table() -> str:
         agent_memory_rows,
         seed_methods_rows,
         long_session_rows,
+        engine_rows,
         speed_rows,
         concurrency_rows,
         capacity_rows,

@@ -96,7 +96,65 @@ def speed_section(d: dict) -> str:
             + " (torch's int8 and int4 weight-only kernels are vectorised for bf16 activations only):\n\n"
             + md(kernels, ["kernel", "ms per token"] + (["ms for 8 rows"] if eight else []))
         )
-    return text + "\n\n![speed](benchmarks/results/speed.png)"
+    text += "\n\n![speed](benchmarks/results/speed.png)"
+    if "rows" in d:
+        text += "\n\n" + engines_text(d)
+    return text
+
+
+def best_llama_cpp(rows: list[dict], model: str, phase: str, context: int) -> dict | None:
+    """llama.cpp's fastest setting's row for a model, phase and context (its settings ran side by side)."""
+    theirs = [
+        r
+        for r in rows
+        if r["engine"] == "llama.cpp" and (r["model"], r["phase"], r["context_tokens"]) == (model, phase, context)
+    ]
+    return max(theirs, key=lambda r: r["tokens_per_s"], default=None)
+
+
+def engine_pairs(rows: list[dict]):
+    """(model, phase, context, kvmemory's row, llama.cpp's best row or None) for every kvmemory row."""
+    for r in rows:
+        if r["engine"] == "kvmemory":
+            yield (
+                r["model"],
+                r["phase"],
+                r["context_tokens"],
+                r,
+                best_llama_cpp(rows, r["model"], r["phase"], r["context_tokens"]),
+            )
+
+
+def engines_text(d: dict) -> str:
+    table = []
+    for model, phase, context, ours, theirs in engine_pairs(d["rows"]):
+        table.append(
+            [
+                model,
+                phase + (" (compacted)" if "compacted" in ours["settings"] else ""),
+                f"{context:,}",
+                f"{ours['tokens_per_s']:.1f}",
+                "" if theirs is None else f"{theirs['tokens_per_s']:.1f}",
+                "" if theirs is None else f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}×",
+                ours["settings"],
+                "" if theirs is None else theirs["settings"],
+            ]
+        )
+    threads = {r["threads"] for r in d["rows"]}
+    cpus = {r["cpu"] for r in d["rows"]}
+    return (
+        "**kvmemory against llama.cpp on the coder models** (`python -m benchmarks.speed --only engines --model "
+        f"MODEL --llama-bench PATH`; {', '.join(map(str, sorted(threads)))} threads of an {', '.join(sorted(cpus))}): "
+        "the same GGUF file; prefill of the context from empty and decode of 32 greedy tokens after it; kvmemory "
+        "through a Session (medians), llama.cpp through its own `llama-bench` (built from the tree vendored in the "
+        "llama-cpp-python sdist), each of its settings run and the fastest shown per row. A compacted row decodes "
+        "after the context was compacted to 1/8 of its slots, against llama.cpp at the full context.\n\n"
+        + md(
+            table,
+            ["model", "phase", "context", "kvmemory tok/s", "llama.cpp tok/s", "ratio", "kvmemory", "llama.cpp best"],
+        )
+        + "\n\n![engines](benchmarks/results/speed_engines.png)"
+    )
 
 
 def kv_dtype_section(d: dict) -> str:
