@@ -23,6 +23,9 @@ plain transformers, per weight format, and decode after compaction.
   slots. Rows (``engine``, ``model``, ``phase``, ``context_tokens``, ``tokens_per_s``, ``cpu``, ``settings``)
   go to ``rows`` in the results, replacing the rows of the same model and contexts; the other sections run
   the bench model.
+* ``bound`` (``--model``): the machine's read bandwidth and what a decoded token reads in each engine (weights
+  as held, KV per context token): the decode rate neither engine can pass, which the report sets beside the
+  engines' rows.
 
     python -m benchmarks.speed [--repeats 3] [--decode-tokens 32] [--contexts 512 2048 4096]
         [--skip weights kernels] [--only recording]   # --only: rerun sections, keep the rest of the saved run
@@ -54,7 +57,7 @@ from kvmemory.runtime.named_models import model_file, model_title
 from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, PackedFp16Linear, PackedInt4Linear, quantize_int4
 
 WEIGHT_FORMATS = ["fp32", "bf16", "fp16", "int4"]
-SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted", "engines"]
+SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted", "engines", "bound"]
 ENGINE_SECTIONS = ["callers", "recording", "contexts", "compacted"]  # run on the default engine's weights
 
 
@@ -341,6 +344,49 @@ def engines_section(model: str, contexts: list[int], n_dec: int, repeats: int, b
     return rows + llama_bench.rows(binary, gguf, name, contexts, n_dec, threads, repeats, cpu, settings)
 
 
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second a sum over 1 GiB of fp32 reads on the kernels' threads (the median of ``repeats``)."""
+    data = torch.ones(2**28)
+    seconds = statistics.median(run_on_compute(lambda: median_time(data.sum, 1)) for _ in range(repeats))
+    return data.numel() * 4 / seconds
+
+
+def bound_section(model: str) -> dict:
+    """What a decoded token must read: each engine's weights (the linear layers and the output head as held;
+    an embedding lookup reads a few rows) and KV per context token, beside the machine's read bandwidth.
+    llama.cpp's are its file's tensors but the embedding (the head's where it is tied) and its f16 cache."""
+    from torch import nn
+
+    from kvmemory.runtime.gguf_files import prepared
+    from kvmemory.runtime.gguf_weights import GgufEmbedding, GgufLinear
+
+    engine = Engine.from_pretrained(model)
+    weights = 0
+    for module in engine.model.modules():
+        if isinstance(module, GgufLinear):
+            weights += module.blocks.numel()
+        elif isinstance(module, (PackedFp16Linear, PackedInt4Linear)):
+            weights += module.packed_bytes
+        elif isinstance(module, nn.Linear):
+            weights += module.weight.numel() * module.weight.element_size()
+        elif not isinstance(module, (nn.Embedding, GgufEmbedding)):
+            weights += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    table = json.loads((prepared(gguf_source(model)) / "tensors.json").read_text())["tensors"]
+    tied = all(t["name"] != "output.weight" for t in table)
+    file_weights = sum(t["bytes"] for t in table if t["name"] != "token_embd.weight" or tied)
+    config = engine.config
+    llama_kv = config.num_hidden_layers * 2 * config.num_key_value_heads * engine.head_dim * 2
+    return {
+        "model": model_title(model),
+        "read_bytes_per_s": read_bandwidth(),
+        "kvmemory_weight_bytes": weights,
+        "kvmemory_kv_bytes_per_token": engine.kv_bytes_per_token,
+        "llama_cpp_weight_bytes": file_weights,
+        "llama_cpp_kv_bytes_per_token": llama_kv,
+        "cpu": cpu_name(),
+    }
+
+
 def plot_engines(rows: list[dict]) -> None:
     """Per model and phase, kvmemory's tok/s beside llama.cpp's best setting's at each context."""
     import matplotlib
@@ -501,7 +547,7 @@ def main() -> None:
     run = [name for name in (args.only or SECTIONS) if name not in args.skip]
     fresh_run = {"decode_tokens": n_dec, "repeats": args.repeats}
     out = json.loads((RESULTS / "speed.json").read_text()) if args.only else fresh_run
-    if any(name != "engines" for name in run):  # the bench model's sections
+    if any(name not in ("engines", "bound") for name in run):  # the bench model's sections
         engine = Engine.from_pretrained(BENCH_MODEL)
         text_ids = engine.tokenizer.encode(source_text(200_000), add_special_tokens=False)
         # the saved run's settings describe its sections; a rerun section records its own repeats
@@ -531,6 +577,10 @@ def main() -> None:
         out["rows"] = [r for r in out.get("rows", []) if (r["model"], r["context_tokens"]) not in replaced] + fresh
         print(table(fresh, ["engine", "phase", "context_tokens", "tokens_per_s", "settings"]))
         plot_engines(out["rows"])
+    if "bound" in run:
+        bound = bound_section(args.model)
+        out["bound"] = [b for b in out.get("bound", []) if b["model"] != bound["model"]] + [bound]
+        print(table([bound], list(bound)))
     if "contexts" in out:
         print()
         print(table(out["contexts"], list(out["contexts"][0])))

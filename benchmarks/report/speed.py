@@ -125,33 +125,72 @@ def engine_pairs(rows: list[dict]):
             )
 
 
+def decode_bound(bound: dict | None, engine: str, context: int) -> float | None:
+    """The decode tok/s ``engine`` could reach at ``context`` if reading its weights and KV were all it did."""
+    if bound is None:
+        return None
+    key = "kvmemory" if engine == "kvmemory" else "llama_cpp"
+    per_token = bound[f"{key}_weight_bytes"] + context * bound[f"{key}_kv_bytes_per_token"]
+    return bound["read_bytes_per_s"] / per_token
+
+
 def engines_text(d: dict) -> str:
+    bounds = {b["model"]: b for b in d.get("bound", [])}
     table = []
     for model, phase, context, ours, theirs in engine_pairs(d["rows"]):
+        compacted = "compacted" in ours["settings"]
+        shares = ""
+        if phase == "decode" and not compacted and (bound := bounds.get(model)) is not None:
+            shares = f"{ours['tokens_per_s'] / decode_bound(bound, 'kvmemory', context):.0%}"
+            if theirs is not None:
+                shares += f" / {theirs['tokens_per_s'] / decode_bound(bound, 'llama.cpp', context):.0%}"
         table.append(
             [
                 model,
-                phase + (" (compacted)" if "compacted" in ours["settings"] else ""),
+                phase + (" (compacted)" if compacted else ""),
                 f"{context:,}",
                 f"{ours['tokens_per_s']:.1f}",
                 "" if theirs is None else f"{theirs['tokens_per_s']:.1f}",
                 "" if theirs is None else f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}×",
+                shares,
                 ours["settings"],
                 "" if theirs is None else theirs["settings"],
             ]
         )
     threads = {r["threads"] for r in d["rows"]}
     cpus = {r["cpu"] for r in d["rows"]}
+    bound_text = "".join(
+        f" {b['model']}: a decoded token reads {b['kvmemory_weight_bytes'] / 2**30:.2f} GiB of weights in "
+        f"kvmemory, {b['llama_cpp_weight_bytes'] / 2**30:.2f} GiB in llama.cpp, and "
+        f"{b['kvmemory_kv_bytes_per_token'] / 1024:.1f} / {b['llama_cpp_kv_bytes_per_token'] / 1024:.1f} KiB of "
+        f"KV per context token; the machine reads {b['read_bytes_per_s'] / 1e9:.1f} GB/s "
+        "(`--only bound`)."
+        for b in bounds.values()
+    )
     return (
         "**kvmemory against llama.cpp on the coder models** (`python -m benchmarks.speed --only engines --model "
         f"MODEL --llama-bench PATH`; {', '.join(map(str, sorted(threads)))} threads of an {', '.join(sorted(cpus))}): "
         "the same GGUF file; prefill of the context from empty and decode of 32 greedy tokens after it; kvmemory "
         "through a Session (medians), llama.cpp through its own `llama-bench` (built from the tree vendored in the "
         "llama-cpp-python sdist), each of its settings run and the fastest shown per row. A compacted row decodes "
-        "after the context was compacted to 1/8 of its slots, against llama.cpp at the full context.\n\n"
+        "after the context was compacted to 1/8 of its slots, against llama.cpp at the full context. *Of bound*: "
+        "each engine's decode as a share of the rate at which the machine could read what a token needs (its "
+        "weights and KV)."
+        + bound_text
+        + "\n\n"
         + md(
             table,
-            ["model", "phase", "context", "kvmemory tok/s", "llama.cpp tok/s", "ratio", "kvmemory", "llama.cpp best"],
+            [
+                "model",
+                "phase",
+                "context",
+                "kvmemory tok/s",
+                "llama.cpp tok/s",
+                "ratio",
+                "of bound (kvmemory / llama.cpp)",
+                "kvmemory",
+                "llama.cpp best",
+            ],
         )
         + "\n\n![engines](benchmarks/results/speed_engines.png)"
     )

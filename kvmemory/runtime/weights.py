@@ -1,9 +1,12 @@
-"""Linear weights stored in 16 or 4 bits while activations and the cache stay in the model's dtype.
+"""Linear weights stored in 16 bits or fewer while activations and the cache stay in the model's dtype.
 
 Decoding one token reads every weight once; on a CPU that read is most of the decode step's cost. The
 *kernels* table of ``python -m benchmarks.speed`` times one token through the default model's linear layers
 per kernel. ``Engine.from_pretrained(weights=...)`` offers:
 
+* ``"gguf"``: a GGUF file's own quantized blocks, multiplied by integer dot products on 8-bit input rows
+  (``gguf_weights``: the file's 4.5-8.5 bits a weight read per token, as llama.cpp reads them); the CPU default
+  for a GGUF file where kvmemory's kernels are built. Weights of types it does not keep get fp16.
 * ``"fp16"``: each linear layer's weight in fp16 (half fp32's bytes), embeddings, norms, activations and the
   KV cache in fp32. On x86 the layers run a kernel that widens the weight in registers (``PackedFp16Linear``:
   kvmemory's own, else fbgemm's fp16 GEMM), which rounds nothing but the weight (the default model's
