@@ -61,7 +61,7 @@ fi
 
 # the first engine would do both; doing them here says so once, and the demo then starts in seconds
 python -c "from kvmemory.kernels import cpu_ops; cpu_ops()"
-for model in "${models[@]}"; do
-  python -c "from kvmemory.runtime.loading import converted_gguf; from kvmemory.runtime.named_models import model_file; converted_gguf(model_file('$model'))"
+for model in "${models[@]}"; do  # config, tokenizer and tensor table read from the GGUF once; no weights written
+  python -c "from kvmemory.runtime.gguf_files import prepared; from kvmemory.runtime.named_models import model_file; prepared(model_file('$model'))"
 done
 step "done"

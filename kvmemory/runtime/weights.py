@@ -319,7 +319,7 @@ FOUR_BIT_TOLERANCE = 2.0**-9  # of a group's largest |weight|: a few fp16 roundi
 
 def int4_is_exact(weight: torch.Tensor, levels, step, low) -> bool:
     """Whether ``int4_groups``' levels give ``weight`` back up to 16-bit rounding: it was 4-bit already (say
-    dequantised from a Q4_1 or Q4_K GGUF block, then stored in fp16 by ``converted_gguf``), so int4 loses
+    dequantised from a Q4_1 or Q4_K GGUF block when a GGUF model runs with ``weights="fp16"``), so int4 loses
     no more than fp16 would. Any other weight misses by up to half a step, a fifteenth of its group's range."""
     w = weight.float().reshape(levels.shape)
     rebuilt = levels * step[..., None] + low[..., None]
