@@ -23,14 +23,20 @@ plain transformers, per weight format, and decode after compaction.
   slots. Rows (``engine``, ``model``, ``phase``, ``context_tokens``, ``tokens_per_s``, ``cpu``, ``settings``)
   go to ``rows`` in the results, replacing the rows of the same model and contexts; the other sections run
   the bench model.
-* ``bound`` (``--model``): the machine's read bandwidth and what a decoded token reads in each engine (weights
-  as held, KV per context token): the decode rate neither engine can pass, which the report sets beside the
-  engines' rows.
+* ``bound`` (``--model``): the machine's read bandwidth and peak multiply-add rates (int8 and fp32, on the
+  kernels' threads: ``benchmarks.peak_rate``), what a decoded token reads in each engine (weights as held, KV per
+  context token) and the multiply-adds a token costs: the decode and prefill rates neither engine can pass,
+  which the report sets beside the engines' rows.
+* ``pauses`` (``--model``): an agent trace (``benchmarks/agent_traces``, ``billing``) sent step by step
+  under a cap of 1/8 of its tokens, with the default policy and with each seed method composed as
+  ``benchmarks.seed_methods`` composes it: each compaction's pause, seconds per 2,048 slots compacted, beside
+  the seconds a prefill of 2,048 tokens takes on the same engine.
 
     python -m benchmarks.speed [--repeats 3] [--decode-tokens 32] [--contexts 512 2048 4096]
         [--skip weights kernels] [--only recording]   # --only: rerun sections, keep the rest of the saved run
     python -m benchmarks.speed --only engines --model qwen2.5-coder-1.5b --contexts 512 2048 8192 \
         --llama-bench PATH/llama-bench
+    python -m benchmarks.speed --only bound pauses --model qwen2.5-coder-1.5b
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from transformers import DynamicCache
 
 from benchmarks import llama_bench
 from benchmarks.common import BENCH_MODEL, RESULTS, cpu_model, decode_once, decode_seconds, median_time, save, table
+from benchmarks.peak_rate import multiply_add_rates
 from benchmarks.quality import beside_the_first, scored_nll
 from benchmarks.texts import source_text
 from kvmemory import CompactionPlan, Engine, LayerPlan, SamplingParams, run_on_compute
@@ -57,7 +64,8 @@ from kvmemory.runtime.named_models import model_file, model_title
 from kvmemory.runtime.weights import INT4_GROUP, Int4Linear, PackedFp16Linear, PackedInt4Linear, quantize_int4
 
 WEIGHT_FORMATS = ["fp32", "bf16", "fp16", "int4"]
-SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted", "engines", "bound"]
+SECTIONS = ["kernels", "weights", "callers", "recording", "contexts", "compacted", "engines", "bound", "pauses"]
+MODEL_SECTIONS = ["engines", "bound", "pauses"]  # run on ``--model``; the others on the bench model
 ENGINE_SECTIONS = ["callers", "recording", "contexts", "compacted"]  # run on the default engine's weights
 
 
@@ -353,7 +361,8 @@ def read_bandwidth(repeats: int = 5) -> float:
 
 def bound_section(model: str) -> dict:
     """What a decoded token must read: each engine's weights (the linear layers and the output head as held;
-    an embedding lookup reads a few rows) and KV per context token, beside the machine's read bandwidth.
+    an embedding lookup reads a few rows) and KV per context token, beside the machine's read bandwidth; the
+    multiply-adds a token costs in the linear layers and head (one per weight), beside the machine's rates.
     llama.cpp's are its file's tensors but the embedding (the head's where it is tied) and its f16 cache."""
     from torch import nn
 
@@ -361,8 +370,10 @@ def bound_section(model: str) -> dict:
     from kvmemory.runtime.gguf_weights import GgufEmbedding, GgufLinear
 
     engine = Engine.from_pretrained(model)
-    weights = 0
+    weights, multiply_adds = 0, 0
     for module in engine.model.modules():
+        if isinstance(module, (nn.Linear, GgufLinear, PackedFp16Linear, PackedInt4Linear)):
+            multiply_adds += module.in_features * module.out_features
         if isinstance(module, GgufLinear):
             weights += module.blocks.numel()
         elif isinstance(module, (PackedFp16Linear, PackedInt4Linear)):
@@ -376,6 +387,8 @@ def bound_section(model: str) -> dict:
     file_weights = sum(t["bytes"] for t in table if t["name"] != "token_embd.weight" or tied)
     config = engine.config
     llama_kv = config.num_hidden_layers * 2 * config.num_key_value_heads * engine.head_dim * 2
+    # each query head: a multiply-add per dimension with every key (scores) and every value (output)
+    attention = config.num_hidden_layers * config.num_attention_heads * engine.head_dim * 2
     return {
         "model": model_title(model),
         "read_bytes_per_s": read_bandwidth(),
@@ -383,6 +396,53 @@ def bound_section(model: str) -> dict:
         "kvmemory_kv_bytes_per_token": engine.kv_bytes_per_token,
         "llama_cpp_weight_bytes": file_weights,
         "llama_cpp_kv_bytes_per_token": llama_kv,
+        "multiply_adds_per_token": multiply_adds,
+        "attention_multiply_adds_per_context_token": attention,
+        **run_on_compute(lambda: multiply_add_rates(torch.get_num_threads())),
+        "cpu": cpu_name(),
+    }
+
+
+PAUSE_TRACE = "billing"
+PAUSE_CONDITIONS = ["kvmemory-default", "counter-causal", "cc-lines", "am-lines", "tam-lines"]
+
+
+def pauses_section(model: str, repeats: int) -> dict:
+    """Each condition's compaction pauses over ``PAUSE_TRACE`` sent step by step under 1/8 of its tokens, and
+    the seconds a 2,048-token prefill takes (median of ``repeats``) on the same engine."""
+    from benchmarks.agent_memory import setup, step_through
+    from benchmarks.agent_traces import load_traces
+
+    engine = Engine.from_pretrained(model)
+    ids = engine.tokenizer.encode(source_text(60 * 2048), add_special_tokens=False)[:2048]
+    prefill = statistics.median(session_runner(engine)(ids, 1)[0] for _ in range(repeats + 1))
+    trace = next(t for t in load_traces(trace_set="tuning") if t["name"] == PAUSE_TRACE)
+    length = len(engine.session().renderer.render(trace["messages"]))
+    rows = []
+    for condition in PAUSE_CONDITIONS:
+        engine_of, view, memory, cap = setup(engine, condition, length // 8)
+        session = engine_of.session(memory=memory)
+        step_through(session, view, trace["messages"], scored=0)
+        pauses = [e["seconds"] for e in memory.timeline if "seconds" in e]
+        slots = sum(r["slots_before"] for r in session.compaction_log)
+        session.close()
+        rows.append(
+            {
+                "condition": condition,
+                "compactions": len(pauses),
+                "pause_median_s": statistics.median(pauses) if pauses else 0.0,
+                "pause_worst_s": max(pauses, default=0.0),
+                "pause_s_per_2048_slots": sum(pauses) / slots * 2048 if slots else 0.0,
+            }
+        )
+        print(f"pauses: {condition}: {rows[-1]}", flush=True)
+    return {
+        "model": model_title(model),
+        "trace": PAUSE_TRACE,
+        "trace_tokens": length,
+        "cap_tokens": length // 8,
+        "prefill_s_per_2048_tokens": prefill,
+        "rows": rows,
         "cpu": cpu_name(),
     }
 
@@ -538,7 +598,7 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="+", choices=SECTIONS, help="run only these sections, keeping the others from the saved run"
     )
-    parser.add_argument("--model", default=BENCH_MODEL, help="the engines section's model (a name or a GGUF file)")
+    parser.add_argument("--model", default=BENCH_MODEL, help=f"model of {', '.join(MODEL_SECTIONS)}: name or GGUF")
     parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (else LLAMA_BENCH, else PATH)")
     parser.add_argument("--llama-settings", nargs="+", default=list(llama_bench.SETTINGS), choices=llama_bench.SETTINGS)
     args = parser.parse_args()
@@ -547,7 +607,7 @@ def main() -> None:
     run = [name for name in (args.only or SECTIONS) if name not in args.skip]
     fresh_run = {"decode_tokens": n_dec, "repeats": args.repeats}
     out = json.loads((RESULTS / "speed.json").read_text()) if args.only else fresh_run
-    if any(name not in ("engines", "bound") for name in run):  # the bench model's sections
+    if any(name not in MODEL_SECTIONS for name in run):  # the bench model's sections
         engine = Engine.from_pretrained(BENCH_MODEL)
         text_ids = engine.tokenizer.encode(source_text(200_000), add_special_tokens=False)
         # the saved run's settings describe its sections; a rerun section records its own repeats
@@ -581,6 +641,10 @@ def main() -> None:
         bound = bound_section(args.model)
         out["bound"] = [b for b in out.get("bound", []) if b["model"] != bound["model"]] + [bound]
         print(table([bound], list(bound)))
+    if "pauses" in run:
+        pauses = pauses_section(args.model, args.repeats)
+        out["pauses"] = [p for p in out.get("pauses", []) if p["model"] != pauses["model"]] + [pauses]
+        print(table(pauses["rows"], list(pauses["rows"][0])))
     if "contexts" in out:
         print()
         print(table(out["contexts"], list(out["contexts"][0])))

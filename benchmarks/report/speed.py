@@ -134,16 +134,30 @@ def decode_bound(bound: dict | None, engine: str, context: int) -> float | None:
     return bound["read_bytes_per_s"] / per_token
 
 
+def prefill_bound(bound: dict | None, context: int) -> float | None:
+    """The prefill tok/s no engine passes at ``context`` if multiply-adds at the machine's measured int8 rate
+    were all it did: the linear layers' per token, and attention's over the context seen so far (half of it on
+    average)."""
+    if bound is None or "int8_multiply_adds_per_s" not in bound:
+        return None
+    per_token = bound["multiply_adds_per_token"] + context / 2 * bound["attention_multiply_adds_per_context_token"]
+    return bound["int8_multiply_adds_per_s"] / per_token
+
+
 def engines_text(d: dict) -> str:
     bounds = {b["model"]: b for b in d.get("bound", [])}
     table = []
     for model, phase, context, ours, theirs in engine_pairs(d["rows"]):
         compacted = "compacted" in ours["settings"]
-        shares = ""
-        if phase == "decode" and not compacted and (bound := bounds.get(model)) is not None:
+        shares, bound = "", bounds.get(model)
+        if phase == "decode" and not compacted and bound is not None:
             shares = f"{ours['tokens_per_s'] / decode_bound(bound, 'kvmemory', context):.0%}"
             if theirs is not None:
                 shares += f" / {theirs['tokens_per_s'] / decode_bound(bound, 'llama.cpp', context):.0%}"
+        elif phase == "prefill" and (ceiling := prefill_bound(bound, context)) is not None:
+            shares = f"{ours['tokens_per_s'] / ceiling:.0%}"
+            if theirs is not None:
+                shares += f" / {theirs['tokens_per_s'] / ceiling:.0%}"
         table.append(
             [
                 model,
@@ -163,8 +177,16 @@ def engines_text(d: dict) -> str:
         f" {b['model']}: a decoded token reads {b['kvmemory_weight_bytes'] / 2**30:.2f} GiB of weights in "
         f"kvmemory, {b['llama_cpp_weight_bytes'] / 2**30:.2f} GiB in llama.cpp, and "
         f"{b['kvmemory_kv_bytes_per_token'] / 1024:.1f} / {b['llama_cpp_kv_bytes_per_token'] / 1024:.1f} KiB of "
-        f"KV per context token; the machine reads {b['read_bytes_per_s'] / 1e9:.1f} GB/s "
-        "(`--only bound`)."
+        f"KV per context token; the machine reads {b['read_bytes_per_s'] / 1e9:.1f} GB/s"
+        + (
+            f"; a token costs {b['multiply_adds_per_token'] / 1e9:.2f} G multiply-adds in the linear layers and "
+            f"{b['attention_multiply_adds_per_context_token'] / 1e3:.0f} k per context token in attention, and "
+            f"the machine's matrix products reach {b['int8_multiply_adds_per_s'] / 1e9:.0f} G int8 and "
+            f"{b['fp32_multiply_adds_per_s'] / 1e9:.0f} G fp32 multiply-adds/s"
+            if "int8_multiply_adds_per_s" in b
+            else ""
+        )
+        + " (`--only bound`)."
         for b in bounds.values()
     )
     return (
@@ -175,7 +197,8 @@ def engines_text(d: dict) -> str:
         "llama-cpp-python sdist), each of its settings run and the fastest shown per row. A compacted row decodes "
         "after the context was compacted to 1/8 of its slots, against llama.cpp at the full context. *Of bound*: "
         "each engine's decode as a share of the rate at which the machine could read what a token needs (its "
-        "weights and KV)."
+        "weights and KV); its prefill as a share of the rate at which int8 matrix products could do a token's "
+        "multiply-adds (both engines multiply 4-bit weights by 8-bit activations)."
         + bound_text
         + "\n\n"
         + md(
@@ -193,6 +216,33 @@ def engines_text(d: dict) -> str:
             ],
         )
         + "\n\n![engines](benchmarks/results/speed_engines.png)"
+        + "".join("\n\n" + pauses_text(p) for p in d.get("pauses", []))
+    )
+
+
+def pauses_text(p: dict) -> str:
+    """One model's compaction pauses per condition beside its prefill of 2,048 tokens."""
+    rows = [
+        [
+            r["condition"],
+            r["compactions"],
+            f"{r['pause_median_s']:.2f}",
+            f"{r['pause_worst_s']:.2f}",
+            f"{r['pause_s_per_2048_slots']:.2f}",
+            f"{r['pause_s_per_2048_slots'] / p['prefill_s_per_2048_tokens']:.0%}",
+        ]
+        for r in p["rows"]
+    ]
+    return (
+        f"**Compaction pauses on {p['model']}** (`python -m benchmarks.speed --only pauses --model MODEL`; "
+        f"{p['cpu']}): the `{p['trace']}` agent trace ({p['trace_tokens']:,} tokens) sent step by step under a "
+        f"cap of {p['cap_tokens']:,} slots (1/8), with the default policy and with each seed method composed "
+        "as `benchmarks.seed_methods` composes it. A pause holds the session while its cache is compacted; "
+        f"prefilling 2,048 tokens takes {p['prefill_s_per_2048_tokens']:.1f} s on the same engine.\n\n"
+        + md(
+            rows,
+            ["condition", "compactions", "pause median s", "worst s", "s per 2,048 slots", "of a 2,048 prefill"],
+        )
     )
 
 
