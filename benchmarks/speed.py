@@ -311,7 +311,9 @@ def engines_section(model: str, contexts: list[int], n_dec: int, repeats: int, b
     """kvmemory's rows (prefill from empty, decode after each context, decode after compacting the longest to
     1/8 of its slots; medians of ``repeats``) and llama-bench's, on ``model``."""
     engine = Engine.from_pretrained(model)
-    text_ids = engine.tokenizer.encode(source_text(60 * max(contexts)), add_special_tokens=False)
+    text_ids = engine.tokenizer.encode(source_text(8 * max(contexts)), add_special_tokens=False)
+    if len(text_ids) < max(contexts):
+        raise ValueError(f"the source text gives {len(text_ids)} tokens, {max(contexts)} were asked for")
     cpu, name = cpu_name(), model_title(model)
     threads = run_on_compute(torch.get_num_threads)
     base = {"engine": "kvmemory", "model": name, "cpu": cpu, "threads": threads, "repeats": repeats}
@@ -414,7 +416,7 @@ def pauses_section(model: str, repeats: int) -> dict:
     from benchmarks.agent_traces import load_traces
 
     engine = Engine.from_pretrained(model)
-    ids = engine.tokenizer.encode(source_text(60 * 2048), add_special_tokens=False)[:2048]
+    ids = engine.tokenizer.encode(source_text(8 * 2048), add_special_tokens=False)[:2048]
     prefill = statistics.median(session_runner(engine)(ids, 1)[0] for _ in range(repeats + 1))
     trace = next(t for t in load_traces(trace_set="tuning") if t["name"] == PAUSE_TRACE)
     length = len(engine.session().renderer.render(trace["messages"]))
