@@ -259,6 +259,11 @@ def step_through(session, view, messages: list[dict], scored: int) -> tuple[list
     return nlls, peak
 
 
+def pauses_of(memory) -> list[float]:
+    """The seconds each compaction held the session for (selection, rebuild, closing gaps)."""
+    return [e["seconds"] for e in memory.timeline if "seconds" in e] if memory else []
+
+
 def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -> dict:
     """Send the trace step by step as ``condition``; measure the last turn's NLL, the facts and free replies."""
     named, (engine, view, memory, cap_tokens) = condition, setup(engine, condition, cap_tokens)
@@ -280,10 +285,9 @@ def replay(engine, trace: dict, condition: str, cap_tokens: int, replies: int) -
         "nll_last_turn": nll,
         "peak_kv_bytes": peak,
         "compactions": session.cache.compactions,
-        # the pauses the memory manager held the session for (selection, rebuild, closing gaps)
-        "compaction_ms": 1e3 * sum(e.get("seconds", 0.0) for e in memory.timeline) if memory else 0.0,
+        "compaction_ms": 1e3 * sum(pauses_of(memory)),
         "slots_compacted": sum(r["slots_before"] for r in session.compaction_log),
-        "pauses_s": [e["seconds"] for e in memory.timeline if "seconds" in e] if memory else [],
+        "pauses_s": pauses_of(memory),
         "summaries": getattr(view, "summaries", 0),
         "facts": facts,
         "replies": [{"text": t, "degenerate": degenerate(t, context)} for t in texts],

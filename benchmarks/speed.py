@@ -401,7 +401,7 @@ def bound_section(model: str) -> dict:
         "llama_cpp_kv_bytes_per_token": llama_kv,
         "multiply_adds_per_token": multiply_adds,
         "attention_multiply_adds_per_context_token": attention,
-        **run_on_compute(lambda: multiply_add_rates(torch.get_num_threads())),
+        **multiply_add_rates(run_on_compute(torch.get_num_threads)),
         "cpu": cpu_name(),
     }
 
@@ -413,7 +413,7 @@ PAUSE_CONDITIONS = ["kvmemory-default", "counter-causal", "cc-lines", "am-lines"
 def pauses_section(model: str, repeats: int) -> dict:
     """Each condition's compaction pauses over ``PAUSE_TRACE`` sent step by step under 1/8 of its tokens, and
     the seconds a 2,048-token prefill takes (median of ``repeats``) on the same engine."""
-    from benchmarks.agent_memory import setup, step_through
+    from benchmarks.agent_memory import pauses_of, setup, step_through
     from benchmarks.agent_traces import load_traces
 
     engine = Engine.from_pretrained(model)
@@ -423,10 +423,10 @@ def pauses_section(model: str, repeats: int) -> dict:
     length = len(engine.session().renderer.render(trace["messages"]))
     rows = []
     for condition in PAUSE_CONDITIONS:
-        engine_of, view, memory, cap = setup(engine, condition, length // 8)
+        engine_of, view, memory, _ = setup(engine, condition, length // 8)
         session = engine_of.session(memory=memory)
         step_through(session, view, trace["messages"], scored=0)
-        pauses = [e["seconds"] for e in memory.timeline if "seconds" in e]
+        pauses = pauses_of(memory)
         slots = sum(r["slots_before"] for r in session.compaction_log)
         session.close()
         rows.append(

@@ -149,15 +149,15 @@ def engines_text(d: dict) -> str:
     table = []
     for model, phase, context, ours, theirs in engine_pairs(d["rows"]):
         compacted = "compacted" in ours["settings"]
-        shares, bound = "", bounds.get(model)
+        bound, ceilings = bounds.get(model), None  # the rate each engine could not pass: kvmemory's, llama.cpp's
         if phase == "decode" and not compacted and bound is not None:
-            shares = f"{ours['tokens_per_s'] / decode_bound(bound, 'kvmemory', context):.0%}"
-            if theirs is not None:
-                shares += f" / {theirs['tokens_per_s'] / decode_bound(bound, 'llama.cpp', context):.0%}"
+            ceilings = decode_bound(bound, "kvmemory", context), decode_bound(bound, "llama.cpp", context)
         elif phase == "prefill" and (ceiling := prefill_bound(bound, context)) is not None:
-            shares = f"{ours['tokens_per_s'] / ceiling:.0%}"
-            if theirs is not None:
-                shares += f" / {theirs['tokens_per_s'] / ceiling:.0%}"
+            ceilings = ceiling, ceiling
+        shares = ""
+        if ceilings is not None:
+            measured = [r["tokens_per_s"] / c for r, c in zip((ours, theirs), ceilings) if r is not None]
+            shares = " / ".join(f"{share:.0%}" for share in measured)
         table.append(
             [
                 model,
