@@ -49,15 +49,19 @@ def rows(
     repeats: int,
     cpu: str,
     settings: list[str],
+    phases: tuple[str, ...] = ("prefill", "decode"),
 ) -> list[dict]:
     """One row per (setting, phase, context): prefill tok/s of ``contexts`` from empty, decode tok/s of ``n_dec``
-    tokens after each of ``contexts``."""
+    tokens after each of ``contexts`` (each phase a run of its own: decode alone still prefills its context)."""
     out = []
     for name in settings:
         flags = SETTINGS[name]
         prompts = ",".join(str(c) for c in contexts)
-        results = run(binary, gguf, ["-p", prompts, "-n", "0", *flags], threads, repeats)
-        results += run(binary, gguf, ["-p", "0", "-n", str(n_dec), "-d", prompts, *flags], threads, repeats)
+        results = []
+        if "prefill" in phases:
+            results += run(binary, gguf, ["-p", prompts, "-n", "0", *flags], threads, repeats)
+        if "decode" in phases:
+            results += run(binary, gguf, ["-p", "0", "-n", str(n_dec), "-d", prompts, *flags], threads, repeats)
         for r in results:
             prefill = r["n_gen"] == 0
             out.append(

@@ -307,9 +307,11 @@ def cpu_name() -> str:
     return f"{info.get('cpu_model', '')} ({'AVX-512' if 'avx512f' in info.get('cpu_flags', ()) else 'AVX2'})"
 
 
-def engines_section(model: str, contexts: list[int], n_dec: int, repeats: int, binary, settings) -> list[dict]:
+def engines_section(
+    model: str, contexts: list[int], n_dec: int, repeats: int, binary, settings, llama_phases
+) -> list[dict]:
     """kvmemory's rows (prefill from empty, decode after each context, decode after compacting the longest to
-    1/8 of its slots; medians of ``repeats``) and llama-bench's, on ``model``."""
+    1/8 of its slots; medians of ``repeats``) and llama-bench's (``llama_phases`` of them), on ``model``."""
     engine = Engine.from_pretrained(model)
     text_ids = engine.tokenizer.encode(source_text(8 * max(contexts)), add_special_tokens=False)
     if len(text_ids) < max(contexts):
@@ -352,7 +354,7 @@ def engines_section(model: str, contexts: list[int], n_dec: int, repeats: int, b
         print("no llama-bench found (--llama-bench, LLAMA_BENCH or PATH): the llama.cpp rows are skipped")
         return rows
     gguf = gguf_source(model)
-    return rows + llama_bench.rows(binary, gguf, name, contexts, n_dec, threads, repeats, cpu, settings)
+    return rows + llama_bench.rows(binary, gguf, name, contexts, n_dec, threads, repeats, cpu, settings, llama_phases)
 
 
 def read_bandwidth(repeats: int = 5) -> float:
@@ -604,6 +606,13 @@ def main() -> None:
     parser.add_argument("--model", default=BENCH_MODEL, help=f"model of {', '.join(MODEL_SECTIONS)}: name or GGUF")
     parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (else LLAMA_BENCH, else PATH)")
     parser.add_argument("--llama-settings", nargs="+", default=list(llama_bench.SETTINGS), choices=llama_bench.SETTINGS)
+    parser.add_argument(
+        "--llama-phases",
+        nargs="+",
+        default=["prefill", "decode"],
+        choices=["prefill", "decode"],
+        help="llama.cpp's runs (each prefills its contexts: at 16k, leaving out prefill saves a long run)",
+    )
     args = parser.parse_args()
 
     n_dec = args.decode_tokens
@@ -635,7 +644,9 @@ def main() -> None:
         out["compacted"] = compacted_section(engine, text_ids, max(args.contexts), n_dec, args.repeats)
     if "engines" in run:
         binary = llama_bench.find(args.llama_bench)
-        fresh = engines_section(args.model, args.contexts, n_dec, args.repeats, binary, args.llama_settings)
+        fresh = engines_section(
+            args.model, args.contexts, n_dec, args.repeats, binary, args.llama_settings, args.llama_phases
+        )
         replaced = {(r["model"], r["context_tokens"]) for r in fresh}
         out["rows"] = [r for r in out.get("rows", []) if (r["model"], r["context_tokens"]) not in replaced] + fresh
         print(table(fresh, ["engine", "phase", "context_tokens", "tokens_per_s", "settings"]))

@@ -213,9 +213,15 @@ def concurrency_rows() -> list[list]:
 
 
 def capacity_rows() -> list[list]:
-    d = load("capacity")
-    if d is None:
-        return []
+    rows = []
+    if (d := load("capacity")) is not None:
+        rows += small_model_capacity_rows(d)
+    if (d := load("capacity_qwen2.5-coder-1.5b")) is not None:
+        rows += coder_capacity_rows(d, "`python -m benchmarks.capacity --model qwen2.5-coder-1.5b`")
+    return rows
+
+
+def small_model_capacity_rows(d: dict) -> list[list]:
     rows = d["rows"]
     parallel = {
         r["engine"]: r for r in rows if r["part"] == "parallel" and r["sessions"] == 16 and r.get("cap_slots") is None
@@ -245,6 +251,51 @@ def capacity_rows() -> list[list]:
             "same",
         ],
     ]
+
+
+def coder_capacity_rows(d: dict, command: str) -> list[list]:
+    """The most sessions decoding at once beside llama.cpp's best setting, and the long sessions held in the
+    smallest budget, with the facts each answers."""
+    parallel = [r for r in d["rows"] if r["part"] == "parallel" and not r.get("cap_slots")]
+    most = max(r["sessions"] for r in parallel)
+    ours = next(r for r in parallel if r["engine"] == "kvmemory" and r["sessions"] == most)
+    best = max(
+        (r for r in parallel if r["engine"] == "llama.cpp" and r["sessions"] == most),
+        key=lambda r: r["aggregate_decode_tps"],
+    )
+    out = [
+        [
+            f"{most} sessions decoding at once, {ours['context_tokens']:,} tokens each",
+            f"{ours['aggregate_decode_tps']:.1f} tok/s together",
+            f"llama.cpp {best['aggregate_decode_tps']:.1f} ({best['settings']}; same GGUF, same threads)",
+            where(d),
+            command,
+        ]
+    ]
+    budget = [r for r in d["rows"] if r["part"] == "budget"]
+    if budget:
+        smallest = min(r["kv_budget_bytes"] for r in budget)
+        mine = [r for r in budget if r["kv_budget_bytes"] == smallest]
+        theirs = next(r for r in mine if r["engine"] == "llama.cpp")
+        tokens = theirs["session_tokens"]
+        out.append(
+            [
+                f"{tokens:,}-token agent sessions held in {smallest / 2**30:g} GiB of KV",
+                "; ".join(
+                    f"{r['sessions']} at a {r['cap']} cap ({r['sessions'] / max(theirs['sessions'], 1):.1f}×), "
+                    f"{r['aggregate_decode_tps']:.1f} tok/s together, {r['facts_answered']} of "
+                    f"{r['facts_asked']} facts answered"
+                    for r in mine
+                    if r["engine"] == "kvmemory"
+                ),
+                f"llama.cpp ({theirs['kv_type']} KV) {theirs['sessions']} sessions of "
+                f"{min(theirs['context_tokens'], tokens):,} tokens, {theirs['aggregate_decode_tps']:.1f} tok/s, "
+                f"{theirs['facts_answered']} answered",
+                where(d),
+                "same",
+            ]
+        )
+    return out
 
 
 def serving_rows() -> list[list]:

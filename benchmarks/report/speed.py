@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from benchmarks.common import BENCH_MODEL
 from benchmarks.report.tables import NLL_COLUMN, beside_fp32, formats_of, md, on_cpu
 
 
@@ -270,36 +271,54 @@ def kv_dtype_section(d: dict) -> str:
 
 
 def capacity_section(d: dict) -> str:
+    model = d.get("model", BENCH_MODEL)  # runs before the file named its model ran on the benchmark model
     parallel = [r for r in d["rows"] if r["part"] == "parallel"]
-    labels = sorted({(r["engine"], r.get("cap_slots") or 0) for r in parallel}, key=lambda x: (x[0] != "llama.cpp", x))
+    label = lambda r: (r["engine"], r.get("settings"), r.get("cap_slots") or 0)  # noqa: E731
+    labels = sorted(dict.fromkeys(map(label, parallel)), key=lambda x: (x[0] != "llama.cpp", x[2], x[1] or ""))
     counts = sorted({r["sessions"] for r in parallel})
-    speed = {(r["engine"], r.get("cap_slots") or 0, r["sessions"]): r for r in parallel}
+    speed = {(*label(r), r["sessions"]): r for r in parallel}
+    cell = lambda r: f"{r['aggregate_decode_tps']:.1f} ({r['ratio_to_one']:.2f}×)"  # noqa: E731
     rows = [
-        [f"{engine}, " + (f"each under {cap} slots" if cap else "uncompacted")]
-        + [
-            f"{speed[(engine, cap, n)]['aggregate_decode_tps']:.1f} ({speed[(engine, cap, n)]['ratio_to_one']:.2f}×)"
-            for n in counts
-        ]
-        for engine, cap in labels
+        [engine + (f" ({settings})" if settings else "") + (f", each under {cap} slots" if cap else ", uncompacted")]
+        + [cell(speed[(engine, settings, cap, n)]) for n in counts]
+        for engine, settings, cap in labels
     ]
     check, settings = d["prompt_check"], d["settings"]
     budget = [r for r in d["rows"] if r["part"] == "budget"]
-    theirs = {r["kv_budget_bytes"]: r["sessions_held"] for r in budget if r["engine"] == "llama.cpp"}
+    theirs = {r["kv_budget_bytes"]: r for r in budget if r["engine"] == "llama.cpp"}
+    session_tokens = next(r.get("session_tokens", r["context_tokens"]) for r in budget if r["engine"] == "kvmemory")
+    facts = any(r.get("facts_asked") for r in budget)
+    gains = any(r.get("fact_gain_kept") is not None for r in budget)
+
+    def held(r: dict) -> str:
+        kv = f", {r['kv_type']}" if "kv_type" in r else ""  # runs before rows named it: fp16 in llama.cpp
+        if r["engine"] == "kvmemory":
+            return f"all {r['context_tokens']:,}, in {r['cap_slots']:,} slots a head ({r['cap']}{kv})"
+        whole = r["context_tokens"] >= session_tokens
+        return f"{'all' if whole else 'its last'} {min(r['context_tokens'], session_tokens):,} ({kv or 'f16'})"
+
     budget_rows = [
         [
             f"{r['kv_budget_bytes'] / 2**30:g} GiB",
             r["engine"],
-            f"all {r['context_tokens']:,}, in {r['cap_slots']:,} slots a head ({r['cap']})"
-            if r["engine"] == "kvmemory"
-            else f"its last {r['context_tokens']:,}",
+            held(r),
             f"{r['session_bytes'] / 2**20:.1f}",
             f"{r['sessions_held']}"
-            + (f" ({r['sessions_held'] / theirs[r['kv_budget_bytes']]:.1f}×)" if r["engine"] == "kvmemory" else ""),
+            + (
+                f" ({r['sessions_held'] / theirs[r['kv_budget_bytes']]['sessions_held']:.1f}×)"
+                if r["engine"] == "kvmemory" and theirs[r["kv_budget_bytes"]]["sessions_held"]
+                else ""
+            ),
             f"{r['aggregate_decode_tps']:.1f}",
             f"{r['prefill_tps']:.0f}",
             f"{r['ttft_median_s']:.1f} / {r['ttft_max_s']:.1f}" if "ttft_median_s" in r else "",
-            f"{r['fact_gain_kept']:.2f} {r['fact_gain_ci']}" if r.get("fact_gain_kept") is not None else "not run",
         ]
+        + ([f"{r['facts_answered']} / {r['facts_asked']}"] if facts else [])
+        + (
+            [f"{r['fact_gain_kept']:.2f} {r['fact_gain_ci']}" if r.get("fact_gain_kept") is not None else "not run"]
+            if gains
+            else []
+        )
         for r in sorted(budget, key=lambda r: (r["kv_budget_bytes"], r["engine"] != "llama.cpp"))
     ]
     columns = [
@@ -311,29 +330,51 @@ def capacity_section(d: dict) -> str:
         "decode tok/s",
         "prefill tok/s",
         "first token s (median / max)",
-        "fact gain kept [95% CI]",
     ]
+    columns += ["facts answered"] if facts else []
+    columns += ["fact gain kept [95% CI]"] if gains else []
+    llama = next(iter(theirs.values()))
+    window = (
+        f"the whole session and the reply fit its {llama['context_tokens']:,} cells"
+        if llama["context_tokens"] >= session_tokens
+        else f"its {llama['context_tokens']:,}-position context, the most of such a session it can hold"
+    )
+    remembered = []
+    if facts:
+        remembered.append(
+            "*Facts answered*: each of the session's facts asked at its end, answered by greedy generation (exact "
+            "match) from the capped session (kvmemory) and from what llama.cpp's context holds (on the same "
+            "weights, in kvmemory's engine)."
+        )
+    if gains:
+        remembered.append(
+            "The fact gain kept is the long-session benchmark's, over the session's 69 facts: kvmemory at that "
+            "cap, llama.cpp as the newest messages that fit its context (`context-window`, on the same weights)."
+        )
+    command = "python -m benchmarks.capacity" + ("" if model == BENCH_MODEL else f" --model {model}")
+    copied = check.get("settings", "flash attention auto, f16 KV")
+    flags = llama.get("settings", "flash attention auto, f16 KV")
     return (
-        f"**Capacity against llama.cpp** (`python -m benchmarks.capacity`{on_cpu(d)}). llama.cpp's "
+        f"**Capacity against llama.cpp, {model}** (`{command}`{on_cpu(d)}). llama.cpp's "
         "`llama-batched-bench`, built from the llama.cpp that the llama-cpp-python source distribution vendors, "
         f"runs on the same GGUF file and {settings['threads']} threads. Aggregate decode tokens/s of sessions "
         f"with {settings['context']}-token contexts each, {settings['tokens']} tokens each (in brackets, the ratio "
         "to one session):\n\n"
         + md(rows, ["engine"] + [f"{n} sessions" for n in counts])
         + "\n\nllama.cpp computes each prompt once and copies it into every sequence's own cache stream (`-pps "
-        f"-no-kvu`). At 4 sequences that decodes at {check['shared_prompt_copied']['decode']:.1f} tokens/s, and at "
-        f"{check['separate_prompts']['decode']:.1f} with separate prompts. Its prefill runs at "
+        f"-no-kvu`). At 4 sequences ({copied}) that decodes at {check['shared_prompt_copied']['decode']:.1f} "
+        f"tokens/s, and at {check['separate_prompts']['decode']:.1f} with separate prompts. Its prefill runs at "
         f"{check['separate_prompts']['prefill']:.0f} tokens/s.\n\n"
         "Then each session is the long-session benchmark's: six agent tasks in turn, "
-        f"{budget[-1]['context_tokens']:,} tokens of file reads, test runs and logs, held under a KV budget:\n\n"
+        f"{session_tokens:,} tokens of file reads, test runs and logs, held under a KV budget:\n\n"
         "- kvmemory: the default policy, capped at 1/N of the session's tokens. A session's bytes are its KV "
         "storage as allocated plus the queries it records for compaction. Prefill is measured while every "
         "session appends a tool output at once, with the time to its first token.\n"
-        "- llama.cpp: its 8,192-position context in fp16, the most of such a session it can hold. Prefill is "
-        "at its full context.\n\n"
-        "The fact gain kept is the long-session benchmark's, over the session's 69 facts: kvmemory at that cap, "
-        "llama.cpp as the newest messages that fit its context (`context-window`, on the same weights).\n\n"
+        f"- llama.cpp: {window} (`{flags}`). A session's bytes are those cells; prefill is at its full context.\n\n"
+        + " ".join(remembered)
+        + "\n\n"
         + md(budget_rows, columns)
+        + f"\n\n![capacity](benchmarks/results/{'capacity' if model == BENCH_MODEL else f'capacity_{model}'}.png)"
     )
 
 
