@@ -420,18 +420,22 @@ def main() -> None:
     kept = [r for r in earlier.get("rows", []) if r["part"] not in args.parts]  # the parts not run now
     payload = {"model": args.model, "prompt_check": earlier.get("prompt_check"), "replays": earlier.get("replays")}
     settings = {**earlier.get("settings", {}), **vars(args), "threads": threads}
-    rows = []
+    settings["llama_cpp"] = "llama-cpp-python sdist's vendored llama.cpp"
+
+    def store(rows: list[dict], partial: bool = False) -> None:  # after each part: an hour-long part loses no other
+        rows = sorted(rows, key=lambda r: PARTS.index(r["part"]))
+        save(name, {**payload, "settings": settings, "rows": rows, **({"partial": True} if partial else {})})
+        plot(rows, RESULTS / f"{name}.png")
+        print(f"saved {RESULTS / name}.json", flush=True)
+
+    rows = kept
     if "parallel" in args.parts:
         parallel, payload["prompt_check"] = parallel_part(engine, tool, gguf, args, threads)
-        rows += parallel
+        rows = rows + parallel
+        store(rows, partial="budget" in args.parts)  # the report waits for the budget part
     if "budget" in args.parts:
         budget, payload["replays"] = budget_part(engine, tool, gguf, args, threads)
-        rows += budget
-    rows = sorted(kept + rows, key=lambda r: PARTS.index(r["part"]))
-    settings["llama_cpp"] = "llama-cpp-python sdist's vendored llama.cpp"
-    save(name, {**payload, "settings": settings, "rows": rows})
-    plot(rows, RESULTS / f"{name}.png")
-    print(f"saved {RESULTS / name}.json")
+        store(rows + budget)
 
 
 def plot(rows: list[dict], path: Path) -> None:

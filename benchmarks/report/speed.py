@@ -270,6 +270,10 @@ def kv_dtype_section(d: dict) -> str:
     )
 
 
+def command(model: str) -> str:
+    return "python -m benchmarks.capacity" + ("" if model == BENCH_MODEL else f" --model {model}")
+
+
 def capacity_section(d: dict) -> str:
     model = d.get("model", BENCH_MODEL)  # runs before the file named its model ran on the benchmark model
     parallel = [r for r in d["rows"] if r["part"] == "parallel"]
@@ -285,6 +289,20 @@ def capacity_section(d: dict) -> str:
     ]
     check, settings = d["prompt_check"], d["settings"]
     budget = [r for r in d["rows"] if r["part"] == "budget"]
+    parallel_text = (
+        f"**Capacity against llama.cpp, {model}** (`{command(model)}`{on_cpu(d)}). llama.cpp's "
+        "`llama-batched-bench`, built from the llama.cpp that the llama-cpp-python source distribution vendors, "
+        f"runs on the same GGUF file and {settings['threads']} threads. Aggregate decode tokens/s of sessions "
+        f"with {settings['context']}-token contexts each, {settings['tokens']} tokens each (in brackets, the ratio "
+        "to one session):\n\n"
+        + md(rows, ["engine"] + [f"{n} sessions" for n in counts])
+        + "\n\nllama.cpp computes each prompt once and copies it into every sequence's own cache stream (`-pps "
+        f"-no-kvu`). At 4 sequences ({check.get('settings', 'flash attention auto, f16 KV')}) that decodes at "
+        f"{check['shared_prompt_copied']['decode']:.1f} tokens/s, and at {check['separate_prompts']['decode']:.1f} "
+        f"with separate prompts. Its prefill runs at {check['separate_prompts']['prefill']:.0f} tokens/s."
+    )
+    if not budget:
+        return parallel_text
     theirs = {r["kv_budget_bytes"]: r for r in budget if r["engine"] == "llama.cpp"}
     session_tokens = next(r.get("session_tokens", r["context_tokens"]) for r in budget if r["engine"] == "kvmemory")
     facts = any(r.get("facts_asked") for r in budget)
@@ -351,20 +369,9 @@ def capacity_section(d: dict) -> str:
             "The fact gain kept is the long-session benchmark's, over the session's 69 facts: kvmemory at that "
             "cap, llama.cpp as the newest messages that fit its context (`context-window`, on the same weights)."
         )
-    command = "python -m benchmarks.capacity" + ("" if model == BENCH_MODEL else f" --model {model}")
-    copied = check.get("settings", "flash attention auto, f16 KV")
     flags = llama.get("settings", "flash attention auto, f16 KV")
     return (
-        f"**Capacity against llama.cpp, {model}** (`{command}`{on_cpu(d)}). llama.cpp's "
-        "`llama-batched-bench`, built from the llama.cpp that the llama-cpp-python source distribution vendors, "
-        f"runs on the same GGUF file and {settings['threads']} threads. Aggregate decode tokens/s of sessions "
-        f"with {settings['context']}-token contexts each, {settings['tokens']} tokens each (in brackets, the ratio "
-        "to one session):\n\n"
-        + md(rows, ["engine"] + [f"{n} sessions" for n in counts])
-        + "\n\nllama.cpp computes each prompt once and copies it into every sequence's own cache stream (`-pps "
-        f"-no-kvu`). At 4 sequences ({copied}) that decodes at {check['shared_prompt_copied']['decode']:.1f} "
-        f"tokens/s, and at {check['separate_prompts']['decode']:.1f} with separate prompts. Its prefill runs at "
-        f"{check['separate_prompts']['prefill']:.0f} tokens/s.\n\n"
+        parallel_text + "\n\n"
         "Then each session is the long-session benchmark's: six agent tasks in turn, "
         f"{session_tokens:,} tokens of file reads, test runs and logs, held under a KV budget:\n\n"
         "- kvmemory: the default policy, capped at 1/N of the session's tokens. A session's bytes are its KV "
