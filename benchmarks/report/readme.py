@@ -222,22 +222,11 @@ def capacity_rows() -> list[list]:
 
 
 def small_model_capacity_rows(d: dict) -> list[list]:
-    rows = d["rows"]
-    parallel = {
-        r["engine"]: r for r in rows if r["part"] == "parallel" and r["sessions"] == 16 and r.get("cap_slots") is None
-    }
-    budget = [r for r in rows if r["part"] == "budget" and r["kv_budget_bytes"] == 4 * 2**30]
+    budget = [r for r in d["rows"] if r["part"] == "budget" and r["kv_budget_bytes"] == 4 * 2**30]
     ours = {r["cap"]: r for r in budget if r["engine"] == "kvmemory"}
     theirs = next(r for r in budget if r["engine"] == "llama.cpp")
     tokens = ours["1/16"]["context_tokens"]
     return [
-        [
-            "16 sessions decoding at once, 2,048 tokens each",
-            f"{parallel['kvmemory']['aggregate_decode_tps']:.1f} tok/s together",
-            f"llama.cpp {parallel['llama.cpp']['aggregate_decode_tps']:.1f} (same GGUF, same 2 threads)",
-            where(d),
-            "`python -m benchmarks.capacity`",
-        ],
         [
             f"{tokens:,}-token agent sessions held in 4 GiB of KV",
             "; ".join(
@@ -248,54 +237,38 @@ def small_model_capacity_rows(d: dict) -> list[list]:
             f"llama.cpp {theirs['sessions']} sessions of their last {theirs['context_tokens']:,} tokens, "
             f"{theirs['aggregate_decode_tps']:.1f} tok/s, {theirs['fact_gain_kept']:.2f}",
             where(d),
-            "same",
+            "`python -m benchmarks.capacity`",
         ],
     ]
 
 
 def coder_capacity_rows(d: dict, command: str) -> list[list]:
-    """The most sessions decoding at once beside llama.cpp's best setting, and the long sessions held in the
-    smallest budget, with the facts each answers."""
-    parallel = [r for r in d["rows"] if r["part"] == "parallel" and not r.get("cap_slots")]
-    most = max(r["sessions"] for r in parallel)
-    ours = next(r for r in parallel if r["engine"] == "kvmemory" and r["sessions"] == most)
-    best = max(
-        (r for r in parallel if r["engine"] == "llama.cpp" and r["sessions"] == most),
-        key=lambda r: r["aggregate_decode_tps"],
-    )
-    out = [
+    """The long sessions held in the smallest budget, with the facts each answers (the parallel part is in
+    ``benchmarks/README.md``)."""
+    budget = [r for r in d["rows"] if r["part"] == "budget"]
+    if not budget:
+        return []
+    smallest = min(r["kv_budget_bytes"] for r in budget)
+    mine = [r for r in budget if r["kv_budget_bytes"] == smallest]
+    theirs = next(r for r in mine if r["engine"] == "llama.cpp")
+    tokens = theirs["session_tokens"]
+    return [
         [
-            f"{most} sessions decoding at once, {ours['context_tokens']:,} tokens each",
-            f"{ours['aggregate_decode_tps']:.1f} tok/s together",
-            f"llama.cpp {best['aggregate_decode_tps']:.1f} ({best['settings']}; same GGUF, same threads)",
+            f"{tokens:,}-token agent sessions held in {smallest / 2**30:g} GiB of KV",
+            "; ".join(
+                f"{r['sessions']} at a {r['cap']} cap ({r['sessions'] / max(theirs['sessions'], 1):.1f}×), "
+                f"{r['aggregate_decode_tps']:.1f} tok/s together, {r['facts_answered']} of "
+                f"{r['facts_asked']} facts answered"
+                for r in mine
+                if r["engine"] == "kvmemory"
+            ),
+            f"llama.cpp ({theirs['kv_type']} KV) {theirs['sessions']} sessions of "
+            f"{min(theirs['context_tokens'], tokens):,} tokens, {theirs['aggregate_decode_tps']:.1f} tok/s, "
+            f"{theirs['facts_answered']} answered",
             where(d),
             command,
         ]
     ]
-    budget = [r for r in d["rows"] if r["part"] == "budget"]
-    if budget:
-        smallest = min(r["kv_budget_bytes"] for r in budget)
-        mine = [r for r in budget if r["kv_budget_bytes"] == smallest]
-        theirs = next(r for r in mine if r["engine"] == "llama.cpp")
-        tokens = theirs["session_tokens"]
-        out.append(
-            [
-                f"{tokens:,}-token agent sessions held in {smallest / 2**30:g} GiB of KV",
-                "; ".join(
-                    f"{r['sessions']} at a {r['cap']} cap ({r['sessions'] / max(theirs['sessions'], 1):.1f}×), "
-                    f"{r['aggregate_decode_tps']:.1f} tok/s together, {r['facts_answered']} of "
-                    f"{r['facts_asked']} facts answered"
-                    for r in mine
-                    if r["engine"] == "kvmemory"
-                ),
-                f"llama.cpp ({theirs['kv_type']} KV) {theirs['sessions']} sessions of "
-                f"{min(theirs['context_tokens'], tokens):,} tokens, {theirs['aggregate_decode_tps']:.1f} tok/s, "
-                f"{theirs['facts_answered']} answered",
-                where(d),
-                "same",
-            ]
-        )
-    return out
 
 
 def serving_rows() -> list[list]:
