@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from benchmarks.capacity import results_name
 from benchmarks.common import BENCH_MODEL
 from benchmarks.report.tables import NLL_COLUMN, beside_fp32, formats_of, md, on_cpu
 
@@ -381,7 +382,7 @@ def capacity_section(d: dict) -> str:
         + " ".join(remembered)
         + "\n\n"
         + md(budget_rows, columns)
-        + f"\n\n![capacity](benchmarks/results/{'capacity' if model == BENCH_MODEL else f'capacity_{model}'}.png)"
+        + f"\n\n![capacity](benchmarks/results/{results_name(model)}.png)"
     )
 
 
