@@ -9,7 +9,8 @@ llama-bench is not a dependency: build it from the llama.cpp tree vendored in th
 
 Each setting (flash attention on or off, the KV cache in f16 or q8_0) runs prefill of each context from empty
 (``-p``) and decode of ``n`` tokens after a prefilled context (``-n -d``), with the thread count kvmemory's
-kernels get; every row keeps its setting, so a reader can pick llama.cpp's best per row.
+kernels get, and prefill at several micro-batch sizes where asked (``-ub``); every row keeps its setting, so a
+reader can pick llama.cpp's best per row.
 """
 
 from __future__ import annotations
@@ -50,16 +51,19 @@ def rows(
     cpu: str,
     settings: list[str],
     phases: tuple[str, ...] = ("prefill", "decode"),
+    ubatches: list[int] | None = None,
 ) -> list[dict]:
     """One row per (setting, phase, context): prefill tok/s of ``contexts`` from empty, decode tok/s of ``n_dec``
-    tokens after each of ``contexts`` (each phase a run of its own: decode alone still prefills its context)."""
+    tokens after each of ``contexts`` (each phase a run of its own: decode alone still prefills its context).
+    ``ubatches``: prefill once per micro-batch size (``-ub``; llama.cpp's default is 512), a row each."""
     out = []
     for name in settings:
         flags = SETTINGS[name]
         prompts = ",".join(str(c) for c in contexts)
         results = []
         if "prefill" in phases:
-            results += run(binary, gguf, ["-p", prompts, "-n", "0", *flags], threads, repeats)
+            sizes = ["-ub", ",".join(str(u) for u in ubatches)] if ubatches else []
+            results += run(binary, gguf, ["-p", prompts, "-n", "0", *sizes, *flags], threads, repeats)
         if "decode" in phases:
             results += run(binary, gguf, ["-p", "0", "-n", str(n_dec), "-d", prompts, *flags], threads, repeats)
         for r in results:

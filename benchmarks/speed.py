@@ -308,7 +308,7 @@ def cpu_name() -> str:
 
 
 def engines_section(
-    model: str, contexts: list[int], n_dec: int, repeats: int, binary, settings, llama_phases
+    model: str, contexts: list[int], n_dec: int, repeats: int, binary, settings, llama_phases, ubatches=None
 ) -> list[dict]:
     """kvmemory's rows (prefill from empty, decode after each context, decode after compacting the longest to
     1/8 of its slots; medians of ``repeats``) and llama-bench's (``llama_phases`` of them), on ``model``."""
@@ -354,7 +354,9 @@ def engines_section(
         print("no llama-bench found (--llama-bench, LLAMA_BENCH or PATH): the llama.cpp rows are skipped")
         return rows
     gguf = gguf_source(model)
-    return rows + llama_bench.rows(binary, gguf, name, contexts, n_dec, threads, repeats, cpu, settings, llama_phases)
+    return rows + llama_bench.rows(
+        binary, gguf, name, contexts, n_dec, threads, repeats, cpu, settings, llama_phases, ubatches
+    )
 
 
 def read_bandwidth(repeats: int = 5) -> float:
@@ -613,6 +615,9 @@ def main() -> None:
         choices=["prefill", "decode"],
         help="llama.cpp's runs (each prefills its contexts: at 16k, leaving out prefill saves a long run)",
     )
+    parser.add_argument(
+        "--llama-ubatch", type=int, nargs="+", help="llama.cpp's prefill at each of these micro-batch sizes (-ub)"
+    )
     args = parser.parse_args()
 
     n_dec = args.decode_tokens
@@ -645,7 +650,14 @@ def main() -> None:
     if "engines" in run:
         binary = llama_bench.find(args.llama_bench)
         fresh = engines_section(
-            args.model, args.contexts, n_dec, args.repeats, binary, args.llama_settings, args.llama_phases
+            args.model,
+            args.contexts,
+            n_dec,
+            args.repeats,
+            binary,
+            args.llama_settings,
+            args.llama_phases,
+            args.llama_ubatch,
         )
         replaced = {(r["model"], r["context_tokens"]) for r in fresh}
         out["rows"] = [r for r in out.get("rows", []) if (r["model"], r["context_tokens"]) not in replaced] + fresh

@@ -193,6 +193,14 @@ def test_tools_do_real_work(workspace):
 
 
 @pytest.mark.sandbox
+def test_a_line_patched_without_its_indentation_keeps_it(workspace):
+    old = 'raise ValueError("restock amount must be positive")'
+    workspace.patch_file("inventory/models.py", old, '    log("refused")\n    raise ValueError("not positive")')
+    text = (workspace.root / "inventory/models.py").read_text()
+    assert '        if amount <= 0:\n            log("refused")\n            raise ValueError("not positive")\n' in text
+
+
+@pytest.mark.sandbox
 def test_the_agent_starts_from_a_real_run_of_the_tests(workspace):
     from kvmemory.agents.coding_agent.cli import first_step
 
@@ -263,6 +271,9 @@ def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
     assert "inventory/models.py" not in read_choices([read]) and "README.md" in read_choices([read])
     tools = {t.name: t for t in workspace.tools(paths_as_choices=True, seen=WorkspacePaths(workspace).seen([read]))}
     assert tools["patch_file"].args["path"]["enum"] == ["inventory/models.py"]  # patched as it was read
+    lines = tools["patch_file"].args["old"]["enum"]  # its old text: a line of the file, copied
+    assert "item.quantity = amount  # BUG: should add to the existing quantity" in lines
+    assert "return item" not in lines  # it recurs: a patch of it would be refused
     patched = call("patch_file", path="inventory/models.py", old="a", new="b")
     assert "inventory/models.py" in read_choices([read, patched])  # written since: worth reading again
     everything = [call("read_file", path=p) for p in workspace.files()]

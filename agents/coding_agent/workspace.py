@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 from typing import Annotated
 
@@ -44,6 +45,7 @@ __all__ = ["SandboxError", "SandboxUnavailableError", "Workspace"]
 MAX_ARGUMENT_CHARS = 200  # a command or a pattern: a small model's otherwise runs on to the reply's token limit
 MAX_PATCH_CHARS = 600  # a patch's old or new text: a few lines
 MAX_PATH_CHOICES = 64  # a workspace with more files than this names them in no schema (the prompt would swell)
+MAX_LINE_CHOICES = 400  # the lines patch_file's old text is chosen from, where the files read have no more
 
 
 class Workspace:
@@ -150,13 +152,33 @@ class Workspace:
         old: Annotated[str, Field(max_length=MAX_PATCH_CHARS)],
         new: Annotated[str, Field(max_length=MAX_PATCH_CHARS)],
     ) -> str:
-        """Replace one exact occurrence of ``old`` with ``new`` in a file."""
+        """Replace one exact occurrence of ``old`` with ``new`` in a file. Where ``old`` is one whole line without
+        its indentation, ``new`` takes that line's indentation (each of its lines, if several)."""
         text = self._read_text(path)
         count = text.count(old)
         if count != 1:
             raise SandboxError(f"expected exactly one occurrence of the old text in {path}, found {count}")
+        line = next((line for line in text.splitlines() if line.strip() == old and old), None)
+        if line is not None:
+            indent = line[: len(line) - len(line.lstrip())]
+            new = textwrap.indent(textwrap.dedent(new.strip("\n")), indent).removeprefix(indent)
         self.resolve(path).write_text(text.replace(old, new, 1))
         return f"patched {path}"
+
+    def patchable_lines(self, paths) -> list[str]:
+        """The lines of ``paths`` that ``patch_file`` can take as its ``old`` text, without their indentation:
+        those that occur once in their file (a line that recurs would be refused)."""
+        lines: dict[str, None] = {}
+        for path in paths:
+            try:
+                text = self._read_text(path)
+            except SandboxError:
+                continue
+            for line in text.splitlines():
+                stripped = line.strip()
+                if stripped and len(stripped) <= MAX_PATCH_CHARS and text.count(stripped) == 1:
+                    lines[stripped] = None
+        return list(lines)
 
     def run_command(self, command: Annotated[str, Field(max_length=MAX_ARGUMENT_CHARS)]) -> str:
         """Run a command (no shell) in the workspace; returns exit code and output."""
@@ -200,7 +222,8 @@ class Workspace:
         (an enum, while there are at most ``MAX_PATH_CHOICES``), so that a model whose arguments are held to
         the schema picks a real path instead of inventing one; ``seen``: per tool, paths left out of its
         choices (those whose output the model has already, unless that leaves none); and ``patch_file`` is
-        offered the files read (``seen["read_file"]``), where there are any: a file is patched as it was read."""
+        offered the files read (``seen["read_file"]``), where there are any: a file is patched as it was read,
+        its ``old`` text one of their lines (``patchable_lines``)."""
         from kvmemory.integrations.middleware import kv_policy
 
         out = []
@@ -216,6 +239,9 @@ class Workspace:
                 if len(choices) <= MAX_PATH_CHOICES:
                     schema = tool.tool_call_schema.model_json_schema()
                     schema["properties"]["path"] = {**schema["properties"]["path"], "enum": choices}
+                    lines = self.patchable_lines(choices) if name == "patch_file" else []
+                    if 0 < len(lines) <= MAX_LINE_CHOICES:  # a line copied, where a small model invents one
+                        schema["properties"]["old"] = {**schema["properties"]["old"], "enum": lines}
                     tool = StructuredTool.from_function(
                         fn, name=name, description=fn.__doc__, args_schema=schema, handle_tool_error=_tool_error
                     )
