@@ -27,7 +27,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvmemory import ContextLengthError, Engine, MemoryCapError, Session, SessionStore
 from kvmemory.defaults import DEFAULT_MAX_SLOTS
-from kvmemory.integrations.serving import AsyncCore, Reply, ServingCore, Turn
+from kvmemory.integrations.serving import AsyncCore, Reply, ServingCore, Turn, tool_name
 from kvmemory.memory import MemoryManager, MemoryPolicy, default_policy
 
 DEFAULT_THREAD = "default"
@@ -181,13 +181,20 @@ class ChatKVMemory(BaseChatModel):
     # ---- tools -------------------------------------------------------------------------------
     def bind_tools(self, tools: Sequence, *, tool_choice: str | dict | bool | None = None, **kwargs) -> Runnable:
         """``tool_choice``: "auto" (None), "required" / "any" / True (the reply calls one of the tools, in the
-        model's own format: ``RequiredToolCall``), or a tool's name (or ``{"function": {"name": ...}}``)."""
+        model's own format: ``RequiredToolCall``), a tool's name (or ``{"function": {"name": ...}}``), or
+        OpenAI's ``{"type": "allowed_tools", "mode": "required", "tools": [...]}``: the reply calls one of those
+        tools while the prompt still shows all of ``tools``, so that a tool set narrowed from call to call keeps
+        the session's cached prefix. An allowed tool given as a tool (not a name) holds the call's arguments to
+        its own schema, which may be narrower than the prompt's (say, an enum of the paths that exist now)."""
         formatted = [convert_to_openai_tool(t) for t in tools]
-        if isinstance(tool_choice, dict):
+        names = {t["function"]["name"] for t in formatted}
+        if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+            kwargs["allowed_tools"] = allowed_tools(tool_choice, names)
+            tool_choice = "required"
+        elif isinstance(tool_choice, dict):
             tool_choice = tool_choice.get("function", tool_choice).get("name")
         if tool_choice is True:
             tool_choice = "required"
-        names = {t["function"]["name"] for t in formatted}
         if tool_choice not in (None, False, "auto", "none", "required", "any") and tool_choice not in names:
             raise ValueError(f"tool_choice {tool_choice!r} names none of the tools ({', '.join(sorted(names))})")
         if tool_choice not in (None, False, "auto"):
@@ -214,6 +221,7 @@ class ChatKVMemory(BaseChatModel):
             },
             self.current_thread_id(kwargs),
             tool_choice=kwargs.get("tool_choice"),
+            allowed_tools=kwargs.get("allowed_tools"),
         )
 
     def _chunk(self, item: str | Reply, shown: str) -> ChatGenerationChunk:
@@ -353,3 +361,25 @@ def _without_thread(kwargs: dict) -> dict:
 
 
 __all__ = ["ChatKVMemory", "to_chat_dicts"]
+
+
+def allowed_tools(choice: dict, names: set[str]) -> list[dict]:
+    """OpenAI's ``allowed_tools`` choice as the tools a required call may name (OpenAI function tools; a name
+    alone keeps the prompt's schema). Only ``mode: "required"`` is held: kvmemory constrains a call it requires,
+    and cannot leave a reply free to answer in text yet bar some tools."""
+    if choice.get("mode", "required") not in ("required", "any"):
+        raise ValueError(f"tool_choice allowed_tools: mode {choice.get('mode')!r} is not supported; use 'required'")
+    allowed = []
+    for tool in choice.get("tools") or []:
+        named = isinstance(tool, str) or isinstance(tool, dict) and not {"function", "parameters"} & set(tool)
+        name = (tool if isinstance(tool, str) else tool.get("name")) if named else None
+        spec = {"type": "function", "function": {"name": name}} if named else convert_to_openai_tool(tool)
+        if tool_name(spec) not in names:
+            raise ValueError(
+                f"tool_choice allowed_tools names {tool_name(spec)!r}, which is none of the tools "
+                f"({', '.join(sorted(names))})"
+            )
+        allowed.append(spec)
+    if not allowed:
+        raise ValueError("tool_choice allowed_tools names no tool")
+    return allowed

@@ -155,20 +155,34 @@ class Turn:
     policy: dict | None = None
     tool_choice: str | None = None  # None or "auto"; "required": some tool must be called; else that tool's name
     context_edits: list[ContextEdit] = field(default_factory=list)  # the client's context management
+    # Where set, the only tools a required call may name, each with the schema its arguments are held to
+    # (narrower than the prompt's where it gives one). The prompt still renders every tool of ``tools``: a tool
+    # set that changed from turn to turn would change the prompt's first tokens and re-prefill the conversation.
+    allowed_tools: list[dict] | None = None
 
     def required_tools(self) -> list[str]:
         """The tools the reply must call one of (empty: the model may answer in text)."""
         if self.tool_choice in (None, "auto", "none") or not self.tools:
             return []
-        names = [tool.get("function", tool).get("name") for tool in self.tools]
+        names = [tool_name(tool) for tool in self.tools]
+        if self.allowed_tools is not None:
+            allowed = {tool_name(tool) for tool in self.allowed_tools}
+            names = [n for n in names if n in allowed]
         return names if self.tool_choice in ("required", "any") else [n for n in names if n == self.tool_choice]
 
     def tool_schemas(self) -> dict[str, dict]:
         """Each tool's parameters schema, by name (what a required call's arguments are held to)."""
-        return {
-            tool.get("function", tool).get("name"): tool.get("function", tool).get("parameters")
-            for tool in self.tools or []
-        }
+        narrowed = [t for t in self.allowed_tools or [] if tool_parameters(t) is not None]
+        return {tool_name(tool): tool_parameters(tool) for tool in [*(self.tools or []), *narrowed]}
+
+
+def tool_name(tool: dict) -> str | None:
+    """A tool's name in either OpenAI spelling (``{"function": {"name"}}`` or Responses' flat ``{"name"}``)."""
+    return tool.get("function", tool).get("name")
+
+
+def tool_parameters(tool: dict) -> dict | None:
+    return tool.get("function", tool).get("parameters")
 
 
 @dataclass

@@ -279,11 +279,18 @@ def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
     everything = [call("read_file", path=p) for p in workspace.files()]
     assert read_choices(everything) == workspace.files()  # all read: every path is offered again
 
+    every = [*workspace.tools(), finish_tool()]
+
     def offered(messages) -> list[str]:
         seen = []
+
+        def model(request):
+            assert request.tools == every  # the prompt's tools stay the same: the cached prefix is kept
+            assert request.tool_choice["type"] == "allowed_tools" and request.tool_choice["mode"] == "required"
+            seen.extend(t.name for t in request.tool_choice["tools"])
+
         WorkspacePaths(workspace).wrap_model_call(
-            ModelRequest(model=None, messages=messages, tools=[*workspace.tools(), finish_tool()], state={}),
-            lambda request: seen.extend(t.name for t in request.tools),
+            ModelRequest(model=None, messages=messages, tools=every, state={}, tool_choice="required"), model
         )
         return seen
 

@@ -272,6 +272,42 @@ def test_a_required_tool_choice_makes_the_reply_call_that_tool_in_every_dialect(
         assert text == "b" or text.startswith('<tool_call>{"name": "b", "arguments":'), said
 
 
+def test_allowed_tools_hold_the_call_to_a_subset_and_keep_the_cached_prefix(live):
+    """OpenAI's ``allowed_tools`` choice in both OpenAI dialects: the reply calls one of the allowed tools, and
+    the prompt shows every tool, so a turn that allows another subset reuses the whole prefix. Mode "auto" is a
+    400 naming the field."""
+    client = live.openai("allowed")
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")]
+    messages = [{"role": "user", "content": "Read the settings."}]
+
+    def chat(name: str, **kwargs):
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [tools[name == "b"]]}}
+        return client.chat.completions.create(
+            model=live.model, messages=messages, tools=tools, tool_choice=choice, max_tokens=40, **kwargs
+        )
+
+    first, second = chat("b"), chat("a")
+    for reply, name in ((first, "b"), (second, "a")):
+        message = reply.choices[0].message
+        said = message.tool_calls[0].function.name if message.tool_calls else message.content
+        assert said == name or said.startswith(f'<tool_call>{{"name": "{name}", "arguments":'), said
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens  # the same prompt: every tool shown
+    assert second.usage.prompt_tokens_details.cached_tokens >= 0.9 * second.usage.prompt_tokens
+    response = live.openai().responses.create(
+        model=live.model,
+        input="Read the settings.",
+        tools=[{"type": "function", "name": n, "parameters": {"type": "object"}} for n in ("a", "b")],
+        tool_choice={"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "a"}]},
+        max_output_tokens=40,
+        store=False,
+    )
+    call = next((item for item in response.output if item.type == "function_call"), None)
+    assert call.name == "a" if call is not None else response.output_text.startswith('<tool_call>{"name": "a"')
+    with pytest.raises(openai.BadRequestError, match="mode 'required' only") as refused:
+        chat("a", extra_body={"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto"}}})
+    assert refused.value.body["param"] == "tool_choice"
+
+
 def test_messages_find_their_session_by_the_conversation_and_report_cache_reads(live):
     client = live.anthropic()
     tools = [{"name": "read_file", "description": "Read a file", "input_schema": {"type": "object"}}]

@@ -10,6 +10,7 @@ from langchain_core.exceptions import ContextOverflowError
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
@@ -81,18 +82,39 @@ def test_tool_call_round_trip_reuses_the_cache(chat):
     result = ToolMessage("database listens on port 5433", tool_call_id="call_1", name="lookup_port")
     bound.invoke(history, config=config("tools"))
     session = chat.session_for("tools")
-    rendered = session.renderer.render(
-        session.messages,
-        [
-            lookup_port.args_schema
-            and __import__("langchain_core.utils.function_calling", fromlist=["x"]).convert_to_openai_tool(lookup_port)
-        ],
-    )
+    rendered = session.renderer.render(session.messages, [convert_to_openai_tool(lookup_port)])
     assert "lookup_port" in chat.engine.tokenizer.decode(rendered)  # the schema reached the prompt
     answer = bound.invoke(history + [call, result], config=config("tools"))
     assert answer.usage_metadata["input_token_details"]["cache_read"] > 0
     tool_segment = [s for s in session.segments if s.kind == "tool_output"]
     assert tool_segment and tool_segment[0].tool_name == "lookup_port" and "5433" in tool_segment[0].text
+
+
+def test_allowed_tools_narrow_a_required_call_and_keep_the_cached_prefix(chat):
+    """``tool_choice`` allowed_tools: the reply calls one of the allowed tools, its arguments held to the narrower
+    schema given with it, while the prompt shows every bound tool, so a turn that allows other tools still
+    prefills only what is new."""
+    narrowed = convert_to_openai_tool(lookup_port)
+    narrowed["function"]["parameters"]["properties"]["service"]["enum"] = ["billing-db"]
+    history = [HumanMessage("Which port does the database use?")]
+
+    def allowing(*tools):
+        choice = {"type": "allowed_tools", "mode": "required", "tools": list(tools)}
+        return chat.bind_tools([lookup_port, run_tests], tool_choice=choice, max_new_tokens=64)
+
+    first = allowing(narrowed).invoke(history, config=config("allowed"))
+    assert first.tool_calls[0]["name"] == "lookup_port" and first.tool_calls[0]["args"] == {"service": "billing-db"}
+    result = ToolMessage("billing-db listens on port 5433", tool_call_id=first.tool_calls[0]["id"])
+    second = allowing("run_tests").invoke(history + [first, result], config=config("allowed"))
+    assert second.tool_calls[0]["name"] == "run_tests"
+    tools = [convert_to_openai_tool(t) for t in (lookup_port, run_tests)]
+    held = len(chat.engine.render_chat([{"role": "user", "content": history[0].content}], tools, False))
+    # (a changed tool list would re-render the system prompt and read nothing from the cache)
+    assert second.usage_metadata["input_token_details"]["cache_read"] > 0.9 * held
+    with pytest.raises(ValueError, match="mode 'auto' is not supported"):
+        chat.bind_tools([lookup_port], tool_choice={"type": "allowed_tools", "mode": "auto", "tools": ["lookup_port"]})
+    with pytest.raises(ValueError, match="none of the tools"):
+        chat.bind_tools([lookup_port], tool_choice={"type": "allowed_tools", "tools": ["run_tests"]})
 
 
 def test_tool_call_parsing_and_malformed_output(chat):

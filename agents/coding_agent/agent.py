@@ -90,15 +90,18 @@ class ToolCallsOnly(AgentMiddleware):
 
 class WorkspacePaths(AgentMiddleware):
     """Before each model call, the tools that read an existing path name the workspace's paths as it is now in
-    their schema (``Workspace.tools(paths_as_choices=True)``): under ``ToolCallsOnly`` the arguments are held
-    to the schema, so the model picks one of the real paths where a small model would invent
+    their schema (``Workspace.tools(paths_as_choices=True)``): the call is required (``ToolCallsOnly``) and its
+    arguments held to the schema, so the model picks one of the real paths where a small model would invent
     ``/path/to/project``. A path whose output the model already has (read or listed since the last write) is
     not offered again, and neither is ``run_command`` once it ran since the last write (nothing it runs can
     have changed): under greedy decoding a small model otherwise asks for the same output over and over.
     ``patch_file`` is offered once a file was read since the last write (a file is patched as it was read), and
     ``finish`` once the agent has written something (a small model otherwise stops at once). A write that
     failed changed nothing and counts as none.
-    The tools that run keep their plain schemas (a file written later is readable)."""
+    What is offered goes in the call's ``allowed_tools`` choice, not its tool list: the prompt shows the same
+    tools every call, so the session's cache keeps its prefix (a changed tool list re-renders the system prompt,
+    and with it the whole conversation). The tools that run keep their plain schemas (a file written later is
+    readable)."""
 
     READS = ("read_file", "list_files", "run_command")
 
@@ -115,7 +118,8 @@ class WorkspacePaths(AgentMiddleware):
             hidden.add("patch_file")  # a file is patched as it was read
         if not written(request.messages):
             hidden.add("finish")  # nothing changed yet: a fix is not done
-        return handler(request.override(tools=[t for t in tools if getattr(t, "name", None) not in hidden]))
+        offered = [t for t in tools if getattr(t, "name", None) not in hidden]
+        return handler(request.override(tool_choice={"type": "allowed_tools", "mode": "required", "tools": offered}))
 
     def seen(self, messages) -> dict[str, set[str]]:
         """Per read tool (and ``run_command``), the paths (commands) it was called on since the last write."""

@@ -80,8 +80,10 @@ def check_schema(schema, param: str) -> None:
 def tool_choice(choice, names: list[str]) -> str | None:
     """A request's ``tool_choice`` as a ``Turn``'s: None (the model may answer in text), "required" (it must call
     one of the tools) or a tool's name. Takes every dialect's spelling: "auto", "none", "required", OpenAI's
-    ``{"type": "function", "function": {"name": ...}}`` (Responses: ``{"type": "function", "name": ...}``) and
-    Anthropic's ``{"type": "auto" | "none" | "any" | "tool"}``."""
+    ``{"type": "function", "function": {"name": ...}}`` (Responses: ``{"type": "function", "name": ...}``), its
+    ``allowed_tools`` (``allowed_tools``) and Anthropic's ``{"type": "auto" | "none" | "any" | "tool"}``."""
+    if allowed_tools(choice, names) is not None:
+        return "required"
     if isinstance(choice, dict):
         kind, function = choice.get("type"), choice.get("function")
         named = (function.get("name") if isinstance(function, dict) else None) or choice.get("name")
@@ -97,6 +99,33 @@ def tool_choice(choice, names: list[str]) -> str | None:
     if not names:
         raise BadRequest("tool_choice requires a tool call, but the request has no tools", param="tool_choice")
     return choice
+
+
+def allowed_tools(choice, names: list[str]) -> list[dict] | None:
+    """OpenAI's ``allowed_tools`` choice (Chat Completions: ``{"type": "allowed_tools", "allowed_tools": {"mode",
+    "tools"}}``; Responses: ``{"type": "allowed_tools", "mode", "tools"}``) as a ``Turn``'s ``allowed_tools``; None
+    for any other choice. The prompt keeps every tool (its cached prefix with it) and the call is held to these.
+    Only ``mode: "required"`` is served: kvmemory constrains a call it requires, and cannot leave a reply free to
+    answer in text yet bar some tools."""
+    if not isinstance(choice, dict) or choice.get("type") != "allowed_tools":
+        return None
+    spec = choice.get("allowed_tools", choice)
+    if not isinstance(spec, dict) or spec.get("mode") != "required":
+        raise BadRequest("tool_choice allowed_tools is served with mode 'required' only", param="tool_choice")
+    allowed = []
+    for i, tool in enumerate(spec.get("tools") if isinstance(spec.get("tools"), list) else [None]):
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in names:
+            raise BadRequest(
+                f"tool_choice allowed_tools names {json.dumps(name)[:100]}, which is none of the request's function "
+                f"tools ({', '.join(names) or 'none given'})",
+                param=f"tool_choice.tools[{i}]",
+            )
+        allowed.append({"type": "function", "function": {"name": name}})
+    if not allowed:
+        raise BadRequest("tool_choice allowed_tools names no tool", param="tool_choice.tools")
+    return allowed
 
 
 def json_object(text: str, param: str) -> dict:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvmemory.integrations.dialects.common import (
     MAX_SEED,
     KVMemoryOptions,
+    allowed_tools,
     check_schema,
     check_tool_name,
     json_object,
@@ -181,6 +182,7 @@ def turn(req: Request, session: str | None) -> Turn:
         session,
         req.kvmemory.policy if req.kvmemory else None,
         tool_choice(req.tool_choice, [tool.function.name for tool in req.tools or []]),
+        allowed_tools=allowed_tools(req.tool_choice, [tool.function.name for tool in req.tools or []]),
     )
 
 

@@ -35,6 +35,7 @@ from kvmemory.integrations.dialects.common import (
     MAX_SEED,
     KVMemoryOptions,
     Open,
+    allowed_tools,
     check_schema,
     check_tool_name,
     json_object,
@@ -273,6 +274,7 @@ def turn(req, session: str | None, earlier: list[dict], calls: dict[str, str], e
         req.kvmemory.policy if req.kvmemory else None,
         tool_choice(req.tool_choice, function_names(req)),
         context_edits(req),
+        allowed_tools(req.tool_choice, function_names(req)),
     )
 
 
