@@ -190,6 +190,8 @@ def test_tools_do_real_work(workspace):
     assert "[exit code 0]" in workspace.run_command("pytest -q")
     with pytest.raises(SandboxError, match="exactly one occurrence"):
         workspace.patch_file("inventory/models.py", "no such text", "x")
+    with pytest.raises(SandboxError, match="the old text is in inventory/settings.py: patch that file"):
+        workspace.patch_file("inventory/models.py", "DATABASE_PORT = 5433", "DATABASE_PORT = 1")
 
 
 @pytest.mark.sandbox
@@ -260,16 +262,18 @@ def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
     def call(name: str, **args) -> AIMessage:
         return AIMessage("", tool_calls=[{"name": name, "args": args, "id": "c", "type": "tool_call"}])
 
+    def tools_offered(messages) -> dict:
+        seen = WorkspacePaths(workspace).seen(messages)
+        return {t.name: t for t in workspace.tools(paths_as_choices=True, seen=seen)}
+
     def read_choices(messages) -> list[str]:
-        tools = {
-            t.name: t for t in workspace.tools(paths_as_choices=True, seen=WorkspacePaths(workspace).seen(messages))
-        }
-        return tools["read_file"].args["path"]["enum"]
+        return tools_offered(messages)["read_file"].args["path"]["enum"]
 
     assert "inventory/models.py" in read_choices([])
+    assert list(tools_offered([])["read_file"].args) == ["path"]  # whole files
     read = call("read_file", path="inventory/models.py")
     assert "inventory/models.py" not in read_choices([read]) and "README.md" in read_choices([read])
-    tools = {t.name: t for t in workspace.tools(paths_as_choices=True, seen=WorkspacePaths(workspace).seen([read]))}
+    tools = tools_offered([read])
     assert tools["patch_file"].args["path"]["enum"] == ["inventory/models.py"]  # patched as it was read
     lines = tools["patch_file"].args["old"]["enum"]  # its old text: a line of the file, copied
     assert "item.quantity = amount  # BUG: should add to the existing quantity" in lines

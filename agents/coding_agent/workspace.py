@@ -157,7 +157,9 @@ class Workspace:
         text = self._read_text(path)
         count = text.count(old)
         if count != 1:
-            raise SandboxError(f"expected exactly one occurrence of the old text in {path}, found {count}")
+            elsewhere = [f for f in self.files()[:MAX_PATH_CHOICES] if f != path and old in self._text_or_empty(f)]
+            hint = f"; the old text is in {', '.join(elsewhere)}: patch that file" if elsewhere and not count else ""
+            raise SandboxError(f"expected exactly one occurrence of the old text in {path}, found {count}{hint}")
         line = next((line for line in text.splitlines() if line.strip() == old and old), None)
         if line is not None:
             indent = line[: len(line) - len(line.lstrip())]
@@ -165,15 +167,18 @@ class Workspace:
         self.resolve(path).write_text(text.replace(old, new, 1))
         return f"patched {path}"
 
+    def _text_or_empty(self, path: str) -> str:
+        try:
+            return self._read_text(path)
+        except SandboxError:  # (a binary file)
+            return ""
+
     def patchable_lines(self, paths) -> list[str]:
         """The lines of ``paths`` that ``patch_file`` can take as its ``old`` text, without their indentation:
         those that occur once in their file (a line that recurs would be refused)."""
         lines: dict[str, None] = {}
         for path in paths:
-            try:
-                text = self._read_text(path)
-            except SandboxError:
-                continue
+            text = self._text_or_empty(path)
             for line in text.splitlines():
                 stripped = line.strip()
                 if stripped and len(stripped) <= MAX_PATCH_CHARS and text.count(stripped) == 1:
@@ -223,7 +228,7 @@ class Workspace:
         the schema picks a real path instead of inventing one; ``seen``: per tool, paths left out of its
         choices (those whose output the model has already, unless that leaves none); and ``patch_file`` is
         offered the files read (``seen["read_file"]``), where there are any: a file is patched as it was read,
-        its ``old`` text one of their lines (``patchable_lines``)."""
+        its ``old`` text one of their lines (``patchable_lines``); ``read_file`` then reads whole files."""
         from kvmemory.integrations.middleware import kv_policy
 
         out = []
@@ -239,6 +244,8 @@ class Workspace:
                 if len(choices) <= MAX_PATH_CHOICES:
                     schema = tool.tool_call_schema.model_json_schema()
                     schema["properties"]["path"] = {**schema["properties"]["path"], "enum": choices}
+                    if name == "read_file":  # whole files: a model given start_line starts at the failing line
+                        schema["properties"] = {"path": schema["properties"]["path"]}  # and misses the code above
                     lines = self.patchable_lines(choices) if name == "patch_file" else []
                     if 0 < len(lines) <= MAX_LINE_CHOICES:  # a line copied, where a small model invents one
                         schema["properties"]["old"] = {**schema["properties"]["old"], "enum": lines}
