@@ -259,8 +259,8 @@ def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
 
     from kvmemory.agents.coding_agent.agent import WorkspacePaths, finish_tool
 
-    def call(name: str, **args) -> AIMessage:
-        return AIMessage("", tool_calls=[{"name": name, "args": args, "id": "c", "type": "tool_call"}])
+    def call(name: str, id: str = "c", **args) -> AIMessage:
+        return AIMessage("", tool_calls=[{"name": name, "args": args, "id": id, "type": "tool_call"}])
 
     def tools_offered(messages) -> dict:
         seen = WorkspacePaths(workspace).seen(messages)
@@ -301,8 +301,13 @@ def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):
     tests = call("run_command", command="pytest -q")
     assert "run_command" in offered([]) and "run_command" not in offered([tests])  # nothing can have changed
     assert "run_command" in offered([tests, patched])  # a patch since: worth running again
-    assert "finish" not in offered([tests]) and "finish" in offered([tests, patched])  # done only after a change
+    rerun = call("run_command", id="r", command="pytest -q")
+    passed, failing = (ToolMessage(f"$ pytest -q\n[exit code {code}]", tool_call_id="r") for code in (0, 1))
+    assert "finish" not in offered([tests]) and "finish" not in offered([tests, patched])  # not shown to work
+    assert "finish" not in offered([tests, patched, rerun, failing])
+    assert "finish" in offered([tests, patched, rerun, passed])  # done once the tests pass on the change
     assert "patch_file" not in offered([tests]) and "patch_file" in offered([tests, read])  # patched as read
+    assert "patch_file" not in offered([tests, call("read_file", path="tests/test_ledger.py")])  # never a test
     failed = ToolMessage("error: expected exactly one occurrence", tool_call_id="c")  # (the calls' id)
     assert "run_command" not in offered([tests, patched, failed])  # a failed patch changed nothing
 

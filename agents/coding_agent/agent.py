@@ -10,7 +10,7 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import StructuredTool
 from pydantic import Field
 
-from kvmemory.agents.coding_agent.workspace import Workspace
+from kvmemory.agents.coding_agent.workspace import Workspace, is_test_path
 from kvmemory.integrations import ChatKVMemory, KVMemoryMiddleware
 
 AGENT_PROMPT = (
@@ -95,9 +95,11 @@ class WorkspacePaths(AgentMiddleware):
     ``/path/to/project``. A path whose output the model already has (read or listed since the last write) is
     not offered again, and neither is ``run_command`` once it ran since the last write (nothing it runs can
     have changed): under greedy decoding a small model otherwise asks for the same output over and over.
-    ``patch_file`` is offered once a file was read since the last write (a file is patched as it was read), and
-    ``finish`` once the agent has written something (a small model otherwise stops at once). A write that
-    failed changed nothing and counts as none.
+    ``patch_file`` is offered once a file other than a test was read since the last write (a file is patched as
+    it was read; the tests are what the fix must pass, and a small model edits the failing assertion instead),
+    and ``finish`` once the agent has written something and a command since its last write passed (a small
+    model otherwise stops at once, or calls a failing fix done). A write that failed changed nothing and counts
+    as none.
     What is offered goes in the call's ``allowed_tools`` choice, not its tool list: the prompt shows the same
     tools every call, so the session's cache keeps its prefix (a changed tool list re-renders the system prompt,
     and with it the whole conversation). The tools that run keep their plain schemas (a file written later is
@@ -114,10 +116,10 @@ class WorkspacePaths(AgentMiddleware):
         fresh = {t.name: t for t in self.workspace.tools(paths_as_choices=True, seen=seen)}
         tools = [fresh.get(getattr(t, "name", None), t) for t in request.tools]
         hidden = {"run_command"} if seen["run_command"] else set()
-        if not seen["read_file"]:
-            hidden.add("patch_file")  # a file is patched as it was read
-        if not written(request.messages):
-            hidden.add("finish")  # nothing changed yet: a fix is not done
+        if all(is_test_path(path) for path in seen["read_file"]):
+            hidden.add("patch_file")  # a file is patched as it was read, and never a test
+        if not (written(request.messages) and passed_since_last_write(request.messages)):
+            hidden.add("finish")  # nothing changed yet, or the change is not shown to work: a fix is not done
         offered = [t for t in tools if getattr(t, "name", None) not in hidden]
         return handler(request.override(tool_choice={"type": "allowed_tools", "mode": "required", "tools": offered}))
 
@@ -142,6 +144,17 @@ def calls_made(messages) -> list[dict]:
 
 def written(messages) -> bool:
     return any(c["name"] in RepeatedCallGuard.WRITES for c in calls_made(messages))
+
+
+def passed_since_last_write(messages) -> bool:
+    """Whether a command run since the last write exited 0 (the tests pass on what was written)."""
+    outputs = {m.tool_call_id: str(m.content) for m in messages if isinstance(m, ToolMessage)}
+    for call in reversed(calls_made(messages)):
+        if call["name"] in RepeatedCallGuard.WRITES:
+            return False
+        if call["name"] == "run_command" and "[exit code 0]" in outputs.get(call["id"], ""):
+            return True
+    return False
 
 
 class RepeatedCallGuard(AgentMiddleware):

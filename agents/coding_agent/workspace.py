@@ -227,7 +227,7 @@ class Workspace:
         (an enum, while there are at most ``MAX_PATH_CHOICES``), so that a model whose arguments are held to
         the schema picks a real path instead of inventing one; ``seen``: per tool, paths left out of its
         choices (those whose output the model has already, unless that leaves none); and ``patch_file`` is
-        offered the files read (``seen["read_file"]``), where there are any: a file is patched as it was read,
+        offered the files read but tests (``seen["read_file"]``, ``is_test_path``): a file is patched as it was read,
         its ``old`` text one of their lines (``patchable_lines``); ``read_file`` then reads whole files."""
         from kvmemory.integrations.middleware import kv_policy
 
@@ -238,7 +238,8 @@ class Workspace:
             if paths_as_choices and name in self.EXISTING:
                 choices = getattr(self, self.EXISTING[name])()
                 if name == "patch_file":
-                    choices = [c for c in choices if c in (seen or {}).get("read_file", ())] or choices
+                    read = (seen or {}).get("read_file", ())
+                    choices = [c for c in choices if c in read and not is_test_path(c)] or choices
                 else:
                     choices = [c for c in choices if c not in (seen or {}).get(name, ())] or choices
                 if len(choices) <= MAX_PATH_CHOICES:
@@ -254,6 +255,13 @@ class Workspace:
                     )
             out.append(kv_policy(**rule)(tool))
         return out
+
+
+def is_test_path(path: str) -> bool:
+    """A test file (pytest's naming, or anything under a tests directory): what a fix must pass, not change."""
+    parts = Path(path).parts
+    name = parts[-1] if parts else ""
+    return any(p in ("tests", "test") for p in parts[:-1]) or name.startswith("test_") or name.endswith("_test.py")
 
 
 def _tool_error(err: Exception) -> str:
