@@ -71,6 +71,7 @@ def test_the_agent_command_line_and_its_example_run_on_the_sample_project(tmp_pa
     assert "workspace:" in output and "after the agent, pytest -q:" in output
     recorded = json.loads((tmp_path / "run.json").read_text())
     assert recorded["model"] == "SmolLM2-135M-Instruct" and recorded["tests_pass"] is False and recorded["steps"]
+    assert recorded["model_calls"] == 1  # --max-steps counts model calls (the graph's nodes are more)
     assert "workspace:" in run(sys.executable, "-m", "examples.coding_agent_under_cap", *short)
 
 

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             f"tool schemas and the task take {prompt} tokens, plus {args.max_new_tokens} for a reply and 256 "
             f"recent tokens; use --max-slots {prompt + args.max_new_tokens + 256} or more"
         )
-    config = {"configurable": {"thread_id": "cli"}, "recursion_limit": 2 * args.max_steps + 1}
+    # (the graph's own limit counts its nodes, middleware hooks included: the loop below counts model calls)
+    config = {"configurable": {"thread_id": "cli"}, "recursion_limit": 10 * args.max_steps + 10}
     started, steps, ended = time.perf_counter(), [], "finished"
     opening = [HumanMessage(args.task)] + first_step(workspace, args.start_with)
     for msg in opening[1:]:  # (the first call is the harness's, not the model's: recorded as "start")
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
                             print(f"model wrote a malformed tool call: {short(bad['error'])}")
                     elif isinstance(msg, ToolMessage):
                         print(f"← {msg.name}: {short(msg.content)}")
+                        if model_calls(steps) >= args.max_steps:
+                            raise StepLimit
                 stats = (delta or {}).get("kvmemory")
                 if stats:
                     print(
@@ -134,9 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"({stats['kv_bytes'] / 2**20:.1f} MiB, {stats['compression']:.1f}x), compactions "
                         f"{stats['compactions']}"
                     )
-    except Exception as err:  # the recursion limit ends long runs; say so plainly
-        if type(err).__name__ != "GraphRecursionError":
-            raise
+    except StepLimit:
         ended = "step limit"
         print(f"stopped at the step limit, after {model_calls(steps)} model calls")
     last = next((step for step in reversed(steps) if step["type"] == "ai"), None)
@@ -161,6 +162,10 @@ def main(argv: list[str] | None = None) -> None:
             "steps": steps,
         }
         Path(args.record).write_text(json.dumps(run, indent=1, ensure_ascii=False))
+
+
+class StepLimit(Exception):
+    """The run made ``--max-steps`` model calls (and ran the last one's tools)."""
 
 
 def first_step(workspace, command: str) -> list:
