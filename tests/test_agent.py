@@ -252,6 +252,12 @@ def test_a_repeated_call_is_answered_without_running_it():
     assert outcome([write, read], write) == "refused"
     assert outcome([write], call("write_file", path="a.py", content="x = 2")) == "ran"
     assert outcome([write, call("patch_file", path="a.py", old="1", new="2")], write) == "ran"
+    patch = call("patch_file", path="a.py", old="absent", new="2")
+    failed = ToolMessage("error: expected exactly one occurrence", tool_call_id=patch["id"])
+    history = [AIMessage("", tool_calls=[patch]), failed, AIMessage("", tool_calls=[patch])]
+    request = ToolCallRequest(tool_call=patch, tool=None, state={"messages": history}, runtime=None)
+    again = RepeatedCallGuard().wrap_tool_call(request, lambda _: ToolMessage("ran", tool_call_id="x"))
+    assert again.content.startswith("You already called patch_file")  # it would fail the same way
 
 
 def test_a_read_whose_output_the_model_has_is_not_offered_again(workspace):

@@ -158,8 +158,9 @@ def passed_since_last_write(messages) -> bool:
 
 
 class RepeatedCallGuard(AgentMiddleware):
-    """Answers a tool call that repeats an earlier one exactly without running it: a read with nothing written
-    since (its output would be the same), or a write identical to the last write (the file holds it already).
+    """Answers a tool call that repeats an earlier one exactly without running it: a read or a failed write with
+    nothing written since (its output would be the same), or a write identical to the last write (the file holds
+    it already).
     Small models under greedy decoding loop on such calls; the answer says so, which is what breaks the loop
     (SWE-agent tells its model the same about a repeated command)."""
 
@@ -179,11 +180,13 @@ class RepeatedCallGuard(AgentMiddleware):
         return handler(request)
 
     def repeats(self, messages, call) -> bool:
-        """Whether ``call`` repeats a read made since the last write, or is the last write again (a write that
-        failed counts as none)."""
-        for earlier in reversed(calls_made(messages)):
+        """Whether ``call`` repeats a call made since the last write, or is the last write again. A write that
+        failed changed nothing, so it counts as no write, and again it would fail the same way."""
+        made = calls_made(messages)
+        every = [c for m in messages if isinstance(m, AIMessage) for c in m.tool_calls]
+        for earlier in reversed(every):
             same = (earlier["name"], earlier["args"]) == (call["name"], call["args"])
-            if earlier["name"] in self.WRITES:
+            if earlier["name"] in self.WRITES and earlier in made:
                 return same and call["name"] in self.WRITES
             if same:
                 return True
