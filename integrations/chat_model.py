@@ -360,9 +360,6 @@ def _without_thread(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k != "thread_id"}
 
 
-__all__ = ["ChatKVMemory", "to_chat_dicts"]
-
-
 def allowed_tools(choice: dict, names: set[str]) -> list[dict]:
     """OpenAI's ``allowed_tools`` choice as the tools a required call may name (OpenAI function tools; a name
     alone keeps the prompt's schema). Only ``mode: "required"`` is held: kvmemory constrains a call it requires,
@@ -383,3 +380,6 @@ def allowed_tools(choice: dict, names: set[str]) -> list[dict]:
     if not allowed:
         raise ValueError("tool_choice allowed_tools names no tool")
     return allowed
+
+
+__all__ = ["ChatKVMemory", "to_chat_dicts"]
