@@ -271,7 +271,7 @@ def kv_dtype_section(d: dict) -> str:
     )
 
 
-def command(model: str) -> str:
+def capacity_command(model: str) -> str:
     return "python -m benchmarks.capacity" + ("" if model == BENCH_MODEL else f" --model {model}")
 
 
@@ -291,7 +291,7 @@ def capacity_section(d: dict) -> str:
     check, settings = d["prompt_check"], d["settings"]
     budget = [r for r in d["rows"] if r["part"] == "budget"]
     parallel_text = (
-        f"**Capacity against llama.cpp, {model}** (`{command(model)}`{on_cpu(d)}). llama.cpp's "
+        f"**Capacity against llama.cpp, {model}** (`{capacity_command(model)}`{on_cpu(d)}). llama.cpp's "
         "`llama-batched-bench`, built from the llama.cpp that the llama-cpp-python source distribution vendors, "
         f"runs on the same GGUF file and {settings['threads']} threads. Aggregate decode tokens/s of sessions "
         f"with {settings['context']}-token contexts each, {settings['tokens']} tokens each (in brackets, the ratio "
